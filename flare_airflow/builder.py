@@ -1,0 +1,131 @@
+"""Turn a job into Airflow work: a DAG, or a TaskGroup inside a DAG of your own.
+
+Shape (one TaskGroup per round, one task per site and round)::
+
+    prepare >> round_1.[site-1, site-2, ...] >> round_1.global_model
+            >> round_2.[...] >> round_2.global_model >> ... >> publish
+
+Site tasks are chosen by each site's launcher (process sites: a BashOperator-based task). Rounds
+beyond the run's ``rounds`` form value are skipped, visibly, in the grid.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk import DAG, Param, TaskGroup
+
+from flare_airflow.core.config import JobConfig, load_job
+from flare_airflow.operators.aggregate import AggregateOperator
+from flare_airflow.operators.common import HPARAM_PREFIX
+from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
+from flare_airflow.operators.site import SiteTrainOperator
+
+AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
+_PARAM_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def _job(job: JobConfig | str | pathlib.Path) -> JobConfig:
+    return job if isinstance(job, JobConfig) else load_job(job)
+
+
+def job_params(job: JobConfig) -> dict[str, Param]:
+    """The trigger form: rounds, quorum, warm start and the trainer's hyper-parameters."""
+    params: dict[str, Param] = {
+        "rounds": Param(
+            job.rounds,
+            type="integer",
+            minimum=1,
+            maximum=job.rounds,
+            title="Rounds",
+            description=f"Federated rounds to run (at most {job.rounds}); later rounds are skipped.",
+        ),
+        "min_clients": Param(
+            job.min_clients,
+            type="integer",
+            minimum=1,
+            maximum=len(job.sites),
+            title="Minimum clients",
+            description=f"Valid site updates a round needs (of {len(job.sites)} sites: {', '.join(job.sites)}).",
+        ),
+        "warm_start": Param(
+            job.warm_start,
+            type="boolean",
+            title="Warm start",
+            description="Start from the final model of this job's last successful run.",
+        ),
+    }
+    for key, value in job.trainer.hparams.items():
+        params[HPARAM_PREFIX + key] = Param(
+            value,
+            type=_PARAM_TYPES[type(value)],
+            title=key,
+            description=f"Trainer hyper-parameter {key!r} (flare.get_hparams()['{key}']).",
+            section="Trainer hyper-parameters",
+        )
+    return params
+
+
+def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
+    """Create the job's tasks in the current DAG / TaskGroup context; return the first and last."""
+    prepare = PrepareRunOperator(task_id="prepare", job=job, doc_md=f"Round-0 global model of job `{job.job}`.")
+    previous: Any = prepare
+    aggregates = []
+    for r in range(1, job.rounds + 1):
+        with TaskGroup(group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then FedAvg"):
+            sites = [
+                SiteTrainOperator(task_id=site, job=job, site=site, round_num=r, doc_md=f"Site `{site}`, round {r}.")
+                for site in job.sites
+            ]
+            aggregate = AggregateOperator(
+                task_id=AGGREGATE_TASK, job=job, round_num=r, doc_md=f"FedAvg of round {r}; evaluation."
+            )
+            sites >> aggregate  # type: ignore[operator]
+        previous >> sites
+        previous = aggregate
+        aggregates.append(aggregate)
+    publish = PublishOperator(
+        task_id="publish", job=job, aggregate_task_ids=[a.task_id for a in aggregates], doc_md="Final model, metrics."
+    )
+    aggregates >> publish  # type: ignore[operator]
+    return prepare, publish
+
+
+def federated_task_group(job: JobConfig | str | pathlib.Path, group_id: str | None = None) -> TaskGroup:
+    """A TaskGroup running the job inside the current DAG. Run parameters come from the DAG's
+    params when present (see :func:`job_params`), else from the job's defaults."""
+    cfg = _job(job)
+    with TaskGroup(group_id=group_id or cfg.job.replace("-", "_"), tooltip=f"federated job {cfg.job}") as group:
+        add_rounds(cfg)
+    return group
+
+
+def build_dag(
+    job: JobConfig | str | pathlib.Path,
+    *,
+    dag_id: str | None = None,
+    default_args: Mapping[str, Any] | None = None,
+    **dag_kwargs: Any,
+) -> DAG:
+    """A DAG for the job: trigger form from :func:`job_params`, schedule from the job unless given."""
+    cfg = _job(job)
+    dag_kwargs.setdefault("schedule", cfg.schedule)
+    dag_kwargs.setdefault("max_active_runs", 1)  # warm starts read the previous run's result
+    dag_kwargs.setdefault("catchup", False)
+    dag_kwargs.setdefault("tags", ["federated-learning", f"job:{cfg.job}"])
+    dag_kwargs.setdefault(
+        "doc_md",
+        f"Federated job **{cfg.job}**: {cfg.rounds} rounds of FedAvg over {len(cfg.sites)} sites "
+        f"({', '.join(cfg.sites)}), quorum {cfg.min_clients}.",
+    )
+    params = {**job_params(cfg), **dict(dag_kwargs.pop("params", {}) or {})}
+    with DAG(
+        dag_id=dag_id or f"flare_{cfg.job.replace('-', '_')}",
+        params=params,
+        default_args=dict(default_args or {}),
+        **dag_kwargs,
+    ) as dag:
+        add_rounds(cfg)
+    return dag

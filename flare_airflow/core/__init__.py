@@ -1,0 +1,1 @@
+"""Core layer: pure Python + numpy. Never imports Airflow."""

@@ -1,0 +1,168 @@
+"""The Client API for trainer scripts (NVFlare-style ``receive()`` / ``send()``).
+
+Needs only numpy and safetensors, so it runs in a site image without Airflow. Whatever launched
+the script (a local process, a pod, a SLURM job) passes the same environment variables:
+
+=====================  ===========================================================
+``FLARE_JOB``          job name
+``FLARE_RUN_ID``       Airflow run id
+``FLARE_SITE``         this site's name
+``FLARE_ROUND``        current round (1-based)
+``FLARE_TOTAL_ROUNDS`` rounds in this run
+``FLARE_TASK``         ``train`` or ``evaluate``
+``FLARE_GLOBAL_MODEL`` path or URI of the global model to start from
+``FLARE_OUTPUT``       path or URI where ``send()`` writes the update
+``FLARE_HPARAMS``      JSON object of trainer hyper-parameters
+=====================  ===========================================================
+
+Example::
+
+    import flare_airflow.client as flare
+
+    model = flare.receive()
+    new_params, n, loss = train(model.params, **flare.get_hparams())
+    flare.send(flare.FLModel(params=new_params, metrics={"loss": loss}, meta={"num_samples": n}))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from flare_airflow.core.errors import ClientAPIError, FlareAirflowError
+from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
+from flare_airflow.core.store import path_from_uri
+
+__all__ = [
+    "ENV_VARS",
+    "FLModel",
+    "ParamsType",
+    "get_hparams",
+    "get_job_info",
+    "get_round",
+    "get_site_name",
+    "get_total_rounds",
+    "init",
+    "is_evaluate",
+    "is_train",
+    "receive",
+    "send",
+]
+
+ENV_VARS = (
+    "FLARE_JOB",
+    "FLARE_RUN_ID",
+    "FLARE_SITE",
+    "FLARE_ROUND",
+    "FLARE_TOTAL_ROUNDS",
+    "FLARE_TASK",
+    "FLARE_GLOBAL_MODEL",
+    "FLARE_OUTPUT",
+    "FLARE_HPARAMS",
+)
+TASK_TRAIN = "train"
+TASK_EVALUATE = "evaluate"
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.received: FLModel | None = None
+        self.sent = False
+
+
+_session = _Session()
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ClientAPIError(
+            f"environment variable {name} is not set: this script must be launched by flare-airflow "
+            "(a site task), or set the FLARE_* variables yourself to run it by hand"
+        )
+    return value
+
+
+def init() -> None:
+    """Check that the launch environment is complete (optional; ``receive()`` checks too)."""
+    for name in ENV_VARS:
+        if name != "FLARE_HPARAMS":
+            _env(name)
+
+
+def get_site_name() -> str:
+    return _env("FLARE_SITE")
+
+
+def get_round() -> int:
+    return int(_env("FLARE_ROUND"))
+
+
+def get_total_rounds() -> int:
+    return int(_env("FLARE_TOTAL_ROUNDS"))
+
+
+def get_job_info() -> dict[str, Any]:
+    return {"job": _env("FLARE_JOB"), "run_id": _env("FLARE_RUN_ID"), "site": get_site_name(), "round": get_round()}
+
+
+def is_train() -> bool:
+    return _env("FLARE_TASK") == TASK_TRAIN
+
+
+def is_evaluate() -> bool:
+    return _env("FLARE_TASK") == TASK_EVALUATE
+
+
+def get_hparams() -> dict[str, Any]:
+    raw = os.environ.get("FLARE_HPARAMS") or "{}"
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ClientAPIError(f"FLARE_HPARAMS is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ClientAPIError("FLARE_HPARAMS must be a JSON object")
+    return value
+
+
+def receive() -> FLModel:
+    """Return the global model for this round (params as named numpy arrays)."""
+    init()
+    handshake = os.environ.get("FLARE_HANDSHAKE")
+    if handshake:
+        # Tells the launcher the trainer started and reached the Client API (launch_timeout).
+        with open(handshake, "a"):
+            pass
+    path = path_from_uri(_env("FLARE_GLOBAL_MODEL"))
+    try:
+        params, record = read_artifact(path)
+    except FlareAirflowError as exc:
+        raise ClientAPIError(f"cannot read the global model: {exc}") from exc
+    model = FLModel(
+        params=params,
+        params_type=ParamsType.FULL,
+        metrics=dict(record.metrics),
+        meta={"job": _env("FLARE_JOB"), "run_id": _env("FLARE_RUN_ID"), "task": _env("FLARE_TASK")},
+        current_round=get_round(),
+        total_rounds=get_total_rounds(),
+        site=get_site_name(),
+    )
+    _session.received = model
+    _session.sent = False
+    return model
+
+
+def send(model: FLModel) -> None:
+    """Write this site's result: an update (train) or metrics (evaluate). Call once per receive()."""
+    if _session.received is None:
+        raise ClientAPIError("send() called before receive(): receive the global model first")
+    if _session.sent:
+        raise ClientAPIError("send() called twice for one receive(); a site sends one update per round")
+    if not isinstance(model, FLModel):
+        raise ClientAPIError(f"send() takes an FLModel, got {type(model).__name__}")
+    if is_train() and not model.params:
+        raise ClientAPIError("send() in a train task needs params (the updated weights or their DIFF)")
+    out = path_from_uri(_env("FLARE_OUTPUT"))
+    write_artifact(out, model, where=f"update from site {get_site_name()} round {get_round()}")
+    _session.sent = True

@@ -1,0 +1,36 @@
+"""Typed errors of the core layer. Every message says what, where and what to do."""
+
+from __future__ import annotations
+
+
+class FlareAirflowError(Exception):
+    """Base class of every error raised by flare-airflow."""
+
+
+class ConfigError(FlareAirflowError, ValueError):
+    """A job configuration is invalid (file, field and site are named in the message)."""
+
+
+class ModelFormatError(FlareAirflowError):
+    """A model artifact is not a valid safetensors file or fails its checksum."""
+
+
+class StoreError(FlareAirflowError):
+    """The model store refused an operation (path outside the root, missing artifact, ...)."""
+
+
+class UpdateRejected(FlareAirflowError):
+    """A site update failed validation against the global model; it does not count."""
+
+    def __init__(self, site: str, reason: str) -> None:
+        super().__init__(f"update from site {site!r} rejected: {reason}")
+        self.site = site
+        self.reason = reason
+
+
+class QuorumNotReached(FlareAirflowError):
+    """Fewer than ``min_clients`` valid updates arrived in a round."""
+
+
+class ClientAPIError(FlareAirflowError):
+    """The Client API was used outside a flare-airflow site job or in the wrong order."""

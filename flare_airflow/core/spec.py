@@ -1,0 +1,104 @@
+"""The launcher spec, with NVIDIA FLARE's names and semantics.
+
+``JobLauncherSpec.launch_job(job_meta, fl_ctx) -> JobHandleSpec``; a handle can be polled,
+waited on (with an optional timeout) and terminated. Return codes are NVFlare's ``JobReturnCode``.
+Every backend maps its native states onto :class:`JobState` and :class:`JobReturnCode` in one
+table (see ``docs/state-mapping.md``); an unknown state is never treated as success.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class JobReturnCode(enum.IntEnum):
+    """NVFlare's return codes. ``UNKNOWN`` also means "still running" when polled."""
+
+    SUCCESS = 0
+    EXECUTION_ERROR = 1
+    ABORTED = 9
+    EXCEPTION = 101
+    UNSAFE_COMPONENT = 102
+    CONFIG_ERROR = 103
+    INFRASTRUCTURE_ERROR = 104
+    UNKNOWN = 127
+
+
+class JobState(str, enum.Enum):
+    """One set of job states for every backend."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TERMINATED = "terminated"
+    UNKNOWN = "unknown"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.TERMINATED)
+
+
+@dataclass(frozen=True)
+class SiteJob:
+    """What a launcher needs to run one site job: identity, exact argv, environment, timeouts.
+
+    ``env`` holds the Client API's ``FLARE_*`` variables and site policy variables. Secrets are
+    never put here by the Airflow layer as values in argv; ``argv`` is executed without a shell.
+    """
+
+    job: str
+    run_id: str
+    round: int
+    site: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    launch_timeout: float | None = None
+    shutdown_timeout: float = 10.0
+    num_gpus: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.job}/{self.site}/r{self.round}"
+
+
+LineSink = Callable[[str], None]
+
+
+class JobHandleSpec(abc.ABC):
+    """A launched site job."""
+
+    @abc.abstractmethod
+    def terminate(self) -> None:
+        """Stop the job (graceful first, forced after the shutdown timeout) and release its resources."""
+
+    @abc.abstractmethod
+    def poll(self) -> JobReturnCode:
+        """Return the job's return code now; ``UNKNOWN`` while it runs."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> JobReturnCode:
+        """Block until the job ends (or ``timeout`` seconds pass: then ``UNKNOWN``)."""
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> JobState:
+        """The job's state in the common state set."""
+
+    @property
+    @abc.abstractmethod
+    def reason(self) -> str:
+        """Why the job ended the way it did (empty while running or on success)."""
+
+
+class JobLauncherSpec(abc.ABC):
+    """Launches site jobs on one backend."""
+
+    @abc.abstractmethod
+    def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> JobHandleSpec:
+        """Start the job described by ``job_meta`` and return its handle."""

@@ -1,0 +1,131 @@
+"""The model store: where global models, site updates and run outputs live.
+
+Layout under the store root (one root per deployment)::
+
+    <job>/<run>/round-0001/global.safetensors (+ .json)     global model after round 1
+    <job>/<run>/round-0001/sites/<site>.safetensors          that site's update for round 1
+    <job>/<run>/round-0000/global.safetensors                the initial (or warm-start) model
+    <job>/<run>/final/...                                    published outputs of a successful run
+    <job>/latest.json                                        pointer to the last successful run
+
+The root is any path object with pathlib semantics: ``pathlib.Path`` here and in site images,
+Airflow's ``ObjectStoragePath`` in the Airflow layer (file://, s3://, gs://, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import re
+from typing import Any
+from urllib.parse import urlparse
+
+from flare_airflow.core.errors import StoreError
+from flare_airflow.core.model import WritablePath
+
+_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def safe_component(value: str, what: str) -> str:
+    """Return ``value`` if it is usable as one path component, else raise ``StoreError``."""
+    if not _COMPONENT.match(value) or value in {".", ".."} or ".." in value:
+        raise StoreError(
+            f"{what} {value!r} cannot be a store path component: use letters, digits, '.', '_' and '-' "
+            "(no '/', no '..', at most 128 characters)"
+        )
+    return value
+
+
+def run_component(run_id: str) -> str:
+    """Airflow run ids contain ':' and '+'; map one to a readable, unique path component."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._-")[:80] or "run"
+    if cleaned == run_id:
+        return cleaned
+    return f"{cleaned}-{hashlib.sha256(run_id.encode()).hexdigest()[:8]}"
+
+
+def path_from_uri(uri: str) -> Any:
+    """A path object for a store URI without Airflow (site images): file paths, else universal-pathlib."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return pathlib.Path(parsed.path if parsed.scheme else uri)
+    try:
+        from upath import UPath
+    except ImportError as exc:  # pragma: no cover - depends on the site image
+        raise StoreError(
+            f"store URI {uri!r} needs universal-pathlib (and the fsspec backend for {parsed.scheme!r}) "
+            "installed in this environment"
+        ) from exc
+    return UPath(uri)
+
+
+def _normalised(path: Any) -> str:
+    if isinstance(path, pathlib.Path):
+        return os.path.realpath(path)
+    text = str(path)
+    if text.startswith("file://"):
+        return os.path.realpath(urlparse(text).path)
+    parts = text.split("/")
+    if ".." in parts:
+        raise StoreError(f"path {text!r} contains '..'")
+    return text.rstrip("/")
+
+
+class ModelStore:
+    """Computes artifact locations and refuses any path outside its root."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+
+    @classmethod
+    def from_uri(cls, uri: str) -> ModelStore:
+        return cls(path_from_uri(uri))
+
+    def __repr__(self) -> str:
+        return f"ModelStore({self.root})"
+
+    def contains(self, path: Any) -> bool:
+        root = _normalised(self.root)
+        target = _normalised(path)
+        return target == root or target.startswith(root + "/")
+
+    def checked(self, path: Any) -> Any:
+        """Return ``path`` if it lies inside the store root; raise ``StoreError`` otherwise."""
+        if not self.contains(path):
+            raise StoreError(
+                f"path {path} is outside the model store root {self.root}; refusing to read or write it"
+            )
+        return path
+
+    def resolve_uri(self, uri: str) -> Any:
+        """A path for a URI received from elsewhere (XCom, a record), checked to lie in the store."""
+        if isinstance(self.root, pathlib.Path):
+            path: Any = path_from_uri(uri)
+        else:
+            path = type(self.root)(uri)
+        return self.checked(path)
+
+    def run_dir(self, job: str, run_id: str) -> WritablePath:
+        return self.checked(self.root / safe_component(job, "job name") / run_component(run_id))
+
+    def round_dir(self, job: str, run_id: str, round_num: int) -> WritablePath:
+        if round_num < 0:
+            raise StoreError(f"round must be >= 0, got {round_num}")
+        return self.run_dir(job, run_id) / f"round-{round_num:04d}"
+
+    def global_model(self, job: str, run_id: str, round_num: int) -> WritablePath:
+        """The global model produced by ``round_num`` (round 0 = the initial model)."""
+        return self.round_dir(job, run_id, round_num) / "global.safetensors"
+
+    def site_update(self, job: str, run_id: str, round_num: int, site: str) -> WritablePath:
+        return self.round_dir(job, run_id, round_num) / "sites" / f"{safe_component(site, 'site')}.safetensors"
+
+    def evaluation(self, job: str, run_id: str, round_num: int) -> WritablePath:
+        return self.round_dir(job, run_id, round_num) / "evaluation.safetensors"
+
+    def final_dir(self, job: str, run_id: str) -> WritablePath:
+        return self.run_dir(job, run_id) / "final"
+
+    def latest_pointer(self, job: str) -> WritablePath:
+        return self.checked(self.root / safe_component(job, "job name") / "latest.json")

@@ -1,0 +1,33 @@
+"""Airflow provider metadata (entry point ``apache_airflow_provider``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def get_provider_info() -> dict[str, Any]:
+    from flare_airflow import __version__
+
+    return {
+        "package-name": "flare-airflow",
+        "name": "Federated learning (flare-airflow)",
+        "description": "Federated learning on Airflow: a task per site and round, FedAvg per round.",
+        "versions": [__version__],
+        "integrations": [
+            {
+                "integration-name": "Federated learning",
+                "external-doc-url": "https://nvflare.readthedocs.io/",
+                "tags": ["software"],
+            }
+        ],
+        "operators": [
+            {
+                "integration-name": "Federated learning",
+                "python-modules": [
+                    "flare_airflow.operators.site",
+                    "flare_airflow.operators.aggregate",
+                    "flare_airflow.operators.run",
+                ],
+            }
+        ],
+    }

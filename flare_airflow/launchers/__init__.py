@@ -1,0 +1,1 @@
+"""Launchers layer: one module per backend, implementing the launcher spec without Airflow."""

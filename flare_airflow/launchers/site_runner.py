@@ -1,0 +1,205 @@
+"""Run one site job to completion and check its result: the command behind a site task.
+
+``python -m flare_airflow.launchers.site_runner`` reads a :class:`SiteRun` (JSON) from the
+environment variable ``FLARE_SITE_JOB_SPEC``, launches the trainer through the process launcher,
+forwards SIGTERM/SIGINT to it (so killing the Airflow task kills the trainer's process group),
+and then checks what the trainer sent: an update must exist, be safetensors with a valid
+checksum, and match the global model's names, shapes and dtypes with finite values.
+
+Its last line of output is a JSON summary (the task's XCom); its exit code is the job's
+``JobReturnCode``. A failed job leaves a failure record next to the update, read by the
+aggregation task to say why the site did not count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from types import FrameType
+from typing import Any
+
+from flare_airflow.core.aggregation import validate_update
+from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.model import WritablePath, read_artifact, record_path
+from flare_airflow.core.spec import JobReturnCode, SiteJob
+from flare_airflow.core.store import path_from_uri
+from flare_airflow.launchers.process import LaunchError, ProcessJobHandle, ProcessLauncher
+
+SPEC_ENV = "FLARE_SITE_JOB_SPEC"
+SUMMARY_PREFIX = "FLARE_RESULT "
+
+
+@dataclass
+class SiteRun:
+    """Everything a site job needs; serialised into the site task's environment."""
+
+    job: str
+    run_id: str
+    round: int
+    total_rounds: int
+    site: str
+    task: str
+    argv: list[str]
+    global_model: str
+    output: str
+    env: dict[str, str] = field(default_factory=dict)
+    hparams: dict[str, Any] = field(default_factory=dict)
+    cwd: str | None = None
+    launch_timeout: float | None = None
+    shutdown_timeout: float = 10.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SiteRun:
+        return cls(**json.loads(text))
+
+    def site_job(self) -> SiteJob:
+        env = dict(self.env)
+        env.update(
+            {
+                "FLARE_JOB": self.job,
+                "FLARE_RUN_ID": self.run_id,
+                "FLARE_SITE": self.site,
+                "FLARE_ROUND": str(self.round),
+                "FLARE_TOTAL_ROUNDS": str(self.total_rounds),
+                "FLARE_TASK": self.task,
+                "FLARE_GLOBAL_MODEL": self.global_model,
+                "FLARE_OUTPUT": self.output,
+                "FLARE_HPARAMS": json.dumps(self.hparams),
+            }
+        )
+        return SiteJob(
+            job=self.job,
+            run_id=self.run_id,
+            round=self.round,
+            site=self.site,
+            argv=tuple(self.argv),
+            env=env,
+            cwd=self.cwd,
+            launch_timeout=self.launch_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+        )
+
+
+def failure_path(output: WritablePath) -> WritablePath:
+    return output.parent / (output.name.removesuffix(".safetensors") + ".failure.json")
+
+
+def clear_outputs(output: WritablePath) -> None:
+    """Remove a previous try's result so that a re-run overwrites only this site's round."""
+    for path in (output, record_path(output), failure_path(output)):
+        path.unlink(missing_ok=True)
+
+
+def write_failure(output: WritablePath, rc: JobReturnCode, reason: str) -> None:
+    path = failure_path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        fh.write(json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}))
+
+
+def read_failure(output: WritablePath) -> str | None:
+    path = failure_path(output)
+    if not path.exists():
+        return None
+    with path.open("r") as fh:
+        data = json.loads(fh.read())
+    return f"{data.get('reason', 'failed')} [{data.get('name', '?')}]"
+
+
+def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
+    """Verify what the trainer sent; raise ``FlareAirflowError`` with the reason if it is unusable."""
+    if not record_path(output).exists():
+        raise FlareAirflowError(
+            f"the trainer exited successfully but sent no {'update' if run.task == 'train' else 'result'} "
+            "(did it call flare.send()?)"
+        )
+    params, record = read_artifact(output)
+    if run.task == "train":
+        global_params, _ = read_artifact(path_from_uri(run.global_model))
+        validate_update(run.site, global_params, params)
+    return {
+        "site": run.site,
+        "round": run.round,
+        "task": run.task,
+        "uri": run.output,
+        "sha256": record.sha256,
+        "num_samples": record.num_samples,
+        "params_type": record.params_type.value,
+        "metrics": record.metrics,
+    }
+
+
+def run_site(
+    run: SiteRun,
+    launcher: ProcessLauncher | None = None,
+    *,
+    handle_signals: bool = True,
+    on_launch: Callable[[ProcessJobHandle], None] | None = None,
+) -> tuple[JobReturnCode, dict[str, Any] | str]:
+    """Launch, wait, check. Returns the return code and the summary (or the failure reason).
+
+    With ``handle_signals`` (the runner's own process) SIGTERM/SIGINT terminate the trainer and
+    exit; callers inside a task process pass ``False`` and terminate via ``on_launch``'s handle.
+    """
+    output = path_from_uri(run.output)
+    clear_outputs(output)
+    launcher = launcher or ProcessLauncher()
+    job = run.site_job()
+    try:
+        handle: ProcessJobHandle = launcher.launch_job(job)
+    except LaunchError as exc:
+        write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
+        return JobReturnCode.EXECUTION_ERROR, str(exc)
+    if on_launch is not None:
+        on_launch(handle)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        handle.terminate()
+        reason = f"site task was killed ({signal.Signals(signum).name}); trainer process group terminated"
+        write_failure(output, JobReturnCode.ABORTED, reason)
+        print(reason, file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+    previous = {s: signal.signal(s, on_signal) for s in signals}
+    try:
+        rc = handle.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if rc is not JobReturnCode.SUCCESS:
+        reason = f"trainer failed: {handle.reason}"
+        write_failure(output, rc, reason)
+        return rc, reason
+    try:
+        return JobReturnCode.SUCCESS, check_result(run, output)
+    except FlareAirflowError as exc:
+        clear_outputs(output)
+        write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
+        return JobReturnCode.EXECUTION_ERROR, str(exc)
+
+
+def main() -> int:
+    text = os.environ.get(SPEC_ENV)
+    if not text:
+        print(f"{SPEC_ENV} is not set; this command is run by flare-airflow site tasks", file=sys.stderr)
+        return int(JobReturnCode.CONFIG_ERROR)
+    run = SiteRun.from_json(text)
+    print(f"site job {run.job}/{run.site} round {run.round}/{run.total_rounds} ({run.task}): {run.argv}", flush=True)
+    rc, result = run_site(run)
+    if rc is JobReturnCode.SUCCESS:
+        print(SUMMARY_PREFIX + json.dumps(result, sort_keys=True), flush=True)
+        return 0
+    print(f"site {run.site} round {run.round} FAILED [{rc.name}]: {result}", file=sys.stderr, flush=True)
+    return int(rc) or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Airflow adapters: operators for site jobs, aggregation and run bookkeeping."""

@@ -1,0 +1,134 @@
+"""The per-round aggregation task: FedAvg over the sites' updates, then evaluation of the result."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from flare_airflow.core.aggregation import fedavg_from_store
+from flare_airflow.core.config import JobConfig
+from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
+from flare_airflow.core.model import FLModel, read_artifact, record_path, write_artifact
+from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
+from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
+from flare_airflow.operators.common import run_id_of, run_params, store_for
+from flare_airflow.operators.site import trainer_argv
+
+SERVER_SITE = "server"
+
+
+class AggregateOperator(BaseOperator):
+    """Combine one round's site updates into the next global model (FedAvg).
+
+    Runs when all of the round's site tasks are done, whatever their state (trigger rule
+    ``all_done``): a site that failed, was killed or sent a bad update simply does not count. The
+    round fails -- and the global model is not written -- when fewer than ``min_clients`` valid
+    updates arrived; the error names every failed site and why. With ``job.evaluate`` the new
+    global model is then evaluated by the trainer script (task ``evaluate``) on this worker.
+
+    Returns (XCom) the round's summary: accepted and rejected sites, sample-weighted site metrics,
+    the evaluation metrics, and the global model's URI and sha256.
+    """
+
+    ui_color = "#fde0c5"
+
+    def __init__(self, *, job: JobConfig, round_num: int, **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", "all_done")
+        super().__init__(**kwargs)
+        self.job = job
+        self.round_num = round_num
+        self._handle: ProcessJobHandle | None = None
+
+    def _track(self, handle: ProcessJobHandle) -> None:
+        self._handle = handle
+
+    def on_kill(self) -> None:
+        if self._handle is not None:
+            self._handle.terminate()
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        params = run_params(context, self.job)
+        job, r = self.job, self.round_num
+        if r > params.rounds:
+            raise AirflowSkipException(f"round {r} skipped: this run asked for {params.rounds} rounds")
+        store = store_for(job)
+        run_id = run_id_of(context)
+        global_in = store.global_model(job.job, run_id, r - 1)
+        if not record_path(global_in).exists():
+            raise AirflowSkipException(
+                f"round {r} not aggregated: round {r - 1} produced no global model (see the failed task before it)"
+            )
+        global_params, _ = read_artifact(global_in)
+        updates = []
+        for site in sorted(job.sites):
+            path = store.site_update(job.job, run_id, r, site)
+            if record_path(path).exists():
+                updates.append((site, path, None))
+            else:
+                reason = read_failure(path) or "no update: the site task failed before its trainer ran, or never ran"
+                updates.append((site, None, reason))
+        try:
+            outcome = fedavg_from_store(
+                global_params, updates, min_clients=params.min_clients, site_weights=job.site_weights()
+            )
+        except QuorumNotReached as exc:
+            raise AirflowFailException(f"round {r} failed: {exc}") from None
+        for site, reason in sorted(outcome.rejected.items()):
+            self.log.warning("round %d: site %s does not count: %s", r, site, reason)
+        global_out = store.global_model(job.job, run_id, r)
+        record = write_artifact(
+            global_out,
+            FLModel(
+                params=outcome.params,
+                metrics=outcome.metrics,
+                meta={"round": r, "sites": sorted(outcome.accepted), "num_samples_total": outcome.num_samples},
+            ),
+        )
+        del global_params, outcome.params
+        summary: dict[str, Any] = {
+            "round": r,
+            "global_uri": str(global_out),
+            "sha256": record.sha256,
+            "accepted": sorted(outcome.accepted),
+            "rejected": outcome.rejected,
+            "num_samples": outcome.num_samples,
+            "metrics": outcome.metrics,
+            "site_metrics": outcome.site_metrics,
+            "evaluation": self._evaluate(context, params.rounds, params.hparams, str(global_out)) if job.evaluate else {},
+        }
+        self.log.info(
+            "round %d: %d/%d sites counted %s, metrics %s, evaluation %s",
+            r, len(outcome.accepted), len(job.sites), summary["accepted"], outcome.metrics, summary["evaluation"],
+        )  # fmt: skip
+        return summary
+
+    def _evaluate(self, context: Context, rounds: int, hparams: dict[str, Any], global_uri: str) -> dict[str, float]:
+        store = store_for(self.job)
+        run_id = run_id_of(context)
+        run = SiteRun(
+            job=self.job.job,
+            run_id=run_id,
+            round=self.round_num,
+            total_rounds=rounds,
+            site=SERVER_SITE,
+            task="evaluate",
+            argv=trainer_argv(self.job),
+            global_model=global_uri,
+            output=str(store.evaluation(self.job.job, run_id, self.round_num)),
+            hparams=hparams,
+            launch_timeout=self.job.trainer.launch_timeout,
+            shutdown_timeout=self.job.trainer.shutdown_timeout,
+        )
+
+        def sink(line: str) -> None:
+            print(line, file=sys.stdout, flush=True)
+
+        rc, result = run_site(run, ProcessLauncher(sink=sink), handle_signals=False, on_launch=self._track)
+        self._handle = None
+        if rc is not JobReturnCode.SUCCESS or not isinstance(result, dict):
+            raise FlareAirflowError(f"evaluation of the round {self.round_num} global model failed: {result}")
+        return dict(result["metrics"])

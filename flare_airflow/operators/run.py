@@ -1,0 +1,168 @@
+"""Run bookkeeping: preparing the initial global model, publishing the final one."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import Asset, BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from flare_airflow.core.config import JobConfig
+from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.model import FLModel, all_finite, atomic_write, parse_safetensors, read_artifact, write_artifact
+from flare_airflow.core.report import format_table, round_row
+from flare_airflow.operators.common import RunParamsError, run_id_of, run_params, store_for
+
+
+def final_model_asset(job: JobConfig) -> Asset:
+    """The Asset a successful run updates: downstream DAGs can be scheduled on it."""
+    return Asset(name=f"flare_airflow.{job.job}.global_model", uri=str(store_for(job).latest_pointer(job.job)))
+
+
+class PrepareRunOperator(BaseOperator):
+    """Check the run's form values and write the round-0 global model.
+
+    The round-0 model is the job's ``initial_model`` or, with ``warm_start``, the final model of
+    the job's last successful run (verified against its recorded sha256).
+    """
+
+    ui_color = "#e5e5ff"
+
+    def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.job = job
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        try:
+            params = run_params(context, self.job)
+        except RunParamsError as exc:
+            raise AirflowFailException(f"invalid run parameters: {exc}") from None
+        store = store_for(self.job)
+        run_id = run_id_of(context)
+        source = None
+        model_params = None
+        if params.warm_start:
+            pointer = store.latest_pointer(self.job.job)
+            if pointer.exists():
+                with pointer.open("r") as fh:
+                    latest = json.loads(fh.read())
+                path = store.resolve_uri(latest["model_uri"])
+                model_params, record = read_artifact(path)
+                if record.sha256 != latest["sha256"]:
+                    raise AirflowFailException(f"warm start: {path} changed since run {latest['run_id']} published it")
+                source = f"warm start from run {latest['run_id']} ({latest['model_uri']})"
+            else:
+                self.log.warning(
+                    "warm_start is on but job %s has no successful run yet; starting from initial_model", self.job.job
+                )
+        if model_params is None:
+            path = self.job.initial_model_path()
+            model_params = parse_safetensors(path.read_bytes(), str(path))
+            source = f"initial model {path}"
+        bad = all_finite(model_params)
+        if bad is not None:
+            raise AirflowFailException(f"{source}: tensor {bad!r} has NaN or infinite values")
+        target = store.global_model(self.job.job, run_id, 0)
+        record = write_artifact(target, FLModel(params=model_params, meta={"source": source}))
+        self.log.info("round 0 global model: %s (%s)", target, source)
+        return {
+            "global_uri": str(target),
+            "sha256": record.sha256,
+            "source": source,
+            "rounds": params.rounds,
+            "min_clients": params.min_clients,
+            "hparams": params.hparams,
+        }
+
+
+def plot_rounds(rows: Sequence[dict[str, Any]], title: str) -> bytes:
+    """PNG of global evaluation metrics and mean training loss per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [r["round"] for r in rows]
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    acc = [r["evaluation"].get("accuracy") for r in rows]
+    if any(a is not None for a in acc):
+        ax_acc.plot(rounds, acc, marker="o", label="global accuracy (held-out)")
+    ax_acc.set_xlabel("round")
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.set_ylim(0, 1)
+    ax_acc.grid(alpha=0.3)
+    ax_acc.legend(loc="lower right")
+    ax_loss.plot(rounds, [r["train_loss"] for r in rows], marker="o", label="mean training loss (sites)")
+    eval_loss = [r["evaluation"].get("loss") for r in rows]
+    if any(v is not None for v in eval_loss):
+        ax_loss.plot(rounds, eval_loss, marker="s", label="global loss (held-out)")
+    ax_loss.set_xlabel("round")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(loc="upper right")
+    for ax in (ax_acc, ax_loss):
+        ax.set_xticks(rounds)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+class PublishOperator(BaseOperator):
+    """Publish a run: final model, metrics JSON, plot, the job's ``latest`` pointer and its Asset.
+
+    Runs when no round failed (rounds skipped by the form are fine). Writes under
+    ``<store>/<job>/<run>/final/`` and updates ``<store>/<job>/latest.json``, which warm starts read.
+    """
+
+    ui_color = "#c6dbef"
+
+    def __init__(self, *, job: JobConfig, aggregate_task_ids: Sequence[str] = (), **kwargs: Any) -> None:
+        kwargs.setdefault("trigger_rule", "none_failed")
+        kwargs.setdefault("outlets", [final_model_asset(job)])
+        super().__init__(**kwargs)
+        self.job = job
+        self.aggregate_task_ids = list(aggregate_task_ids)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        ti = context["ti"]
+        summaries = [s for s in (ti.xcom_pull(task_ids=t) for t in self.aggregate_task_ids) if s]
+        if not summaries:
+            raise AirflowFailException("no round completed in this run; nothing to publish")
+        rows = [round_row(s, len(self.job.sites)) for s in summaries]
+        last = summaries[-1]
+        store = store_for(self.job)
+        run_id = run_id_of(context)
+        params, record = read_artifact(store.resolve_uri(last["global_uri"]))
+        if record.sha256 != last["sha256"]:
+            raise FlareAirflowError(f"{last['global_uri']} changed after round {last['round']} wrote it")
+        final = store.final_dir(self.job.job, run_id)
+        model_path = final / "model.safetensors"
+        final_record = write_artifact(
+            model_path,
+            FLModel(params=params, metrics=last.get("evaluation", {}), meta={"round": last["round"], "run_id": run_id}),
+        )
+        report = {
+            "job": self.job.job,
+            "run_id": run_id,
+            "rounds_completed": len(rows),
+            "final_model": str(model_path),
+            "sha256": final_record.sha256,
+            "rounds": rows,
+        }
+        metrics_path = final / "metrics.json"
+        atomic_write(metrics_path, json.dumps(report, indent=2, sort_keys=True).encode())
+        plot_path = final / "metrics.png"
+        atomic_write(plot_path, plot_rounds(rows, f"{self.job.job} — run {run_id}"))
+        pointer = {"run_id": run_id, "model_uri": str(model_path), "sha256": final_record.sha256, "round": last["round"]}
+        atomic_write(store.latest_pointer(self.job.job), json.dumps(pointer, sort_keys=True).encode())
+        for asset in self.outlets:
+            context["outlet_events"][asset].extra = {**pointer, "evaluation": last.get("evaluation", {})}
+        self.log.info("per-round results of %s:\n%s", run_id, format_table(rows))
+        self.log.info("final model: %s\nmetrics: %s\nplot: %s", model_path, metrics_path, plot_path)
+        return {"final_model": str(model_path), "metrics": str(metrics_path), "plot": str(plot_path), **pointer}
