@@ -82,14 +82,14 @@ def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
             aggregate = AggregateOperator(
                 task_id=AGGREGATE_TASK, job=job, round_num=r, doc_md=f"FedAvg of round {r}; evaluation."
             )
-            sites >> aggregate  # type: ignore[operator]
+            sites >> aggregate
         previous >> sites
         previous = aggregate
         aggregates.append(aggregate)
     publish = PublishOperator(
         task_id="publish", job=job, aggregate_task_ids=[a.task_id for a in aggregates], doc_md="Final model, metrics."
     )
-    aggregates >> publish  # type: ignore[operator]
+    aggregates >> publish
     return prepare, publish
 
 

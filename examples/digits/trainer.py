@@ -134,7 +134,10 @@ def main(argv: list[str]) -> int:
     x, y = x_train[shard], y_train[shard]
     seed = args.seed * 1_000_003 + (model.current_round or 0) * 101 + site_index(model.site or "", args.num_sites)
     new_w, new_b = train(
-        w, b, x, y,
+        w,
+        b,
+        x,
+        y,
         lr=float(hp.get("lr", 0.5)),
         epochs=int(hp.get("local_epochs", 5)),
         batch_size=int(hp.get("batch_size", 32)),

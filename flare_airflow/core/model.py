@@ -24,7 +24,7 @@ from flare_airflow.core.errors import ModelFormatError
 FORMAT = "flare-airflow/1"
 
 
-class ParamsType(str, enum.Enum):
+class ParamsType(enum.StrEnum):
     """What ``params`` holds: the full weights, or the difference to the global model received."""
 
     FULL = "FULL"
@@ -143,7 +143,7 @@ def atomic_write(path: WritablePath, data: bytes) -> None:
                 os.fsync(fh.fileno())
             except (OSError, ValueError):
                 pass
-    tmp.replace(path)  # type: ignore[attr-defined]
+    tmp.replace(path)
 
 
 def check_metrics(metrics: dict[str, Any], where: str) -> dict[str, float]:

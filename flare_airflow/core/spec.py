@@ -28,7 +28,7 @@ class JobReturnCode(enum.IntEnum):
     UNKNOWN = 127
 
 
-class JobState(str, enum.Enum):
+class JobState(enum.StrEnum):
     """One set of job states for every backend."""
 
     STARTING = "starting"

@@ -93,9 +93,7 @@ class ModelStore:
     def checked(self, path: Any) -> Any:
         """Return ``path`` if it lies inside the store root; raise ``StoreError`` otherwise."""
         if not self.contains(path):
-            raise StoreError(
-                f"path {path} is outside the model store root {self.root}; refusing to read or write it"
-            )
+            raise StoreError(f"path {path} is outside the model store root {self.root}; refusing to read or write it")
         return path
 
     def resolve_uri(self, uri: str) -> Any:

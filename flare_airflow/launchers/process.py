@@ -8,6 +8,7 @@ in :func:`map_exit`, the one table for this backend (``docs/state-mapping.md``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -152,10 +153,8 @@ class ProcessJobHandle(JobHandleSpec):
             self._handshake.unlink(missing_ok=True)
 
     def _kill_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def terminate(self) -> None:
         with self._lock:
@@ -238,4 +237,3 @@ class ProcessLauncher(JobLauncherSpec):
         except OSError as exc:
             raise LaunchError(f"{job_meta.label}: cannot start {job_meta.argv[0]!r}: {exc.strerror or exc}") from exc
         return ProcessJobHandle(job_meta, proc, emit, handshake)
-

@@ -11,7 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from flare_airflow.core.aggregation import fedavg_from_store
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
-from flare_airflow.core.model import FLModel, read_artifact, record_path, write_artifact
+from flare_airflow.core.model import FLModel, WritablePath, read_artifact, record_path, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
@@ -63,7 +63,7 @@ class AggregateOperator(BaseOperator):
                 f"round {r} not aggregated: round {r - 1} produced no global model (see the failed task before it)"
             )
         global_params, _ = read_artifact(global_in)
-        updates = []
+        updates: list[tuple[str, WritablePath | None, str | None]] = []
         for site in sorted(job.sites):
             path = store.site_update(job.job, run_id, r, site)
             if record_path(path).exists():
@@ -98,7 +98,9 @@ class AggregateOperator(BaseOperator):
             "num_samples": outcome.num_samples,
             "metrics": outcome.metrics,
             "site_metrics": outcome.site_metrics,
-            "evaluation": self._evaluate(context, params.rounds, params.hparams, str(global_out)) if job.evaluate else {},
+            "evaluation": self._evaluate(context, params.rounds, params.hparams, str(global_out))
+            if job.evaluate
+            else {},
         }
         self.log.info(
             "round %d: %d/%d sites counted %s, metrics %s, evaluation %s",

@@ -159,7 +159,12 @@ class PublishOperator(BaseOperator):
         atomic_write(metrics_path, json.dumps(report, indent=2, sort_keys=True).encode())
         plot_path = final / "metrics.png"
         atomic_write(plot_path, plot_rounds(rows, f"{self.job.job} — run {run_id}"))
-        pointer = {"run_id": run_id, "model_uri": str(model_path), "sha256": final_record.sha256, "round": last["round"]}
+        pointer = {
+            "run_id": run_id,
+            "model_uri": str(model_path),
+            "sha256": final_record.sha256,
+            "round": last["round"],
+        }
         atomic_write(store.latest_pointer(self.job.job), json.dumps(pointer, sort_keys=True).encode())
         for asset in self.outlets:
             context["outlet_events"][asset].extra = {**pointer, "evaluation": last.get("evaluation", {})}

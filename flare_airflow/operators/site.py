@@ -104,7 +104,8 @@ class SiteTrainOperator(BashOperator):
         params = run_params(context, self.job)
         if self.round_num > params.rounds:
             raise AirflowSkipException(
-                f"round {self.round_num} skipped: this run asked for {params.rounds} of at most {self.job.rounds} rounds"
+                f"round {self.round_num} skipped: this run asked for {params.rounds} "
+                f"of at most {self.job.rounds} rounds"
             )
         run = self.site_run(context)
         self._spec_json = run.to_json()

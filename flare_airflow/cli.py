@@ -1,0 +1,153 @@
+"""``flare-airflow``: validate jobs, run a federated DAG once and check every task, print reports.
+
+``flare-airflow run DAG_ID`` wraps ``airflow dags test`` (which exits 0 even when a task failed)
+and then reads every task instance's final state from the metadata database: it exits non-zero
+unless the run and all of its tasks succeeded (or were skipped on purpose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from flare_airflow.core.config import load_job
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.report import format_table
+from flare_airflow.core.store import path_from_uri
+
+OK_STATES = {"success", "skipped"}
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.job)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"job {job.job!r}: {job.rounds} rounds, min_clients {job.min_clients}, trainer {job.script_path()}")
+    for name, site in job.sites.items():
+        gpus = site.resource_spec.num_of_gpus
+        print(f"  site {name}: launcher {site.launcher}, {gpus} GPU(s), weight {site.weight:g}, retries {site.retries}")
+    return 0
+
+
+def run_state(dag_id: str, run_id: str | None = None) -> dict[str, Any]:
+    """The final state of a DAG run and of each of its task instances (latest run by default)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        query = select(DagRun).where(DagRun.dag_id == dag_id)
+        if run_id:
+            query = query.where(DagRun.run_id == run_id)
+        dag_run = session.scalars(query.order_by(DagRun.id.desc()).limit(1)).first()
+        if dag_run is None:
+            raise FlareAirflowError(f"no run of DAG {dag_id!r} found in the metadata database")
+        tis = session.scalars(
+            select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == dag_run.run_id)
+        ).all()
+        xcom = session.scalars(
+            select(XComModel).where(
+                XComModel.dag_id == dag_id,
+                XComModel.run_id == dag_run.run_id,
+                XComModel.task_id.like("%publish"),
+                XComModel.key == "return_value",
+            )
+        ).first()
+        return {
+            "dag_id": dag_id,
+            "run_id": dag_run.run_id,
+            "state": str(dag_run.state),
+            "tasks": {ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in tis},
+            "published": XComModel.deserialize_value(xcom) if xcom is not None else None,
+        }
+
+
+def _print_states(state: dict[str, Any]) -> None:
+    groups: dict[str, list[str]] = {}
+    for task_id, info in sorted(state["tasks"].items()):
+        group, _, name = task_id.rpartition(".")
+        groups.setdefault(group or "-", []).append(f"{name or task_id}={info['state']}")
+    for group, items in groups.items():
+        print(f"  {group:>10}: {', '.join(items)}")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    log_path = args.log or os.path.join(tempfile.gettempdir(), f"flare-airflow-{args.dag_id}-{int(time.time())}.log")
+    cmd = [sys.executable, "-m", "airflow", "dags", "test", args.dag_id]
+    if args.conf:
+        cmd += ["--conf", args.conf]
+    print(f"running {args.dag_id} through Airflow (airflow dags test); task logs: {log_path}", flush=True)
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+    elapsed = time.monotonic() - started
+    try:
+        state = run_state(args.dag_id)
+    except FlareAirflowError as exc:
+        print(f"error: {exc}; `airflow dags test` exited {proc.returncode}, see {log_path}", file=sys.stderr)
+        return 1
+    state["wall_seconds"] = round(elapsed, 2)
+    bad = {t: i["state"] for t, i in state["tasks"].items() if i["state"] not in OK_STATES}
+    if args.json:
+        print(json.dumps(state, indent=2, sort_keys=True))
+    else:
+        print(f"run {state['run_id']}: {state['state']} in {elapsed:.1f}s")
+        _print_states(state)
+        published = state.get("published")
+        if published:
+            _print_report(published["metrics"])
+            print(f"final model: {published['final_model']}")
+            print(f"metrics:     {published['metrics']}")
+            print(f"plot:        {published['plot']}")
+    if state["state"] != "success" or bad or proc.returncode != 0:
+        print(
+            f"FAILED: run state {state['state']}, tasks not successful: {bad or 'none'}; see {log_path}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _print_report(metrics_uri: str) -> None:
+    with path_from_uri(metrics_uri).open("r") as fh:
+        report = json.load(fh)
+    print(format_table(report["rounds"]))
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    _print_report(args.metrics)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flare-airflow", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="validate a job YAML file")
+    p.add_argument("job")
+    p.set_defaults(func=_cmd_validate)
+    p = sub.add_parser("run", help="run a DAG once through Airflow and check every task's final state")
+    p.add_argument("dag_id")
+    p.add_argument("--conf", help="run parameters as JSON, e.g. '{\"rounds\": 3}'")
+    p.add_argument("--log", help="where to write Airflow's output (default: a temp file)")
+    p.add_argument("--json", action="store_true", help="print the run's final state as JSON")
+    p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("report", help="print the per-round table of a run's metrics.json")
+    p.add_argument("metrics", help="path or URI of metrics.json")
+    p.set_defaults(func=_cmd_report)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
