@@ -85,9 +85,15 @@ def _print_states(state: dict[str, Any]) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     log_path = args.log or os.path.join(tempfile.gettempdir(), f"flare-airflow-{args.dag_id}-{int(time.time())}.log")
     cmd = [sys.executable, "-m", "airflow", "dags", "test", args.dag_id]
+    if args.dagfile:
+        cmd += ["--dagfile-path", args.dagfile]
     if args.conf:
         cmd += ["--conf", args.conf]
-    print(f"running {args.dag_id} through Airflow (airflow dags test); task logs: {log_path}", flush=True)
+    print(
+        f"running {args.dag_id} through Airflow (airflow dags test); task logs: {log_path}",
+        file=sys.stderr if args.json else sys.stdout,
+        flush=True,
+    )
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -139,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("run", help="run a DAG once through Airflow and check every task's final state")
     p.add_argument("dag_id")
     p.add_argument("--conf", help="run parameters as JSON, e.g. '{\"rounds\": 3}'")
+    p.add_argument("--dagfile", help="parse only this DAG file instead of the whole dags folder")
     p.add_argument("--log", help="where to write Airflow's output (default: a temp file)")
     p.add_argument("--json", action="store_true", help="print the run's final state as JSON")
     p.set_defaults(func=_cmd_run)

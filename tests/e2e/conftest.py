@@ -1,0 +1,111 @@
+"""End-to-end harness: a private Airflow home (SQLite, embedded default) and real `airflow dags test` runs.
+
+Each scenario writes a job YAML and a one-line DAG file into its own folder and runs it with
+``flare-airflow run --dagfile ... --json``, which reports every task instance's final state from
+the metadata database (``airflow dags test`` itself exits 0 even when a task failed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import save_file
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(sys.executable).parent
+TRAINERS = pathlib.Path(__file__).parent / "trainers"
+
+
+@dataclass
+class RunResult:
+    state: dict[str, Any]
+    log: str
+    returncode: int
+
+    @property
+    def tasks(self) -> dict[str, str]:
+        return {t: info["state"] for t, info in self.state["tasks"].items()}
+
+    def metrics(self) -> dict[str, Any]:
+        uri = self.state["published"]["metrics"]
+        return json.loads(pathlib.Path(uri.removeprefix("file://")).read_text())
+
+
+class AirflowHome:
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root = root
+        self.home = root / "airflow"
+        self.dags = root / "dags"
+        self.dags.mkdir(parents=True)
+        self.env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "PYTHONWARNINGS": "ignore::DeprecationWarning",
+        }
+        out = subprocess.run(
+            [str(BIN / "airflow"), "db", "migrate"], env=self.env, capture_output=True, text=True, check=False
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    @property
+    def store(self) -> pathlib.Path:
+        return self.home / "flare_store"
+
+    def write_job(self, name: str, job: dict[str, Any], dag_code: str | None = None) -> pathlib.Path:
+        folder = self.dags / name
+        folder.mkdir()
+        (folder / "job.yaml").write_text(yaml.safe_dump(job))
+        code = dag_code or (
+            "from pathlib import Path\n"
+            "from flare_airflow.builder import build_dag\n"
+            "dag = build_dag(Path(__file__).with_name('job.yaml'))\n"
+        )
+        dag_file = folder / "dag.py"
+        dag_file.write_text(textwrap.dedent(code))
+        return dag_file
+
+    def run(self, dag_id: str, dag_file: pathlib.Path | None = None, conf: dict[str, Any] | None = None) -> RunResult:
+        log = self.root / f"{dag_id}-{len(list(self.root.glob('*.log')))}.log"
+        cmd = [str(BIN / "flare-airflow"), "run", dag_id, "--json", "--log", str(log)]
+        if dag_file is not None:
+            cmd += ["--dagfile", str(dag_file)]
+        if conf:
+            cmd += ["--conf", json.dumps(conf)]
+        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=False, timeout=900)
+        assert out.stdout.strip(), f"no output from flare-airflow run: {out.stderr[-3000:]}"
+        state = json.loads(out.stdout)
+        return RunResult(state=state, log=log.read_text(), returncode=out.returncode)
+
+
+@pytest.fixture(scope="session")
+def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> AirflowHome:
+    return AirflowHome(tmp_path_factory.mktemp("e2e"))
+
+
+def tiny_model(path: pathlib.Path) -> pathlib.Path:
+    save_file({"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}, str(path))
+    return path
+
+
+def behave_job(root: pathlib.Path, name: str, sites: int, rounds: int, min_clients: int, args: list[str]) -> dict:
+    return {
+        "job": name,
+        "rounds": rounds,
+        "min_clients": min_clients,
+        "initial_model": str(tiny_model(root / f"{name}-init.safetensors")),
+        "trainer": {"script": str(TRAINERS / "behave.py"), "args": args, "shutdown_timeout": 2},
+        "sites": {"@default": {"retries": 0}, **{f"site-{i}": {} for i in range(1, sites + 1)}},
+    }

@@ -1,0 +1,78 @@
+"""A tiny trainer whose misbehaviour per site is chosen by its arguments (end-to-end tests).
+
+    behave.py [--fail SITE]... [--nan SITE]... [--shape SITE]... [--dtype SITE]...
+              [--pickle SITE]... [--silent SITE]... [--hang SITE]... [--pidfile DIR] [--echo-args FILE]
+
+Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import sys
+import time
+
+import numpy as np
+
+import flare_airflow.client as flare
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    for flag in ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang"):
+        p.add_argument(f"--{flag}", action="append", default=[])
+    p.add_argument("--pidfile-dir")
+    p.add_argument("--echo-args")
+    args, rest = p.parse_known_args()
+    site = os.environ["FLARE_SITE"]
+    if args.pidfile_dir:
+        with open(os.path.join(args.pidfile_dir, f"{site}.pid"), "w") as fh:
+            fh.write(str(os.getpid()))
+    if args.echo_args:
+        with open(args.echo_args, "w") as fh:
+            json.dump({"args": rest, "hparams": flare.get_hparams(), "round": os.environ["FLARE_ROUND"]}, fh)
+    if site in args.hang:
+        print(f"{site}: hanging", flush=True)
+        time.sleep(600)
+    if site in args.fail:
+        print(f"{site}: failing on purpose", flush=True)
+        return 3
+    model = flare.receive()
+    if flare.is_evaluate():
+        w = model.params["w"]
+        flare.send(flare.FLModel(metrics={"accuracy": float(1.0 / (1.0 + abs(w).mean())), "loss": float(w.mean())}))
+        return 0
+    if site in args.silent:
+        print(f"{site}: exiting without sending", flush=True)
+        return 0
+    params = {k: v + np.float32(1) for k, v in model.params.items()}
+    if site in args.nan:
+        params["w"][0] = np.nan
+    if site in args.shape:
+        params["w"] = np.zeros(7, np.float32)
+    if site in args.dtype:
+        params["w"] = params["w"].astype(np.float64)
+    number = int(site.rsplit("-", 1)[1])
+    flare.send(flare.FLModel(params=params, metrics={"train_loss": float(number)}, meta={"num_samples": number}))
+    if site in args.pickle:
+        # Overwrite the update with a pickle payload and a record that matches it.
+        out = os.environ["FLARE_OUTPUT"].removeprefix("file://")
+        data = pickle.dumps({k: v for k, v in params.items()})
+        with open(out, "wb") as fh:
+            fh.write(data)
+        rec = out.removesuffix(".safetensors") + ".json"
+        with open(rec) as fh:
+            record = json.load(fh)
+        import hashlib
+
+        record.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+        with open(rec, "w") as fh:
+            json.dump(record, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
