@@ -56,7 +56,8 @@ def _asset_events(home: AirflowHome, name: str) -> list[dict]:
         "from airflow.models.asset import AssetEvent, AssetModel\n"
         "from airflow.utils.session import create_session\n"
         "with create_session() as s:\n"
-        f"    q = select(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id).where(AssetModel.name == {name!r})\n"
+        "    q = select(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id)\n"
+        f"    q = q.where(AssetModel.name == {name!r})\n"
         "    print(json.dumps([e.extra for e in s.scalars(q.order_by(AssetEvent.id))]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=home.env, capture_output=True, text=True, check=True)
