@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.e2e.conftest import AirflowHome, behave_job
+from tests.harness import AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 

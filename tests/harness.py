@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pytest
 import yaml
 from safetensors.numpy import save_file
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
 TRAINERS = pathlib.Path(__file__).parent / "trainers"
 
@@ -88,11 +87,6 @@ class AirflowHome:
         assert out.stdout.strip(), f"no output from flare-airflow run: {out.stderr[-3000:]}"
         state = json.loads(out.stdout)
         return RunResult(state=state, log=log.read_text(), returncode=out.returncode)
-
-
-@pytest.fixture(scope="session")
-def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> AirflowHome:
-    return AirflowHome(tmp_path_factory.mktemp("e2e"))
 
 
 def tiny_model(path: pathlib.Path) -> pathlib.Path:

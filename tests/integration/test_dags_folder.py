@@ -1,0 +1,46 @@
+"""Every DAG in dags/ loads without import errors; the provider is registered with Airflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.harness import REPO, AirflowHome
+
+
+def test_every_dag_in_dags_folder_imports() -> None:
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    assert bag.import_errors == {}, bag.import_errors
+    assert "flare_digits" in bag.dag_ids
+    dag = bag.dags["flare_digits"]
+    assert len(dag.tasks) == 2 + 5 * 5
+    form = dag.params.dump()
+    assert form["rounds"] == 5 and form["min_clients"] == 3 and form["warm_start"] is False
+    assert {"hp_lr", "hp_local_epochs", "hp_batch_size"} <= set(form)
+
+
+def test_provider_is_registered(airflow_home: AirflowHome) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "airflow", "providers", "list", "-o", "json"],
+        env={**airflow_home.env, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    providers = {p["package_name"]: p for p in json.loads(out.stdout[out.stdout.index("[") :])}
+    assert "flare-airflow" in providers
+
+
+def test_validate_command_reports_errors_with_file_and_field(tmp_path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("job: x\nrounds: 0\nmin_clients: 1\n")
+    cli = [os.path.join(os.path.dirname(sys.executable), "flare-airflow"), "validate"]
+    out = subprocess.run([*cli, str(bad)], capture_output=True, text=True, check=False)
+    assert out.returncode == 2
+    assert f"{bad}: rounds: Input should be greater than or equal to 1" in out.stderr
+    ok = subprocess.run([*cli, str(REPO / "dags" / "digits.yaml")], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0 and "site site-4: launcher process" in ok.stdout
