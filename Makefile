@@ -14,6 +14,8 @@ export PYTHONWARNINGS := ignore::DeprecationWarning
 .PHONY: setup demo test lint bench clean
 
 $(BIN)/uv:
+	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
+	@$(PYTHON) -c "import ensurepip" 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 
