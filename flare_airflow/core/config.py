@@ -304,6 +304,9 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
             i += 1
         else:
             return None
+    if current is JobConfig:
+        # NVFlare's top-level blocks are folded into the sites before validation, so they are no fields.
+        return [*JobConfig.model_fields, "resource_spec", "launcher_spec"]
     if isinstance(current, type) and issubclass(current, BaseModel):
         return list(current.model_fields)
     return None
@@ -342,6 +345,21 @@ def job_from_dict(data: Mapping[str, Any], *, source: str = "<python>", base_dir
         raise ConfigError(f"invalid job configuration:\n  {source}: sites: {exc}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses duplicate keys instead of silently keeping the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (each key may appear once)", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_job(path: str | pathlib.Path) -> JobConfig:
     """Load and validate a job YAML file; relative paths in it are relative to the file."""
     path = pathlib.Path(path)
@@ -350,7 +368,7 @@ def load_job(path: str | pathlib.Path) -> JobConfig:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the job file ({exc.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

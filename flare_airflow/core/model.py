@@ -132,8 +132,16 @@ def record_path(tensors_path: WritablePath) -> WritablePath:
 
 
 def atomic_write(path: WritablePath, data: bytes) -> None:
-    """Write to a temporary sibling, then rename over the target: readers never see half a file."""
+    """Write to a temporary sibling, then rename over the target: readers never see half a file.
+
+    Object stores (s3://, gs://, memory://, ...) cannot rename, but there one upload is already
+    all-or-nothing, so the object is written directly.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    if getattr(path, "protocol", "file") not in ("file", "local", ""):
+        with path.open("wb") as fh:
+            fh.write(data)
+        return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     with tmp.open("wb") as fh:
         fh.write(data)
@@ -163,7 +171,8 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
         arr = np.asarray(value)
         if arr.dtype == object:
             raise ModelFormatError(f"{where}: tensor {name!r} has dtype object; only numeric arrays are stored")
-        params[name] = np.ascontiguousarray(arr)
+        # Not np.ascontiguousarray: it turns 0-d tensors (e.g. a step counter) into shape (1,).
+        params[name] = arr if arr.flags.c_contiguous else np.copy(arr, order="C")
     metadata = {"params_type": model.params_type.value}
     try:
         data = safetensors.numpy.save(params, metadata=metadata)

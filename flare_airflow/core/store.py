@@ -25,6 +25,7 @@ from flare_airflow.core.errors import StoreError
 from flare_airflow.core.model import WritablePath
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HASHED = re.compile(r"-[0-9a-f]{8}$")
 
 
 def safe_component(value: str, what: str) -> str:
@@ -40,7 +41,9 @@ def safe_component(value: str, what: str) -> str:
 def run_component(run_id: str) -> str:
     """Airflow run ids contain ':' and '+'; map one to a readable, unique path component."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._-")[:80] or "run"
-    if cleaned == run_id:
+    # Kept verbatim only if it cannot be mistaken for a hashed component ("<name>-<8 hex>"):
+    # otherwise the run id "a_b-6783a31e" would share a directory with the run id "a:b".
+    if cleaned == run_id and not _HASHED.search(run_id):
         return cleaned
     return f"{cleaned}-{hashlib.sha256(run_id.encode()).hexdigest()[:8]}"
 

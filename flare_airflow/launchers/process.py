@@ -48,22 +48,22 @@ def map_exit(code: int | None, *, terminated: bool) -> tuple[JobState, JobReturn
     0                                  succeeded    SUCCESS
     101 / 102 / 103 / 104              failed       same code
     any other code > 0                 failed       EXECUTION_ERROR
-    signal, after our terminate()      terminated   ABORTED
+    any status after our terminate()   terminated   ABORTED
     signal, not ours (OOM kill, crash) failed       EXECUTION_ERROR
     =================================  ===========  ====================
     """
     if code is None:
         return JobState.RUNNING, JobReturnCode.UNKNOWN, ""
+    if terminated:
+        # We asked it to stop: whatever it exited with, it did not finish its work.
+        how = _signal_name(-code) if code < 0 else f"exit code {code}"
+        return JobState.TERMINATED, JobReturnCode.ABORTED, f"terminated ({how})"
     if code == 0:
         return JobState.SUCCEEDED, JobReturnCode.SUCCESS, ""
     if code < 0:
         name = _signal_name(-code)
-        if terminated:
-            return JobState.TERMINATED, JobReturnCode.ABORTED, f"terminated ({name})"
         hint = " (possibly the out-of-memory killer)" if -code == signal.SIGKILL else ""
         return JobState.FAILED, JobReturnCode.EXECUTION_ERROR, f"killed by {name}{hint}"
-    if terminated:
-        return JobState.TERMINATED, JobReturnCode.ABORTED, f"terminated (exit code {code})"
     if code in _PASSTHROUGH_CODES:
         rc = JobReturnCode(code)
         return JobState.FAILED, rc, f"exit code {code} ({rc.name})"

@@ -87,6 +87,14 @@ class SiteRun:
         )
 
 
+class _Killed(BaseException):
+    """Raised by the runner's signal handler to unwind out of ``wait()`` before terminating."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def failure_path(output: WritablePath) -> WritablePath:
     return output.parent / (output.name.removesuffix(".safetensors") + ".failure.json")
 
@@ -152,25 +160,37 @@ def run_site(
     clear_outputs(output)
     launcher = launcher or ProcessLauncher()
     job = run.site_job()
-    try:
-        handle: ProcessJobHandle = launcher.launch_job(job)
-    except LaunchError as exc:
-        write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
-        return JobReturnCode.EXECUTION_ERROR, str(exc)
-    if on_launch is not None:
-        on_launch(handle)
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        handle.terminate()
-        reason = f"site task was killed ({signal.Signals(signum).name}); trainer process group terminated"
+        # Terminating here could deadlock: the signal may land while wait() is already inside
+        # terminate() (launch timeout) holding its lock. Unwind instead and terminate below;
+        # further signals are ignored meanwhile (that cleanup is bounded by shutdown_timeout).
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise _Killed(signum)
+
+    handle: ProcessJobHandle | None = None
+    previous: dict[signal.Signals, Any] = {}
+    try:
+        # Handlers first: a kill that lands while the trainer is being started still stops it.
+        for s in signals:
+            previous[s] = signal.signal(s, on_signal)
+        try:
+            handle = launcher.launch_job(job)
+        except LaunchError as exc:
+            write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
+            return JobReturnCode.EXECUTION_ERROR, str(exc)
+        if on_launch is not None:
+            on_launch(handle)
+        rc = handle.wait()
+    except _Killed as killed:
+        if handle is not None:
+            handle.terminate()
+        reason = f"site task was killed ({signal.Signals(killed.signum).name}); trainer process group terminated"
         write_failure(output, JobReturnCode.ABORTED, reason)
         print(reason, file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
-
-    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
-    previous = {s: signal.signal(s, on_signal) for s in signals}
-    try:
-        rc = handle.wait()
+        sys.exit(128 + killed.signum)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

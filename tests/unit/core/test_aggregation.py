@@ -1,0 +1,325 @@
+"""FedAvg: hand-computed weighted means, float64 accumulation, validation of every update, quorum."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import pathlib
+import pickle
+
+import numpy as np
+import pytest
+
+from flare_airflow.core.aggregation import FedAvg, fedavg_from_store, validate_update
+from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
+from flare_airflow.core.model import ArtifactRecord, FLModel, ParamsType, read_artifact, record_path, write_artifact
+
+FULL, DIFF = ParamsType.FULL, ParamsType.DIFF
+
+
+def record(num_samples: int | None, params_type: ParamsType = FULL, metrics: dict | None = None) -> ArtifactRecord:
+    return ArtifactRecord(
+        sha256="",
+        size=0,
+        params_type=params_type,
+        num_samples=num_samples,
+        metrics=metrics or {},
+        meta={},
+        tensors={},
+    )
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+def test_fedavg_full_updates_hand_computed() -> None:
+    glob = {"w": f32(0, 0), "b": f32(0)}
+    agg = FedAvg(glob, min_clients=3)
+    agg.add("site-a", {"w": f32(10, 0), "b": f32(1)}, record(1, metrics={"loss": 0.9}))
+    agg.add("site-b", {"w": f32(0, 10), "b": f32(2)}, record(3, metrics={"loss": 0.5}))
+    agg.add("site-c", {"w": f32(5, 5), "b": f32(3)}, record(6, metrics={"loss": 0.2}))
+    out = agg.result()
+    # weights 1, 3, 6 (sum 10):
+    #   w = ((1*10 + 3*0 + 6*5) / 10, (1*0 + 3*10 + 6*5) / 10) = (4.0, 6.0)
+    #   b = (1*1 + 3*2 + 6*3) / 10 = 2.5
+    np.testing.assert_array_equal(out.params["w"], f32(4.0, 6.0))
+    np.testing.assert_array_equal(out.params["b"], f32(2.5))
+    assert out.params["w"].dtype == np.float32
+    assert out.accepted == {"site-a": 1.0, "site-b": 3.0, "site-c": 6.0}
+    assert out.rejected == {}
+    assert out.num_samples == 10
+    # loss = (1*0.9 + 3*0.5 + 6*0.2) / 10 = 0.36
+    assert out.metrics == {"loss": pytest.approx(0.36, abs=1e-12)}
+    assert out.site_metrics == {"site-a": {"loss": 0.9}, "site-b": {"loss": 0.5}, "site-c": {"loss": 0.2}}
+
+
+def test_fedavg_site_weights_multiply_num_samples() -> None:
+    glob = {"w": np.zeros(2), "b": np.zeros(1)}
+    agg = FedAvg(glob, min_clients=1, site_weights={"site-c": 0.5, "site-z": 100.0})
+    agg.add("site-a", {"w": np.array([10.0, 0.0]), "b": np.array([1.0])}, record(1, metrics={"loss": 0.9}))
+    agg.add("site-b", {"w": np.array([0.0, 10.0]), "b": np.array([2.0])}, record(3, metrics={"loss": 0.5}))
+    agg.add("site-c", {"w": np.array([5.0, 5.0]), "b": np.array([3.0])}, record(6, metrics={"loss": 0.2}))
+    out = agg.result()
+    # effective weights 1*1, 3*1, 6*0.5 = 1, 3, 3 (sum 7):
+    #   w = ((10 + 0 + 15) / 7, (0 + 30 + 15) / 7) = (25/7, 45/7)
+    #   b = (1 + 6 + 9) / 7 = 16/7
+    np.testing.assert_allclose(out.params["w"], [25 / 7, 45 / 7], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(out.params["b"], [16 / 7], rtol=0, atol=1e-15)
+    assert out.accepted == {"site-a": 1.0, "site-b": 3.0, "site-c": 3.0}
+    # Metrics are weighted by samples only: (0.9 + 1.5 + 1.2) / 10.
+    assert out.metrics["loss"] == pytest.approx(0.36, abs=1e-12)
+
+
+def test_fedavg_diff_updates_hand_computed() -> None:
+    glob = {"w": f32(1, 2)}
+    agg = FedAvg(glob, min_clients=2)
+    agg.add("site-a", {"w": f32(0.5, -1)}, record(1, DIFF))
+    agg.add("site-b", {"w": f32(1, 1)}, record(3, DIFF))
+    out = agg.result()
+    # global + weighted mean of the diffs: (1 + (0.5 + 3)/4, 2 + (-1 + 3)/4) = (1.875, 2.5)
+    np.testing.assert_array_equal(out.params["w"], f32(1.875, 2.5))
+
+
+def test_fedavg_mixed_full_and_diff_hand_computed() -> None:
+    glob = {"w": f32(1, 2)}
+    agg = FedAvg(glob, min_clients=2)
+    agg.add("site-a", {"w": f32(3, 3)}, record(1, FULL))
+    agg.add("site-b", {"w": f32(1, 1)}, record(3, DIFF))  # i.e. full weights (2, 3)
+    out = agg.result()
+    # (1*(3, 3) + 3*(2, 3)) / 4 = (9/4, 12/4) = (2.25, 3.0)
+    np.testing.assert_array_equal(out.params["w"], f32(2.25, 3.0))
+
+
+def test_fedavg_accumulates_in_float64() -> None:
+    big = float(2**24)  # float32 cannot hold 2**24 + 1
+    glob = {"w": f32(0)}
+    updates = [("site-a", f32(big)), ("site-b", f32(1)), ("site-c", f32(1))]
+    agg = FedAvg(glob, min_clients=3)
+    for site, value in updates:
+        agg.add(site, {"w": value}, record(1))
+    out = agg.result()
+    # exact mean: (2**24 + 2) / 3 = 5592406.0, representable in float32
+    assert out.params["w"].dtype == np.float32
+    assert out.params["w"][0] == np.float32(5592406.0)
+    # A float32 accumulator loses both +1s and lands on another float32 value.
+    naive = np.float32(0)
+    for _, value in updates:
+        naive = np.float32(naive + value[0])
+    assert np.float32(naive / np.float32(3)) != np.float32(5592406.0)
+
+
+def test_fedavg_large_offset_tiny_deltas() -> None:
+    rng = np.random.default_rng(3)
+    offset = np.float32(4096.0)
+    glob = {"w": np.full(256, offset, np.float32)}
+    deltas = [rng.uniform(-1e-4, 1e-4, 256).astype(np.float32) for _ in range(8)]
+    agg = FedAvg(glob, min_clients=1)
+    for i, delta in enumerate(deltas):
+        agg.add(f"site-{i}", {"w": (offset + delta).astype(np.float32)}, record(i + 1))
+    out = agg.result()
+    exact = sum((i + 1) * (offset + d).astype(np.float64) for i, d in enumerate(deltas)) / sum(range(1, 9))
+    np.testing.assert_array_equal(out.params["w"], exact.astype(np.float32))
+
+
+def test_integer_tensors_are_rounded() -> None:
+    glob = {"steps": np.array([0, 0, 0], np.int32), "count": np.array(0, np.int64)}
+    agg = FedAvg(glob, min_clients=2)
+    agg.add("site-a", {"steps": np.array([1, 2, -1], np.int32), "count": np.array(10, np.int64)}, record(1))
+    agg.add("site-b", {"steps": np.array([2, 4, -2], np.int32), "count": np.array(20, np.int64)}, record(2))
+    out = agg.result()
+    # (1 + 4)/3 = 1.67 -> 2, (2 + 8)/3 = 3.33 -> 3, (-1 - 4)/3 = -1.67 -> -2, (10 + 40)/3 = 16.67 -> 17
+    np.testing.assert_array_equal(out.params["steps"], np.array([2, 3, -2], np.int32))
+    assert out.params["steps"].dtype == np.int32
+    assert out.params["count"].shape == ()
+    assert int(out.params["count"]) == 17
+
+
+def test_missing_num_samples_counts_as_one() -> None:
+    agg = FedAvg({"w": f32(0)}, min_clients=2)
+    agg.add("site-a", {"w": f32(2)}, record(None))
+    agg.add("site-b", {"w": f32(8)}, record(3))
+    out = agg.result()
+    np.testing.assert_array_equal(out.params["w"], f32((2 + 24) / 4))
+    assert out.accepted == {"site-a": 1.0, "site-b": 3.0}
+
+
+def test_a_site_is_counted_once_and_min_clients_is_positive() -> None:
+    agg = FedAvg({"w": f32(0)}, min_clients=1)
+    agg.add("site-a", {"w": f32(1)}, record(1))
+    with pytest.raises(FlareAirflowError, match="already counted"):
+        agg.add("site-a", {"w": f32(1)}, record(1))
+    with pytest.raises(FlareAirflowError, match="min_clients must be >= 1"):
+        FedAvg({"w": f32(0)}, min_clients=0)
+
+
+def test_validate_update_messages() -> None:
+    glob = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}
+    validate_update("s", glob, {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)})
+    with pytest.raises(UpdateRejected) as info:
+        validate_update("s", glob, {"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)})
+    assert info.value.site == "s"
+    assert info.value.reason == "tensor 'w' has shape (2, 3), the global model has (2, 2)"
+
+
+# ---------------------------------------------------------------- streaming from the store
+
+GLOBAL = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}
+
+
+def good(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((2, 2), value, np.float32), "b": np.full(2, value, np.float32)}
+
+
+def write_update(path: pathlib.Path, params: dict, num_samples: int = 2, **kw) -> pathlib.Path:
+    write_artifact(path, FLModel(params=params, meta={"num_samples": num_samples}, **kw))
+    return path
+
+
+def forged_pickle(path: pathlib.Path) -> pathlib.Path:
+    payload = pickle.dumps(good(1.0))
+    path.write_bytes(payload)
+    rec = ArtifactRecord(
+        sha256=hashlib.sha256(payload).hexdigest(),
+        size=len(payload),
+        params_type=FULL,
+        num_samples=2,
+        metrics={},
+        meta={},
+        tensors={"w": ("float32", (2, 2)), "b": ("float32", (2,))},
+    )
+    record_path(path).write_text(rec.to_json())
+    return path
+
+
+def bad_updates(tmp_path: pathlib.Path) -> dict[str, tuple[pathlib.Path | None, str | None, str]]:
+    """site -> (path, failure, expected fragment of the rejection reason)."""
+    nan = good(1.0)
+    nan["w"][1, 0] = np.nan
+    inf = good(1.0)
+    inf["b"][0] = -np.inf
+    no_record = write_update(tmp_path / "no-record.safetensors", good(1.0))
+    record_path(no_record).unlink()
+    return {
+        "shape": (
+            write_update(tmp_path / "shape.safetensors", {"w": np.ones((2, 3), np.float32), "b": good(1)["b"]}),
+            None,
+            "tensor 'w' has shape (2, 3), the global model has (2, 2)",
+        ),
+        "dtype": (
+            write_update(tmp_path / "dtype.safetensors", {"w": np.ones((2, 2)), "b": good(1)["b"]}),
+            None,
+            "tensor 'w' has dtype float64, the global model has float32",
+        ),
+        "nan": (write_update(tmp_path / "nan.safetensors", nan), None, "tensor 'w' contains NaN or infinite values"),
+        "inf": (write_update(tmp_path / "inf.safetensors", inf), None, "tensor 'b' contains NaN or infinite values"),
+        "missing": (
+            write_update(tmp_path / "missing.safetensors", {"w": good(1)["w"]}),
+            None,
+            "missing ['b'], unexpected []",
+        ),
+        "extra": (
+            write_update(tmp_path / "extra.safetensors", {**good(1), "head": np.ones(1, np.float32)}),
+            None,
+            "missing [], unexpected ['head']",
+        ),
+        "pickle": (forged_pickle(tmp_path / "pickle.safetensors"), None, "pickle"),
+        "no-record": (no_record, None, "no artifact record"),
+        "failed-job": (None, "trainer failed: exit code 1 [EXECUTION_ERROR]", "trainer failed: exit code 1"),
+        "no-reason": (None, None, "no update"),
+    }
+
+
+def test_invalid_updates_are_rejected_with_reasons_and_valid_ones_count(tmp_path: pathlib.Path) -> None:
+    bad = bad_updates(tmp_path)
+    updates = [(site, path, failure) for site, (path, failure, _) in bad.items()]
+    updates.append(("good-1", write_update(tmp_path / "good-1.safetensors", good(1.0), num_samples=1), None))
+    updates.append(("good-2", write_update(tmp_path / "good-2.safetensors", good(4.0), num_samples=3), None))
+    out = fedavg_from_store(GLOBAL, updates, min_clients=2)
+    assert out.accepted == {"good-1": 1.0, "good-2": 3.0}
+    assert set(out.rejected) == set(bad)
+    for site, (_, _, fragment) in bad.items():
+        assert fragment in out.rejected[site], f"{site}: {out.rejected[site]!r}"
+    # (1*1 + 3*4) / 4 = 3.25: the rejected updates did not count.
+    np.testing.assert_array_equal(out.params["w"], np.full((2, 2), 3.25, np.float32))
+    np.testing.assert_array_equal(out.params["b"], np.full(2, 3.25, np.float32))
+    assert out.num_samples == 4
+
+
+def test_quorum_not_reached_names_every_failed_site(tmp_path: pathlib.Path) -> None:
+    bad = bad_updates(tmp_path)
+    updates = [(site, path, failure) for site, (path, failure, _) in bad.items()]
+    updates.append(("good-1", write_update(tmp_path / "good-1.safetensors", good(1.0)), None))
+    with pytest.raises(QuorumNotReached) as info:
+        fedavg_from_store(GLOBAL, updates, min_clients=2)
+    msg = str(info.value)
+    assert "1 valid update(s) from ['good-1'], min_clients is 2" in msg
+    assert "The global model was not updated" in msg
+    for site, (_, _, fragment) in bad.items():
+        assert f"{site}: " in msg
+        assert fragment in msg
+
+
+def test_quorum_with_no_valid_update_at_all() -> None:
+    with pytest.raises(QuorumNotReached, match=r"0 valid update\(s\) from \[\].*site-1: pod evicted"):
+        fedavg_from_store(GLOBAL, [("site-1", None, "pod evicted")], min_clients=1)
+    with pytest.raises(QuorumNotReached, match="Failed sites: none reported"):
+        fedavg_from_store(GLOBAL, [], min_clients=1)
+
+
+def random_model(rng: np.random.Generator, dtype=np.float64) -> dict[str, np.ndarray]:
+    return {
+        "a": (rng.standard_normal((16, 32)) * 10.0 ** rng.integers(-3, 4, (16, 32))).astype(dtype),
+        "b": rng.standard_normal(32).astype(dtype),
+    }
+
+
+def test_streaming_from_files_equals_the_in_memory_computation(tmp_path: pathlib.Path) -> None:
+    rng = np.random.default_rng(11)
+    glob = random_model(rng, np.float32)
+    sites = {
+        "site-1": (random_model(rng, np.float32), 17, FULL, {"loss": 0.5}),
+        "site-2": (random_model(rng, np.float32), 5, DIFF, {"loss": 0.75, "acc": 0.5}),
+        "site-3": (random_model(rng, np.float32), 123, FULL, {"loss": 0.25}),
+    }
+    weights = {"site-2": 2.5}
+    mem = FedAvg(glob, min_clients=3, site_weights=weights)
+    updates = []
+    for site, (params, n, ptype, metrics) in sites.items():
+        path = tmp_path / f"{site}.safetensors"
+        write_artifact(path, FLModel(params=params, params_type=ptype, metrics=metrics, meta={"num_samples": n}))
+        updates.append((site, path, None))
+        mem.add(site, params, record(n, ptype, metrics))
+    expected = mem.result()
+    got = fedavg_from_store(glob, reversed(updates), min_clients=3, site_weights=weights)
+    for name in glob:
+        assert got.params[name].tobytes() == expected.params[name].tobytes()
+    assert got.accepted == expected.accepted == {"site-1": 17.0, "site-2": 12.5, "site-3": 123.0}
+    assert got.metrics == expected.metrics
+    assert got.metrics["acc"] == 0.5
+    assert got.num_samples == 145
+
+
+def test_deterministic_whatever_the_order_of_the_updates(tmp_path: pathlib.Path) -> None:
+    rng = np.random.default_rng(5)
+    glob = random_model(rng)  # float64 output: no final cast hides rounding differences
+    updates = []
+    for i, n in enumerate([3, 1000, 7, 1]):
+        path = tmp_path / f"s{i}.safetensors"
+        write_artifact(path, FLModel(params=random_model(rng), meta={"num_samples": n}))
+        updates.append((f"site-{i}", path, None))
+    results = {
+        b"".join(fedavg_from_store(glob, list(order), min_clients=4).params[name].tobytes() for name in sorted(glob))
+        for order in itertools.permutations(updates)
+    }
+    assert len(results) == 1
+    # Float addition is not associative: a naive accumulator in arrival order would differ between orders.
+
+    loaded = [(site, *read_artifact(path)) for site, path, _ in updates]
+    naive = set()
+    for order in itertools.permutations(loaded):
+        agg = FedAvg(glob, min_clients=4)
+        for site, params, rec in order:
+            agg.add(site, params, rec)
+        naive.add(agg.result().params["a"].tobytes())
+    assert len(naive) > 1

@@ -1,0 +1,351 @@
+"""The site runner: launch a trainer, check what it sent, leave an update or a failure record."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from flare_airflow.core.model import FLModel, read_artifact, record_path, write_artifact
+from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.launchers.process import ProcessLauncher
+from flare_airflow.launchers.site_runner import (
+    SPEC_ENV,
+    SUMMARY_PREFIX,
+    SiteRun,
+    failure_path,
+    read_failure,
+    run_site,
+)
+
+PY = sys.executable
+RC = JobReturnCode
+
+TRAINER = """
+import json, os, sys
+
+import numpy as np
+
+import flare_airflow.client as flare
+
+mode = sys.argv[1]
+if mode == "fail":
+    print("about to fail", flush=True)
+    sys.exit(int(sys.argv[2]))
+model = flare.receive()
+print("hparams", json.dumps(flare.get_hparams(), sort_keys=True), flush=True)
+print("spec visible:", os.environ.get("FLARE_SITE_JOB_SPEC") is not None, flush=True)
+w, b = model.params["w"], model.params["b"]
+if mode == "nosend":
+    sys.exit(0)
+if mode == "evaluate":
+    flare.send(flare.FLModel(metrics={"accuracy": 0.875}))
+    sys.exit(0)
+params = {
+    "ok": {"w": w + 1, "b": b + 0.5},
+    "shape": {"w": np.zeros((3, 3), np.float32), "b": b},
+    "nan": {"w": np.where(w > 0, np.nan, w).astype(np.float32), "b": b},
+    "dtype": {"w": w.astype(np.float64), "b": b},
+    "extra": {"w": w, "b": b, "extra_layer": np.zeros(2, np.float32)},
+    "missing": {"w": w},
+}[mode]
+flare.send(flare.FLModel(params=params, metrics={"loss": 0.25}, meta={"num_samples": 12}))
+"""
+
+
+@pytest.fixture
+def trainer(write_script) -> pathlib.Path:
+    return write_script("trainer.py", TRAINER)
+
+
+@pytest.fixture
+def output(global_model: pathlib.Path) -> pathlib.Path:
+    return global_model.parent.parent / "round-0001" / "sites" / "site-1.safetensors"
+
+
+def make_run(trainer: pathlib.Path, global_model: pathlib.Path, output: pathlib.Path, *args: str, **kw) -> SiteRun:
+    fields = {
+        "job": "demo",
+        "run_id": "manual__2024-01-01T00:00:00+00:00",
+        "round": 1,
+        "total_rounds": 3,
+        "site": "site-1",
+        "task": "train",
+        "argv": [PY, str(trainer), *args],
+        "global_model": str(global_model),
+        "output": str(output),
+        "hparams": {"lr": 0.1, "epochs": 2},
+        "shutdown_timeout": 5.0,
+    }
+    fields.update(kw)
+    return SiteRun(**fields)
+
+
+def run(trainer, global_model, output, lines, *args, **kw):
+    return run_site(
+        make_run(trainer, global_model, output, *args, **kw),
+        ProcessLauncher(sink=lines),
+        handle_signals=False,
+    )
+
+
+def failure(output: pathlib.Path) -> dict:
+    return json.loads(failure_path(output).read_text())
+
+
+def test_success_returns_a_summary(trainer, global_model, output, lines) -> None:
+    rc, summary = run(trainer, global_model, output, lines, "ok")
+    assert rc is RC.SUCCESS, summary
+    assert isinstance(summary, dict)
+    data = output.read_bytes()
+    assert summary == {
+        "site": "site-1",
+        "round": 1,
+        "task": "train",
+        "uri": str(output),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "num_samples": 12,
+        "params_type": "FULL",
+        "metrics": {"loss": 0.25},
+    }
+    params, _ = read_artifact(output)
+    np.testing.assert_array_equal(params["w"], np.full((2, 3), 2.0, np.float32))
+    np.testing.assert_array_equal(params["b"], np.full(3, 0.5, np.float32))
+    assert not failure_path(output).exists()
+    assert read_failure(output) is None
+    assert '[site-1 r1] hparams {"epochs": 2, "lr": 0.1}' in lines.lines
+
+
+def test_evaluate_task_returns_metrics(trainer, global_model, tmp_path, lines) -> None:
+    out = tmp_path / "eval.safetensors"
+    rc, summary = run(trainer, global_model, out, lines, "evaluate", task="evaluate")
+    assert rc is RC.SUCCESS, summary
+    assert summary["metrics"] == {"accuracy": 0.875}
+    assert summary["task"] == "evaluate"
+
+
+@pytest.mark.parametrize(("code", "rc"), [(3, RC.EXECUTION_ERROR), (103, RC.CONFIG_ERROR)])
+def test_trainer_failure_leaves_a_failure_record_and_no_update(trainer, global_model, output, lines, code, rc) -> None:
+    got, reason = run(trainer, global_model, output, lines, "fail", str(code))
+    assert got is rc
+    assert isinstance(reason, str)
+    assert reason.startswith(f"trainer failed: exit code {code}")
+    assert failure(output) == {"return_code": int(rc), "name": rc.name, "reason": reason}
+    assert read_failure(output) == f"{reason} [{rc.name}]"
+    assert not output.exists()
+    assert not record_path(output).exists()
+    assert "[site-1 r1] about to fail" in lines.lines
+
+
+def test_trainer_that_sends_nothing(trainer, global_model, output, lines) -> None:
+    rc, reason = run(trainer, global_model, output, lines, "nosend")
+    assert rc is RC.EXECUTION_ERROR
+    assert "the trainer exited successfully but sent no update" in reason
+    assert "flare.send()" in reason
+    assert failure(output)["reason"] == reason
+    assert not output.exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "fragments"),
+    [
+        ("shape", ["'w'", "shape (3, 3)", "(2, 3)"]),
+        ("nan", ["'w'", "NaN"]),
+        ("dtype", ["'w'", "dtype float64", "float32"]),
+        ("extra", ["'extra_layer'", "unexpected"]),
+        ("missing", ["'b'", "missing"]),
+    ],
+)
+def test_invalid_update_is_removed_and_named(trainer, global_model, output, lines, mode, fragments) -> None:
+    rc, reason = run(trainer, global_model, output, lines, mode)
+    assert rc is RC.EXECUTION_ERROR
+    assert "update from site 'site-1' rejected" in reason
+    for fragment in fragments:
+        assert fragment in reason, reason
+    assert not output.exists(), "an invalid update must not stay where aggregation would find it"
+    assert not record_path(output).exists()
+    assert failure(output) == {"return_code": 1, "name": "EXECUTION_ERROR", "reason": reason}
+
+
+def test_rerunning_replaces_the_previous_try_and_nothing_else(trainer, global_model, output, lines) -> None:
+    sibling = output.parent / "site-2.safetensors"
+    write_artifact(sibling, FLModel(params={"w": np.ones((2, 3), np.float32)}, meta={"num_samples": 1}))
+    sibling_bytes = sibling.read_bytes()
+
+    rc, _ = run(trainer, global_model, output, lines, "fail", "1")
+    assert rc is RC.EXECUTION_ERROR and failure_path(output).exists()
+
+    rc, summary = run(trainer, global_model, output, lines, "ok")
+    assert rc is RC.SUCCESS
+    assert not failure_path(output).exists(), "the failure record of the previous try is cleared"
+    assert summary["sha256"] == hashlib.sha256(output.read_bytes()).hexdigest()
+
+    # A third try that sends nothing must not be credited with the second try's update.
+    rc, reason = run(trainer, global_model, output, lines, "nosend")
+    assert rc is RC.EXECUTION_ERROR
+    assert "sent no update" in reason
+    assert not output.exists() and not record_path(output).exists()
+
+    assert sibling.read_bytes() == sibling_bytes
+    assert sorted(p.name for p in output.parent.iterdir()) == [
+        "site-1.failure.json",
+        "site-2.json",
+        "site-2.safetensors",
+    ]
+
+
+def test_missing_executable_is_a_failure_record(global_model, output, lines) -> None:
+    rc, reason = run_site(
+        SiteRun(
+            job="demo",
+            run_id="r",
+            round=1,
+            total_rounds=1,
+            site="site-1",
+            task="train",
+            argv=["/nonexistent/python3", "train.py"],
+            global_model=str(global_model),
+            output=str(output),
+        ),
+        ProcessLauncher(sink=lines),
+        handle_signals=False,
+    )
+    assert rc is RC.EXECUTION_ERROR
+    assert "cannot start '/nonexistent/python3'" in reason
+    assert failure(output)["name"] == "EXECUTION_ERROR"
+
+
+def test_site_run_json_round_trip(trainer, global_model, output) -> None:
+    site_run = make_run(trainer, global_model, output, "ok", launch_timeout=30.0, env={"A": "b"})
+    assert SiteRun.from_json(site_run.to_json()) == site_run
+    job = site_run.site_job()
+    assert job.argv == (PY, str(trainer), "ok")
+    assert job.env["A"] == "b"
+    assert job.env["FLARE_GLOBAL_MODEL"] == str(global_model)
+    assert job.env["FLARE_OUTPUT"] == str(output)
+    assert json.loads(job.env["FLARE_HPARAMS"]) == {"lr": 0.1, "epochs": 2}
+    assert (job.env["FLARE_ROUND"], job.env["FLARE_TOTAL_ROUNDS"], job.env["FLARE_TASK"]) == ("1", "3", "train")
+    assert job.launch_timeout == 30.0
+
+
+# ---------------------------------------------------------------- the command behind a site task
+
+
+def runner(site_run: SiteRun | None, **kw) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != SPEC_ENV}
+    if site_run is not None:
+        env[SPEC_ENV] = site_run.to_json()
+    return subprocess.Popen(
+        [PY, "-m", "flare_airflow.launchers.site_runner"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def test_runner_command_prints_the_summary_last(trainer, global_model, output) -> None:
+    proc = runner(make_run(trainer, global_model, output, "ok"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(SUMMARY_PREFIX)
+    summary = json.loads(last.removeprefix(SUMMARY_PREFIX))
+    assert summary["uri"] == str(output)
+    assert summary["sha256"] == hashlib.sha256(output.read_bytes()).hexdigest()
+    # The spec (which may name secrets' locations) is not passed on to the trainer.
+    assert "[site-1 r1] spec visible: False" in out
+
+
+def test_runner_command_exit_code_is_the_return_code(trainer, global_model, output) -> None:
+    proc = runner(make_run(trainer, global_model, output, "fail", "104"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == int(RC.INFRASTRUCTURE_ERROR)
+    assert "site site-1 round 1 FAILED [INFRASTRUCTURE_ERROR]: trainer failed: exit code 104" in err
+    proc = runner(None)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == int(RC.CONFIG_ERROR)
+    assert f"{SPEC_ENV} is not set" in err
+
+
+HANGER = """
+import os, signal, subprocess, sys, time
+if sys.argv[2] == "ignore-term":
+    signal.signal(signal.SIGTERM, lambda *_: print("got SIGTERM, ignoring it", flush=True))
+child = subprocess.Popen(["sleep", "1000"])
+with open(sys.argv[1] + ".tmp", "w") as fh:
+    fh.write(f"{os.getpid()} {child.pid}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(1000)
+"""
+
+
+def start_hanger(write_script, tmp_path, global_model, output, kill_on_exit, wait, mode, **kw):
+    script = write_script("hanger.py", HANGER)
+    pids = tmp_path / "pids"
+    site_run = make_run(script, global_model, output, str(pids), mode, **kw)
+    proc = runner(site_run)
+    kill_on_exit(proc.pid)
+    assert wait(pids.exists, 30), "the trainer did not start"
+    trainer_pid, grandchild = (int(x) for x in pids.read_text().split())
+    kill_on_exit(trainer_pid)
+    kill_on_exit(grandchild)
+    return proc, trainer_pid, grandchild
+
+
+def test_sigterm_to_the_runner_terminates_the_trainer_group(
+    write_script, tmp_path, global_model, output, alive, wait, kill_on_exit
+) -> None:
+    proc, trainer_pid, grandchild = start_hanger(
+        write_script, tmp_path, global_model, output, kill_on_exit, wait, "default"
+    )
+    assert alive(trainer_pid) and alive(grandchild)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert wait(lambda: not alive(trainer_pid) and not alive(grandchild), 5)
+    record = failure(output)
+    assert record["name"] == "ABORTED"
+    assert record["return_code"] == int(RC.ABORTED)
+    assert "site task was killed (SIGTERM)" in record["reason"]
+    assert "trainer process group terminated" in err
+    assert not output.exists()
+
+
+def test_sigterm_while_the_launch_timeout_is_being_enforced(
+    write_script, tmp_path, global_model, output, alive, wait, kill_on_exit, lines
+) -> None:
+    """The task is killed while the runner is already terminating a trainer that ignores SIGTERM."""
+    proc, trainer_pid, grandchild = start_hanger(
+        write_script,
+        tmp_path,
+        global_model,
+        output,
+        kill_on_exit,
+        wait,
+        "ignore-term",
+        launch_timeout=0.2,
+        shutdown_timeout=2.0,
+    )
+    reader = threading.Thread(target=lambda: [lines(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    # The runner sent SIGTERM for the launch timeout and now waits out shutdown_timeout ...
+    lines.wait_for("got SIGTERM, ignoring it", timeout=30)
+    # ... when the task itself is killed: the runner must still terminate the trainer and exit.
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    reader.join(timeout=10)
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "site task was killed (SIGTERM)" in err
+    assert wait(lambda: not alive(trainer_pid) and not alive(grandchild), 5)
+    assert failure(output)["name"] == "ABORTED"

@@ -1,0 +1,63 @@
+"""The layers: core < launchers < Airflow adapters, and a Client API that needs no Airflow."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+PROBE = """
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted({name.split(".")[0] for name in sys.modules})))
+"""
+
+
+def test_import_linter_contracts_are_kept() -> None:
+    lint_imports = pathlib.Path(sys.executable).parent / "lint-imports"
+    assert lint_imports.exists(), f"import-linter is not installed next to {sys.executable}"
+    result = subprocess.run([str(lint_imports)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = re.search(r"Contracts: (\d+) kept, (\d+) broken", result.stdout)
+    assert summary, result.stdout
+    assert int(summary.group(1)) >= 3
+    assert summary.group(2) == "0"
+    for name in (
+        "Layers: Airflow adapters > launchers > core",
+        "core and launchers never import Airflow",
+        "The Client API needs only numpy and safetensors",
+    ):
+        assert re.search(rf"{re.escape(name)} KEPT", result.stdout), f"contract {name!r} not kept"
+
+
+def top_level_modules_after_importing(module: str) -> set[str]:
+    result = subprocess.run([sys.executable, "-c", PROBE, module], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return set(json.loads(result.stdout))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "flare_airflow",
+        "flare_airflow.client",
+        "flare_airflow.core.client",
+        "flare_airflow.launchers.process",
+        "flare_airflow.launchers.site_runner",
+    ],
+)
+def test_lower_layers_do_not_load_airflow_or_pydantic(module: str) -> None:
+    loaded = top_level_modules_after_importing(module)
+    assert "flare_airflow" in loaded
+    assert not loaded & {"airflow", "pydantic", "kubernetes", "sqlalchemy"}, sorted(loaded)
+
+
+def test_the_probe_sees_heavy_imports() -> None:
+    """The configuration layer uses pydantic: the probe above would notice it."""
+    assert "pydantic" in top_level_modules_after_importing("flare_airflow.core.config")
