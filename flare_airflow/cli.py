@@ -136,6 +136,33 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pools_sync(args: argparse.Namespace) -> int:
+    from flare_airflow.hooks.pools import required_pools, sync_pools
+
+    try:
+        job = load_job(args.job)
+        required = required_pools(job)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not required:
+        print(f"job {job.job!r} uses no GPU pools (no site asks for GPUs under a 'gpu' resource manager)")
+        return 0
+    drift, changes = sync_pools(job, check=args.check)
+    for name, req in sorted(required.items()):
+        print(f"pool {name}: {req.slots} slot(s) for {', '.join(req.sites)}; largest job asks {req.largest_request}")
+    if args.check:
+        for message in drift:
+            print(f"drift: {message}")
+        print("pools match the job" if not drift else f"{len(drift)} problem(s)")
+        return 1 if drift else 0
+    for change in changes:
+        print(change)
+    if not changes:
+        print("pools already match the job; nothing changed")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flare-airflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("report", help="print the per-round table of a run's metrics.json")
     p.add_argument("metrics", help="path or URI of metrics.json")
     p.set_defaults(func=_cmd_report)
+    pools = sub.add_parser("pools", help="GPU pools of a job's sites").add_subparsers(dest="pools", required=True)
+    p = pools.add_parser("sync", help="create/update the job's pools (idempotent); --check only reports drift")
+    p.add_argument("job")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the pools do not match")
+    p.set_defaults(func=_cmd_pools_sync)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -73,6 +73,21 @@ class LauncherSpec(_Strict):
     slurm: dict[str, Any] = Field(default_factory=dict)
 
 
+class ResourceManagerSpec(_Strict):
+    """How a site's GPUs are managed (NVFlare's resource managers).
+
+    ``gpu``: the site has ``num_of_gpus`` GPUs; an Airflow pool with that many slots bounds its
+    concurrent jobs, and each job gets its own devices. ``passthrough``: no pool; the backend
+    (Kubernetes, SLURM) enforces the limits itself.
+    """
+
+    type: Literal["gpu", "passthrough"] = "gpu"
+    num_of_gpus: int = Field(0, ge=0, description="GPUs the site has (pool slots)")
+    gpu_class: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,30}$", description="e.g. 'a100'")
+    pool: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,256}$", description="Airflow pool name")
+    ignore_host: bool = Field(False, description="do not assign local devices (jobs run on other machines)")
+
+
 class SiteSpec(_Strict):
     """One site of a job, after ``@default`` has been merged in."""
 
@@ -81,6 +96,7 @@ class SiteSpec(_Strict):
     retries: int = Field(0, ge=0, le=20)
     retry_delay_seconds: float = Field(10.0, ge=0)
     resource_spec: ResourceSpec = Field(default_factory=ResourceSpec)
+    resource_manager: ResourceManagerSpec | None = None
     launcher_spec: LauncherSpec = Field(default_factory=LauncherSpec)
 
     @field_validator("launcher", mode="before")
@@ -97,6 +113,36 @@ class SiteSpec(_Strict):
                 f"supported: {', '.join(SUPPORTED_BACKENDS)}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _gpus_fit(self) -> SiteSpec:
+        wanted = self.resource_spec.num_of_gpus
+        manager = self.resource_manager
+        if wanted and manager is None:
+            raise ValueError(
+                f"a site job asks for {wanted} GPU(s) (resource_spec.num_of_gpus) but the site declares no "
+                "resource_manager: add resource_manager: {type: gpu, num_of_gpus: <the site's GPUs>}, "
+                "or {type: passthrough} if the backend enforces GPU limits itself"
+            )
+        if manager is not None and manager.type == "gpu":
+            if manager.num_of_gpus < 1:
+                raise ValueError("resource_manager.num_of_gpus must be >= 1 for type 'gpu' (the site's GPUs)")
+            if wanted > manager.num_of_gpus:
+                raise ValueError(
+                    f"a site job asks for {wanted} GPUs but the site has only {manager.num_of_gpus} "
+                    "(resource_manager.num_of_gpus): it could never run -- Airflow would wait for pool "
+                    "slots forever. Lower resource_spec.num_of_gpus or raise the site's capacity."
+                )
+        return self
+
+    def pool_name(self, site: str) -> str | None:
+        """The Airflow pool bounding this site's GPU jobs, or ``None`` (no GPUs asked, passthrough)."""
+        manager = self.resource_manager
+        if manager is None or manager.type != "gpu" or not self.resource_spec.num_of_gpus:
+            return None
+        if manager.pool:
+            return manager.pool
+        return f"flare_gpu_{site}" + (f"_{manager.gpu_class}" if manager.gpu_class else "")
 
 
 class TrainerSpec(_Strict):
@@ -144,6 +190,7 @@ class JobConfig(_Strict):
     evaluate: bool = Field(True, description="evaluate each new global model with the trainer (task 'evaluate')")
     schedule: str | None = Field(None, description="Airflow schedule for recurring runs")
     warm_start: bool = Field(False, description="default of the run form's warm-start switch")
+    check_pools: bool = Field(True, description="check the sites' GPU pools when a run starts")
     sites: dict[str, SiteSpec]
     base_dir: str = Field(".", description="directory relative paths are resolved against")
 

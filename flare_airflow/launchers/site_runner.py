@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 from typing import Any
 
@@ -27,6 +27,7 @@ from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import WritablePath, read_artifact, record_path
 from flare_airflow.core.spec import JobReturnCode, SiteJob
 from flare_airflow.core.store import path_from_uri
+from flare_airflow.launchers.gpus import GpuAllocationError, GpuAllocator, GpuLease
 from flare_airflow.launchers.process import LaunchError, ProcessJobHandle, ProcessLauncher
 
 SPEC_ENV = "FLARE_SITE_JOB_SPEC"
@@ -51,6 +52,12 @@ class SiteRun:
     cwd: str | None = None
     launch_timeout: float | None = None
     shutdown_timeout: float = 10.0
+    # Local device assignment (sites with a GPU resource manager, not ignore_host).
+    assign_gpus: bool = False
+    num_gpus: int = 0
+    gpu_capacity: int | None = None
+    mem_per_gpu_gib: float | None = None
+    gpu_wait_timeout: float = 600.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -171,11 +178,22 @@ def run_site(
         raise _Killed(signum)
 
     handle: ProcessJobHandle | None = None
+    lease: GpuLease | None = None
     previous: dict[signal.Signals, Any] = {}
     try:
         # Handlers first: a kill that lands while the trainer is being started still stops it.
         for s in signals:
             previous[s] = signal.signal(s, on_signal)
+        if run.assign_gpus:
+            try:
+                lease = GpuAllocator(num_gpus=run.gpu_capacity).acquire(
+                    run.num_gpus, run.mem_per_gpu_gib, timeout=run.gpu_wait_timeout
+                )
+            except GpuAllocationError as exc:
+                write_failure(output, JobReturnCode.INFRASTRUCTURE_ERROR, str(exc))
+                return JobReturnCode.INFRASTRUCTURE_ERROR, str(exc)
+            job = replace(job, env={**job.env, "CUDA_VISIBLE_DEVICES": lease.cuda_visible_devices})
+            print(f"GPUs assigned: CUDA_VISIBLE_DEVICES={lease.cuda_visible_devices!r}", flush=True)
         try:
             handle = launcher.launch_job(job)
         except LaunchError as exc:
@@ -192,6 +210,8 @@ def run_site(
         print(reason, file=sys.stderr, flush=True)
         sys.exit(128 + killed.signum)
     finally:
+        if lease is not None:
+            lease.release()
         for s, h in previous.items():
             signal.signal(s, h)
     if rc is not JobReturnCode.SUCCESS:

@@ -14,6 +14,7 @@ from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import FLModel, all_finite, atomic_write, parse_safetensors, read_artifact, write_artifact
 from flare_airflow.core.report import format_table, round_row
+from flare_airflow.hooks.pools import PoolError, blocking, live_pools_from_api, problems, required_pools
 from flare_airflow.operators.common import RunParamsError, run_id_of, run_params, store_for
 
 
@@ -35,11 +36,22 @@ class PrepareRunOperator(BaseOperator):
         super().__init__(**kwargs)
         self.job = job
 
+    def _check_pools(self) -> None:
+        try:
+            fatal, drift = _pool_problems(self.job)
+        except PoolError as exc:
+            raise AirflowFailException(str(exc)) from None
+        for message in drift:
+            self.log.warning("GPU pools: %s", message)
+        if fatal:
+            raise AirflowFailException("this run could never finish:\n  " + "\n  ".join(fatal))
+
     def execute(self, context: Context) -> dict[str, Any]:
         try:
             params = run_params(context, self.job)
         except RunParamsError as exc:
             raise AirflowFailException(f"invalid run parameters: {exc}") from None
+        self._check_pools()
         store = store_for(self.job)
         run_id = run_id_of(context)
         source = None
@@ -76,6 +88,14 @@ class PrepareRunOperator(BaseOperator):
             "min_clients": params.min_clients,
             "hparams": params.hparams,
         }
+
+
+def _pool_problems(job: JobConfig) -> tuple[list[str], list[str]]:
+    required = required_pools(job)
+    if not required or not job.check_pools:
+        return [], []
+    found = problems(required, live_pools_from_api(sorted(required)))
+    return blocking(found), [m for m in found if m not in blocking(found)]
 
 
 def plot_rounds(rows: Sequence[dict[str, Any]], title: str) -> bytes:

@@ -56,6 +56,11 @@ class SiteTrainOperator(BashOperator):
 
     def __init__(self, *, job: JobConfig, site: str, round_num: int, **kwargs: Any) -> None:
         spec = job.sites[site]
+        pool = spec.pool_name(site)
+        if pool is not None:
+            # One slot per GPU: the pool's slots are the site's GPUs (see docs/gpu-pools.md).
+            kwargs.setdefault("pool", pool)
+            kwargs.setdefault("pool_slots", spec.resource_spec.num_of_gpus)
         kwargs.setdefault("retries", spec.retries)
         kwargs.setdefault("retry_delay", timedelta(seconds=spec.retry_delay_seconds))
         if job.trainer.timeout:
@@ -77,7 +82,9 @@ class SiteTrainOperator(BashOperator):
         params = run_params(context, self.job)
         store = store_for(self.job)
         run_id = run_id_of(context)
-        process = self.job.sites[self.site].launcher_spec.process
+        spec = self.job.sites[self.site]
+        process = spec.launcher_spec.process
+        manager = spec.resource_manager
         return SiteRun(
             job=self.job.job,
             run_id=run_id,
@@ -93,6 +100,10 @@ class SiteTrainOperator(BashOperator):
             cwd=str(self.job.resolve(process.cwd)) if process.cwd else None,
             launch_timeout=self.job.trainer.launch_timeout,
             shutdown_timeout=self.job.trainer.shutdown_timeout,
+            assign_gpus=manager is not None and manager.type == "gpu" and not manager.ignore_host,
+            num_gpus=spec.resource_spec.num_of_gpus,
+            gpu_capacity=manager.num_of_gpus if manager is not None else None,
+            mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
         )
 
     def get_env(self, context: Context) -> dict[str, str]:

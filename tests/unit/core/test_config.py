@@ -255,7 +255,12 @@ def test_unknown_launcher_name(job_dir) -> None:
 def test_default_site_is_merged_and_the_site_wins(job_dir) -> None:
     data = base_job()
     data["sites"] = {
-        "@default": {"retries": 2, "weight": 0.5, "resource_spec": {"num_of_gpus": 1, "memory": "4Gi"}},
+        "@default": {
+            "retries": 2,
+            "weight": 0.5,
+            "resource_spec": {"num_of_gpus": 1, "memory": "4Gi"},
+            "resource_manager": {"type": "gpu", "num_of_gpus": 2},
+        },
         "site-1": {},
         "site-2": {"retries": 5, "resource_spec": {"num_of_gpus": 2}},
     }
@@ -271,12 +276,13 @@ def test_default_site_is_merged_and_the_site_wins(job_dir) -> None:
 def test_nvflare_top_level_resource_spec(job_dir) -> None:
     data = base_job()
     data["resource_spec"] = {"@default": {"num_of_gpus": 1, "memory": "2Gi"}, "site-1": {"num_of_gpus": 4}}
+    data["sites"] = {"@default": {"resource_manager": {"type": "passthrough"}}, "site-1": {}, "site-2": {}}
     job = load_job(write_job(job_dir, data))
     assert job.sites["site-1"].resource_spec.num_of_gpus == 4
     assert job.sites["site-1"].resource_spec.memory == "2Gi"
     assert job.sites["site-2"].resource_spec.num_of_gpus == 1
     # A site's own resource_spec beats the top-level block for that site.
-    data["sites"]["site-1"] = {"resource_spec": {"num_of_gpus": 8}}
+    data["sites"]["site-1"] = {"resource_spec": {"num_of_gpus": 8}, "resource_manager": {"type": "passthrough"}}
     assert load_job(write_job(job_dir, data)).sites["site-1"].resource_spec.num_of_gpus == 8
 
 
@@ -359,7 +365,7 @@ def test_job_from_python_equals_job_from_yaml(job_dir) -> None:
     data = base_job()
     data["resource_spec"] = {"@default": {"num_of_gpus": 1}}
     data["launcher_spec"] = {"default": {"process": {"env": {"A": "1"}}}}
-    data["sites"]["@default"] = {"retries": 3}
+    data["sites"]["@default"] = {"retries": 3, "resource_manager": {"num_of_gpus": 2}}
     data["trainer"]["args"] = ["--lr", 0.5]
     data["trainer"]["hparams"] = {"lr": 0.1, "epochs": 2}
     from_yaml = load_job(write_job(job_dir, copy.deepcopy(data)))
@@ -368,7 +374,7 @@ def test_job_from_python_equals_job_from_yaml(job_dir) -> None:
     assert from_python == from_yaml
     assert from_python.model_dump() == from_yaml.model_dump()
     # The caller's mapping is not modified by validation.
-    assert data["sites"]["@default"] == {"retries": 3}
+    assert data["sites"]["@default"] == {"retries": 3, "resource_manager": {"num_of_gpus": 2}}
     assert "resource_spec" in data
 
 
@@ -400,3 +406,23 @@ def test_job_name_is_checked(job_dir, name) -> None:
     path, msg = load_error(job_dir, data)
     assert f"{path}: job:" in msg
     assert f"job name {name!r} is not allowed" in msg
+
+
+def test_gpu_requests_need_a_resource_manager_and_must_fit_the_site(job_dir) -> None:
+    data = base_job()
+    data["sites"] = {"site-1": {"resource_spec": {"num_of_gpus": 1}}, "site-2": {}}
+    path, msg = load_error(job_dir, data)
+    assert f"{path}: sites.site-1 (site 'site-1'): a site job asks for 1 GPU(s)" in msg
+    assert "declares no resource_manager" in msg
+    data["sites"]["site-1"]["resource_manager"] = {"type": "gpu", "num_of_gpus": 2}
+    data["sites"]["site-1"]["resource_spec"]["num_of_gpus"] = 3
+    path, msg = load_error(job_dir, data)
+    assert "asks for 3 GPUs but the site has only 2" in msg and "wait for pool slots forever" in msg
+    data["sites"]["site-1"]["resource_spec"]["num_of_gpus"] = 2
+    job = load_job(write_job(job_dir, data))
+    assert job.sites["site-1"].pool_name("site-1") == "flare_gpu_site-1"
+    assert job.sites["site-2"].pool_name("site-2") is None  # no GPUs asked: default pool
+    data["sites"]["site-1"]["resource_manager"]["gpu_class"] = "a100"
+    assert load_job(write_job(job_dir, data)).sites["site-1"].pool_name("site-1") == "flare_gpu_site-1_a100"
+    data["sites"]["site-1"]["resource_manager"] = {"type": "passthrough"}
+    assert load_job(write_job(job_dir, data)).sites["site-1"].pool_name("site-1") is None

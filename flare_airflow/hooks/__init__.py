@@ -1,0 +1,1 @@
+"""Airflow-facing helpers that own a connection or the metadata database (pools)."""
