@@ -1,0 +1,207 @@
+"""Real Airflow with a real scheduler, for the tests where scheduling is what is tested.
+
+PostgreSQL: a private cluster (``initdb`` + ``pg_ctl``, fsync off) on a free loopback port, run as
+the ``postgres`` user. Airflow: ``api-server`` (which also serves the execution API the workers
+use), ``scheduler`` (LocalExecutor) and ``dag-processor``, each in its own session so that
+``stop()`` kills their whole process groups. Nothing here is mocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+BIN = pathlib.Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_bin(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    if not found:
+        raise RuntimeError(f"PostgreSQL's {name} is not installed (apt-get install postgresql); .ci/run installs it")
+    return found[-1]
+
+
+class Postgres:
+    def __init__(self) -> None:
+        # Not under pytest's tmp_path: its parents are private to root and postgres must reach it.
+        root = pathlib.Path(tempfile.mkdtemp(prefix="flare-pg-"))
+        root.chmod(0o755)
+        shutil.chown(root, "postgres", "postgres")
+        self.root = root
+        self.data = root / "pgdata"
+        self.port = free_port()
+        self._as_postgres([_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8"])
+        with open(self.data / "postgresql.conf", "a") as fh:
+            fh.write(
+                f"port = {self.port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{root}'\n"
+                "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\nmax_connections = 200\n"
+            )
+        self._as_postgres([_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(root / "pg.log"), "-w", "start"])
+        self._as_postgres([_pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "airflow"])
+
+    @staticmethod
+    def _as_postgres(cmd: list[str]) -> None:
+        out = subprocess.run(["runuser", "-u", "postgres", "--", *cmd], capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {out.stdout}{out.stderr}")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/airflow"
+
+    def stop(self) -> None:
+        self._as_postgres([_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"])
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class AirflowStack:
+    """api-server + scheduler + dag-processor on PostgreSQL, with a dags folder of its own."""
+
+    USER = "admin"
+
+    def __init__(self, root: pathlib.Path, db_url: str, parallelism: int = 4) -> None:
+        self.root = root
+        self.home = root / "airflow"
+        self.dags = root / "dags"
+        self.home.mkdir(parents=True)
+        self.dags.mkdir()
+        self.port = free_port()
+        self.password = secrets.token_urlsafe(12)
+        passwords = self.home / "passwords.json"
+        passwords.write_text(json.dumps({self.USER: self.password}))
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{self.USER}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url,
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__BASE_URL": self.base,
+            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+            "AIRFLOW_CONN_FLARE_AIRFLOW_API": json.dumps(
+                {"conn_type": "http", "host": self.base, "login": self.USER, "password": self.password}
+            ),
+            "PYTHONWARNINGS": "ignore::DeprecationWarning",
+        }
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.airflow("db", "migrate")
+
+    def airflow(self, *args: str) -> str:
+        out = subprocess.run([str(BIN / "airflow"), *args], env=self.env, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"airflow {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        return out.stdout
+
+    def start(self) -> None:
+        for component in ("api-server", "scheduler", "dag-processor"):
+            log = open(self.root / f"{component}.log", "wb")  # noqa: SIM115 - lives as long as the process
+            self.procs.append(
+                subprocess.Popen(
+                    [str(BIN / "airflow"), component],
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base}/api/v2/monitor/health", timeout=2).status_code == 200:
+                    self._token = self._login()
+                    return
+            except httpx.HTTPError:
+                pass
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"an Airflow component exited: see {self.root}/*.log")
+            time.sleep(0.5)
+        raise RuntimeError(f"the Airflow API did not come up in 120 s; see {self.root}/api-server.log")
+
+    def _login(self) -> str:
+        r = httpx.post(f"{self.base}/auth/token", json={"username": self.USER, "password": self.password}, timeout=10)
+        r.raise_for_status()
+        return str(r.json()["access_token"])
+
+    def api(self, method: str, path: str, **kw: Any) -> Any:
+        r = httpx.request(
+            method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"}, timeout=30, **kw
+        )
+        if r.status_code >= 400:
+            raise RuntimeError(f"{method} {path}: {r.status_code} {r.text}")
+        return r.json() if r.content else None
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.api("GET", f"/dags/{dag_id}")
+                return
+            except RuntimeError:
+                time.sleep(1)
+        errors = self.api("GET", "/importErrors")
+        raise RuntimeError(f"DAG {dag_id} was not parsed in {timeout}s; import errors: {errors}")
+
+    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
+        self.wait_for_dag(dag_id)
+        self.api("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
+        run = self.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf or {}})
+        return str(run["dag_run_id"])
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}")["state"]
+            if state in ("success", "failed"):
+                return str(state)
+            time.sleep(1)
+        raise RuntimeError(f"run {run_id} of {dag_id} did not finish in {timeout}s")
+
+    def task_instances(self, dag_id: str, run_id: str) -> dict[str, dict[str, Any]]:
+        body = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 1000})
+        return {ti["task_id"]: ti for ti in body["task_instances"]}
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for p in self.procs:  # anything left in the groups (task processes)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
