@@ -83,6 +83,10 @@ class GpuLease:
                 os.close(fd)
         self._fds.clear()
 
+    def __del__(self) -> None:
+        # A lease dropped without release() must not hold its GPUs until the process exits.
+        self.release()
+
     def __enter__(self) -> GpuLease:
         return self
 
