@@ -1,0 +1,97 @@
+"""flare-airflow benchmarks: measured side by side, printed as markdown tables, never asserted.
+
+    .venv/bin/python benchmarks/run.py              # everything (~6-10 min on 2 cores)
+    .venv/bin/python benchmarks/run.py --quick      # smaller set (~2 min)
+    .venv/bin/python benchmarks/run.py --only e2e   # or --only fedavg
+
+1. **e2e** -- a trivial job (2 sites x 1 and x 3 rounds, no-op trainer) through real Airflow
+   (embedded default: SQLite, ``airflow dags test``) next to a 1-task no-op DAG (Airflow's floor).
+2. **fedavg** -- ``fedavg_from_store`` on 4 and 16 updates of 64 and 256 MiB: throughput and peak
+   memory, next to numpy's own streaming bandwidth on the same bytes, and a per-stage breakdown.
+
+The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details. These
+machines are noisy: compared cases alternate within one run, repetitions >= 3, medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_e2e
+import bench_fedavg
+from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_OUTPUT = BENCH_DIR / "results" / "latest.md"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller set: 64 MiB updates only, no cold-run pass")
+    p.add_argument("--only", choices=("e2e", "fedavg"), help="run one benchmark")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
+    p.add_argument("--tmp-dir", help="where temporary AIRFLOW_HOME and model stores go (on disk, not tmpfs)")
+    p.add_argument("--keep", action="store_true", help="keep temporary files (Airflow logs, stores)")
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="markdown report (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.reps < 3:
+        p.error("--reps must be at least 3: these machines are noisy and single runs mislead")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    tmp_dir = args.tmp_dir or tempfile.gettempdir()
+    sections: list[tuple[str, list[Table]]] = []
+    machine = machine_table(tmp_dir)  # before the benchmarks: the load average at start
+    cpu_start = CpuSnapshot.take()
+    try:
+        if args.only in (None, "e2e"):
+            log("[e2e] end-to-end through Airflow ...")
+            tables = bench_e2e.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("1. End to end through Airflow", tables))
+        if args.only in (None, "fedavg"):
+            log("[fedavg] FedAvg throughput and memory ...")
+            tables = bench_fedavg.run(
+                sizes_mib=[64] if args.quick else [64, 256],
+                counts=[4, 16],
+                reps=args.reps,
+                quick=args.quick,
+                keep=args.keep,
+                tmp_base=args.tmp_dir,
+            )
+            sections.append(("2. FedAvg throughput and peak memory", tables))
+    except BenchmarkFailed as exc:
+        print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.monotonic() - started
+    machine.add("foreign CPU load during the benchmark", cpu_start.foreign_load(CpuSnapshot.take()))
+    machine.add("load average at end", " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    mode = "quick" if args.quick else "full"
+    command = shlex.join(["python", "benchmarks/run.py", *argv])
+    parts = [
+        "# flare-airflow benchmarks\n",
+        f"`{command}` — {mode} set, {args.reps} repetitions per case; the benchmark itself took "
+        f"{elapsed / 60:.1f} min. Measured, never asserted: compare rows within this file, not across machines.\n",
+        machine.markdown(),
+    ]
+    for title, tables in sections:
+        parts.append(f"## {title}\n")
+        parts.extend(t.markdown() for t in tables)
+    report = "\n".join(parts)
+    print(report)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(report)
+    log(f"wrote {args.output} ({elapsed:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
