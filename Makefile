@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup system-deps demo test lint bench clean
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -31,6 +31,13 @@ $(AIRFLOW_HOME)/airflow.db: | $(VENV)/.installed
 
 setup: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
 
+# What the integration tiers need from the system: PostgreSQL (scheduler tests) and a real
+# Kubernetes control plane built from Debian's source package (cached; ~7 min when cold).
+system-deps:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
+	bash k8s/build-control-plane.sh
+
 lock: | $(BIN)/uv
 	$(BIN)/uv pip compile pyproject.toml --extra dev --python-version 3.11 --no-header -o requirements.lock
 
@@ -43,7 +50,7 @@ lint: $(VENV)/.installed
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: setup lint
+test: setup system-deps lint
 	$(BIN)/pytest -q -p no:cacheprovider tests
 
 bench: setup
