@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
-TRAINERS = pathlib.Path(__file__).parent / "trainers"
+TRAINERS = pathlib.Path(__file__).parent / "e2e" / "trainers"
 
 
 @dataclass
