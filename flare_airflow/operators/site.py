@@ -41,6 +41,59 @@ def trainer_argv(job: JobConfig) -> list[str]:
     return [*command, str(job.script_path()), *job.trainer.args]
 
 
+def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> None:
+    """Task arguments every site task gets from the site's spec: pool, retries, timeout."""
+    spec = job.sites[site]
+    pool = spec.pool_name(site)
+    if pool is not None:
+        # One slot per GPU: the pool's slots are the site's GPUs (see docs/gpu-pools.md).
+        kwargs.setdefault("pool", pool)
+        kwargs.setdefault("pool_slots", spec.resource_spec.num_of_gpus)
+    kwargs.setdefault("retries", spec.retries)
+    kwargs.setdefault("retry_delay", timedelta(seconds=spec.retry_delay_seconds))
+    if job.trainer.timeout:
+        kwargs.setdefault("execution_timeout", timedelta(seconds=job.trainer.timeout))
+
+
+def skip_beyond_rounds(context: Context, job: JobConfig, round_num: int) -> None:
+    params = run_params(context, job)
+    if round_num > params.rounds:
+        raise AirflowSkipException(
+            f"round {round_num} skipped: this run asked for {params.rounds} of at most {job.rounds} rounds"
+        )
+
+
+def make_site_run(job: JobConfig, site: str, round_num: int, context: Context, *, argv: list[str]) -> SiteRun:
+    """The site job of (run, round, site): identity, Client API paths, hyper-parameters, devices."""
+    params = run_params(context, job)
+    store = store_for(job)
+    run_id = run_id_of(context)
+    spec = job.sites[site]
+    process = spec.launcher_spec.process
+    manager = spec.resource_manager
+    local = spec.launcher == "process"
+    return SiteRun(
+        job=job.job,
+        run_id=run_id,
+        round=round_num,
+        total_rounds=params.rounds,
+        site=site,
+        task="train",
+        argv=argv,
+        global_model=str(store.global_model(job.job, run_id, round_num - 1)),
+        output=str(store.site_update(job.job, run_id, round_num, site)),
+        env=dict(process.env) if local else {},
+        hparams=params.hparams,
+        cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
+        launch_timeout=job.trainer.launch_timeout,
+        shutdown_timeout=job.trainer.shutdown_timeout,
+        assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
+        num_gpus=spec.resource_spec.num_of_gpus,
+        gpu_capacity=manager.num_of_gpus if manager is not None else None,
+        mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
+    )
+
+
 class SiteTrainOperator(BashOperator):
     """Train one site for one round as a local process.
 
@@ -55,16 +108,7 @@ class SiteTrainOperator(BashOperator):
     template_fields = ()
 
     def __init__(self, *, job: JobConfig, site: str, round_num: int, **kwargs: Any) -> None:
-        spec = job.sites[site]
-        pool = spec.pool_name(site)
-        if pool is not None:
-            # One slot per GPU: the pool's slots are the site's GPUs (see docs/gpu-pools.md).
-            kwargs.setdefault("pool", pool)
-            kwargs.setdefault("pool_slots", spec.resource_spec.num_of_gpus)
-        kwargs.setdefault("retries", spec.retries)
-        kwargs.setdefault("retry_delay", timedelta(seconds=spec.retry_delay_seconds))
-        if job.trainer.timeout:
-            kwargs.setdefault("execution_timeout", timedelta(seconds=job.trainer.timeout))
+        site_task_defaults(job, site, kwargs)
         super().__init__(
             bash_command=f"exec {shlex.quote(sys.executable)} -m flare_airflow.launchers.site_runner",
             append_env=True,
@@ -79,32 +123,7 @@ class SiteTrainOperator(BashOperator):
         self._spec_json = ""
 
     def site_run(self, context: Context) -> SiteRun:
-        params = run_params(context, self.job)
-        store = store_for(self.job)
-        run_id = run_id_of(context)
-        spec = self.job.sites[self.site]
-        process = spec.launcher_spec.process
-        manager = spec.resource_manager
-        return SiteRun(
-            job=self.job.job,
-            run_id=run_id,
-            round=self.round_num,
-            total_rounds=params.rounds,
-            site=self.site,
-            task="train",
-            argv=trainer_argv(self.job),
-            global_model=str(store.global_model(self.job.job, run_id, self.round_num - 1)),
-            output=str(store.site_update(self.job.job, run_id, self.round_num, self.site)),
-            env=dict(process.env),
-            hparams=params.hparams,
-            cwd=str(self.job.resolve(process.cwd)) if process.cwd else None,
-            launch_timeout=self.job.trainer.launch_timeout,
-            shutdown_timeout=self.job.trainer.shutdown_timeout,
-            assign_gpus=manager is not None and manager.type == "gpu" and not manager.ignore_host,
-            num_gpus=spec.resource_spec.num_of_gpus,
-            gpu_capacity=manager.num_of_gpus if manager is not None else None,
-            mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
-        )
+        return make_site_run(self.job, self.site, self.round_num, context, argv=trainer_argv(self.job))
 
     def get_env(self, context: Context) -> dict[str, str]:
         env = super().get_env(context)
@@ -112,12 +131,7 @@ class SiteTrainOperator(BashOperator):
         return env
 
     def execute(self, context: Context) -> Any:
-        params = run_params(context, self.job)
-        if self.round_num > params.rounds:
-            raise AirflowSkipException(
-                f"round {self.round_num} skipped: this run asked for {params.rounds} "
-                f"of at most {self.job.rounds} rounds"
-            )
+        skip_beyond_rounds(context, self.job, self.round_num)
         run = self.site_run(context)
         self._spec_json = run.to_json()
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
