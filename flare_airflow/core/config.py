@@ -27,10 +27,20 @@ DEFAULT_SITE = "@default"
 NVFLARE_DEFAULT = "default"
 BACKENDS = ("process", "k8s", "docker", "slurm")
 BACKEND_ALIASES = {"kubernetes": "k8s"}
-SUPPORTED_BACKENDS = ("process",)
+SUPPORTED_BACKENDS = ("process", "k8s")
 
 _SITE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# Labels the pod builder sets itself (flare_airflow.launchers.kubernetes.pod_labels).
+RESERVED_LABEL_PREFIX = "flare-airflow/"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+# Names of the Client API's variables (and of what the launcher adds) belong to flare-airflow.
+RESERVED_ENV_PREFIX = "FLARE_"
+STORE_VOLUME = "flare-store"
 Scalar = int | float | str | bool
 
 
@@ -64,11 +74,340 @@ class ProcessLaunchSpec(_Strict):
     cwd: str | None = Field(None, description="working directory of the trainer")
 
 
+def _dns_label(value: str, what: str) -> str:
+    if not _SITE_NAME.match(value) or len(value) > 63:
+        raise ValueError(
+            f"{what} {value!r} is not an RFC 1123 label: use lowercase letters, digits and '-', "
+            "start and end with a letter or digit, at most 63 characters"
+        )
+    return value
+
+
+def _dns_subdomain(value: str, what: str) -> str:
+    if not _DNS_SUBDOMAIN.match(value) or len(value) > 253:
+        raise ValueError(
+            f"{what} {value!r} is not a Kubernetes object name: use lowercase letters, digits, '-' and '.', "
+            "start and end with a letter or digit, at most 253 characters"
+        )
+    return value
+
+
+def _qualified_name(value: str, what: str) -> str:
+    """A label or annotation key: ``[prefix/]name`` (prefix a DNS subdomain, name <= 63 characters)."""
+    prefix, _, name = value.rpartition("/")
+    ok = bool(name) and len(name) <= 63 and bool(_LABEL_VALUE.match(name))
+    if prefix:
+        ok = ok and len(prefix) <= 253 and bool(_DNS_SUBDOMAIN.match(prefix))
+    if not ok:
+        raise ValueError(
+            f"{what} {value!r} is not a valid key: an optional DNS prefix and '/', then at most 63 letters, "
+            "digits, '-', '_' or '.', starting and ending with a letter or digit (e.g. 'team' or 'example.org/team')"
+        )
+    return value
+
+
+def _label_value(value: str, what: str) -> str:
+    if len(value) > 63 or not _LABEL_VALUE.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not a valid label value: at most 63 letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return value
+
+
+def _env_name(name: str, what: str) -> str:
+    if not _ENV_NAME.match(name):
+        raise ValueError(f"{what}: {name!r} is not a valid environment variable name (letters, digits, '_', '-', '.')")
+    if name.startswith(RESERVED_ENV_PREFIX):
+        raise ValueError(f"{what}: {name!r} is reserved: FLARE_* variables are set by flare-airflow for the Client API")
+    return name
+
+
+def _absolute_path(value: str, what: str) -> str:
+    if not value.startswith("/") or "/../" in f"{value}/" or ":" in value:
+        raise ValueError(f"{what} {value!r} must be an absolute path without '..' or ':'")
+    return value
+
+
+class SecretRef(_Strict):
+    """A key of a Kubernetes Secret in the site's namespace; the value never appears in a spec."""
+
+    secret: str = Field(description="name of the Secret")
+    key: str = Field(description="key inside the Secret")
+
+    @field_validator("secret")
+    @classmethod
+    def _secret(cls, value: str) -> str:
+        return _dns_subdomain(value, "secret name")
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        if not _SECRET_KEY.match(value) or len(value) > 253:
+            raise ValueError(f"secret key {value!r} may contain only letters, digits, '-', '_' and '.'")
+        return value
+
+
+def _exactly_one(what: str, **sources: Any) -> None:
+    given = [name for name, value in sources.items() if value not in (None, False)]
+    if len(given) != 1:
+        found = f"got {', '.join(given)}" if given else "got none"
+        raise ValueError(f"{what} needs exactly one of {', '.join(sources)} ({found})")
+
+
+class VolumeSpec(_Strict):
+    """A volume mounted into the trainer's container: a PVC, a hostPath or an emptyDir."""
+
+    name: str = Field(description="volume name (RFC 1123 label)")
+    mount_path: str = Field(description="absolute path inside the container")
+    read_only: bool = False
+    pvc: str | None = Field(None, description="PersistentVolumeClaim name in the site's namespace")
+    host_path: str | None = Field(None, description="directory on the node")
+    empty_dir: bool = Field(False, description="a scratch directory that lives as long as the pod")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if value == STORE_VOLUME:
+            raise ValueError(f"volume name {STORE_VOLUME!r} is reserved for store_mount; choose another name")
+        return _dns_label(value, "volume name")
+
+    @field_validator("mount_path", "host_path")
+    @classmethod
+    def _paths(cls, value: str | None) -> str | None:
+        return None if value is None else _absolute_path(value, "path")
+
+    @field_validator("pvc")
+    @classmethod
+    def _pvc(cls, value: str | None) -> str | None:
+        return None if value is None else _dns_subdomain(value, "claim name")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VolumeSpec:
+        _exactly_one(f"volume {self.name!r}", pvc=self.pvc, host_path=self.host_path, empty_dir=self.empty_dir)
+        return self
+
+
+class StoreMount(_Strict):
+    """How a pod reaches a file:// model store: the store root is mounted at ``mount_path``."""
+
+    mount_path: str = Field("/flare-store", description="where the store root appears inside the container")
+    pvc: str | None = Field(None, description="PersistentVolumeClaim holding the store root")
+    host_path: str | None = Field(None, description="the store root's directory on the node")
+
+    @field_validator("mount_path", "host_path")
+    @classmethod
+    def _paths(cls, value: str | None) -> str | None:
+        return None if value is None else _absolute_path(value, "path")
+
+    @field_validator("pvc")
+    @classmethod
+    def _pvc(cls, value: str | None) -> str | None:
+        return None if value is None else _dns_subdomain(value, "claim name")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> StoreMount:
+        _exactly_one("store_mount", pvc=self.pvc, host_path=self.host_path)
+        return self
+
+
+_TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+_TOLERATION_OPERATORS = ("Exists", "Equal")
+_TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _toleration(item: Any, index: int) -> dict[str, Any]:
+    where = f"toleration {index}"
+    if not isinstance(item, Mapping):
+        raise ValueError(f"{where} must be a mapping with keys {', '.join(_TOLERATION_KEYS)}, got {item!r}")
+    unknown = [k for k in item if k not in _TOLERATION_KEYS]
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(_TOLERATION_KEYS)}")
+    out = dict(item)
+    operator = out.get("operator", "Equal")
+    if operator not in _TOLERATION_OPERATORS:
+        raise ValueError(f"{where}: operator {operator!r} is not one of {', '.join(_TOLERATION_OPERATORS)}")
+    for name in ("key", "value"):
+        if name in out and not isinstance(out[name], str):
+            raise ValueError(f"{where}: {name} must be a string, got {out[name]!r}")
+    if "key" in out:
+        _qualified_name(out["key"], f"{where}: key")
+    elif operator != "Exists":
+        raise ValueError(f"{where}: a toleration without a key must have operator Exists (it tolerates every taint)")
+    if operator == "Exists" and out.get("value"):
+        raise ValueError(f"{where}: operator Exists takes no value")
+    if "value" in out:
+        _label_value(out["value"], f"{where}: value")
+    effect = out.get("effect")
+    if effect is not None and effect not in _TOLERATION_EFFECTS:
+        raise ValueError(f"{where}: effect {effect!r} is not one of {', '.join(_TOLERATION_EFFECTS)}")
+    seconds = out.get("tolerationSeconds")
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, int):
+            raise ValueError(f"{where}: tolerationSeconds must be an integer, got {seconds!r}")
+        if effect != "NoExecute":
+            raise ValueError(f"{where}: tolerationSeconds applies only to effect NoExecute")
+    return out
+
+
+class KubernetesLaunchSpec(_Strict):
+    """Site policy for Kubernetes site jobs (``launcher_spec.k8s``): one pod per site job and round.
+
+    The pod manifest is built from this block by ``flare_airflow.launchers.kubernetes.build_pod``.
+    Secrets are references only (``secret_env``); their values never appear in a job or a pod spec.
+    """
+
+    image: str | None = Field(None, description="the site's trainer image (required for a k8s site)")
+    namespace: str = Field("default", description="namespace the site's pods run in")
+    kubernetes_conn_id: str | None = Field(
+        None, description="Airflow connection of the site's cluster; None: in-cluster or kubeconfig default"
+    )
+    in_cluster: bool | None = Field(None, description="use the in-cluster service account configuration")
+    config_file: str | None = Field(None, description="kubeconfig file (outside Airflow connections)")
+    cluster_context: str | None = Field(None, description="kubeconfig context")
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Secrets with registry credentials")
+    service_account_name: str | None = Field(None, description="the pod's service account; none: no API token")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="plain environment values (never secrets)")
+    secret_env: dict[str, SecretRef] = Field(
+        default_factory=dict, description="environment from Secrets: NAME: {secret: <Secret>, key: <key>}"
+    )
+    volumes: list[VolumeSpec] = Field(default_factory=list)
+    store_mount: StoreMount | None = Field(None, description="mount of a file:// model store into the pod")
+    trainer_command: list[str] | None = Field(None, description="the trainer's command in the image; default python")
+    trainer_script: str | None = Field(
+        None, description="the trainer script's path in the image; default trainer.script as given"
+    )
+    pending_timeout: float = Field(300.0, gt=0, description="seconds Pending for lack of cpu / memory / GPUs")
+    startup_timeout: float = Field(120.0, gt=0, description="seconds Pending for any other reason")
+    keep_pods: bool = Field(False, description="keep finished pods (debugging)")
+    poll_interval: float = Field(2.0, gt=0, description="seconds between pod status reads")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise ValueError(f"image {value!r} must be a non-empty image reference without spaces")
+        return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return _dns_label(value, "namespace")
+
+    @field_validator("kubernetes_conn_id", "config_file", "cluster_context", "trainer_script")
+    @classmethod
+    def _non_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (leave it out for the default)")
+        return value
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secrets(cls, value: list[str]) -> list[str]:
+        return [_dns_subdomain(v, "image pull secret") for v in value]
+
+    @field_validator("service_account_name")
+    @classmethod
+    def _service_account(cls, value: str | None) -> str | None:
+        return None if value is None else _dns_subdomain(value, "service account name")
+
+    @field_validator("node_selector")
+    @classmethod
+    def _node_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            _qualified_name(key, "node_selector key")
+            _label_value(item, f"node_selector[{key}]")
+        return value
+
+    @field_validator("tolerations", mode="before")
+    @classmethod
+    def _tolerations(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [_toleration(item, i) for i, item in enumerate(value)]
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            _qualified_name(key, "label key")
+            _label_value(item, f"label {key}")
+            if key.startswith(RESERVED_LABEL_PREFIX) or key == MANAGED_BY_LABEL:
+                raise ValueError(
+                    f"label {key!r} is set by flare-airflow (job, run, round, site, try); choose another key"
+                )
+        return value
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            _qualified_name(key, "annotation key")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            _env_name(name, "env")
+        return value
+
+    @field_validator("secret_env", mode="before")
+    @classmethod
+    def _secret_references(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for name, ref in value.items():
+                if not isinstance(ref, Mapping | SecretRef):
+                    raise ValueError(
+                        f"secret_env.{name} must be a reference {{secret: <Secret name>, key: <key>}}, "
+                        "never the value itself (values stay in the site's Kubernetes Secrets)"
+                    )
+        return value
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, value: dict[str, SecretRef]) -> dict[str, SecretRef]:
+        for name in value:
+            _env_name(name, "secret_env")
+        return value
+
+    @field_validator("trainer_command", mode="before")
+    @classmethod
+    def _command(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError("must be a list of arguments, not a string (arguments are never run through a shell)")
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty (leave it out for the default ['python'])")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KubernetesLaunchSpec:
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"{', '.join(both)} set in both env and secret_env; keep one")
+        if self.in_cluster and self.config_file:
+            raise ValueError("in_cluster and config_file exclude each other")
+        names = [v.name for v in self.volumes]
+        paths = [v.mount_path.rstrip("/") for v in self.volumes]
+        if self.store_mount is not None:
+            paths.append(self.store_mount.mount_path.rstrip("/"))
+        for what, items in (("volume name", names), ("mount_path", paths)):
+            dupes = sorted({i for i in items if items.count(i) > 1})
+            if dupes:
+                raise ValueError(f"{what} {dupes[0]!r} is used twice (volumes and store_mount)")
+        return self
+
+
 class LauncherSpec(_Strict):
     """Per-backend launcher blocks. Only the block of the site's backend is used."""
 
     process: ProcessLaunchSpec = Field(default_factory=ProcessLaunchSpec)
-    k8s: dict[str, Any] = Field(default_factory=dict)
+    k8s: KubernetesLaunchSpec = Field(default_factory=KubernetesLaunchSpec)
     docker: dict[str, Any] = Field(default_factory=dict)
     slurm: dict[str, Any] = Field(default_factory=dict)
 
@@ -113,6 +452,15 @@ class SiteSpec(_Strict):
                 f"supported: {', '.join(SUPPORTED_BACKENDS)}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _k8s_image(self) -> SiteSpec:
+        if self.launcher == "k8s" and self.launcher_spec.k8s.image is None:
+            raise ValueError(
+                "a Kubernetes site needs its trainer image: set launcher_spec.k8s.image "
+                "(e.g. registry.example.org/fl/trainer:1.0, built from docker/Dockerfile.trainer)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _gpus_fit(self) -> SiteSpec:
@@ -348,6 +696,9 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
             current = models[0]
         elif origin is dict:
             current = args[1]
+            i += 1
+        elif origin is list:
+            current = args[0]
             i += 1
         else:
             return None

@@ -58,6 +58,12 @@ def test_lower_layers_do_not_load_airflow_or_pydantic(module: str) -> None:
     assert not loaded & {"airflow", "pydantic", "kubernetes", "sqlalchemy"}, sorted(loaded)
 
 
+def test_the_kubernetes_launcher_loads_kubernetes_but_not_airflow() -> None:
+    loaded = top_level_modules_after_importing("flare_airflow.launchers.kubernetes")
+    assert "kubernetes" in loaded
+    assert not loaded & {"airflow", "sqlalchemy"}, sorted(loaded)
+
+
 def test_the_probe_sees_heavy_imports() -> None:
     """The configuration layer uses pydantic: the probe above would notice it."""
     assert "pydantic" in top_level_modules_after_importing("flare_airflow.core.config")
