@@ -68,6 +68,17 @@ def job_params(job: JobConfig) -> dict[str, Param]:
     return params
 
 
+def site_task(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> Any:
+    """The site's task for one round, chosen by the site's launcher (site policy, not the DAG's)."""
+    launcher = job.sites[site].launcher
+    if launcher == "k8s":
+        # Imported only when a job has Kubernetes sites.
+        from flare_airflow.operators.pod import SitePodOperator
+
+        return SitePodOperator(job=job, site=site, round_num=round_num, **kwargs)
+    return SiteTrainOperator(job=job, site=site, round_num=round_num, **kwargs)
+
+
 def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
     """Create the job's tasks in the current DAG / TaskGroup context; return the first and last."""
     prepare = PrepareRunOperator(task_id="prepare", job=job, doc_md=f"Round-0 global model of job `{job.job}`.")
@@ -75,10 +86,7 @@ def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
     aggregates = []
     for r in range(1, job.rounds + 1):
         with TaskGroup(group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then FedAvg"):
-            sites = [
-                SiteTrainOperator(task_id=site, job=job, site=site, round_num=r, doc_md=f"Site `{site}`, round {r}.")
-                for site in job.sites
-            ]
+            sites = [site_task(job, site, r, task_id=site, doc_md=f"Site `{site}`, round {r}.") for site in job.sites]
             aggregate = AggregateOperator(
                 task_id=AGGREGATE_TASK, job=job, round_num=r, doc_md=f"FedAvg of round {r}; evaluation."
             )

@@ -6,6 +6,10 @@ import pytest
 
 from tests.harness import AirflowHome
 
+# The Kubernetes control plane and LOCAL NODE AGENT fixtures, shared by integration and e2e tests
+# (session-scoped: one control plane per test session).
+from tests.k8s_harness.fixtures import audit, control_plane, core, namespace, node_agent  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> AirflowHome:

@@ -422,7 +422,7 @@ def test_namespace_fixture_fails_a_test_that_leaves_a_pod(tmp_path: pathlib.Path
             "-p",
             "no:cacheprovider",
             "-p",
-            "tests.integration.k8s.conftest",
+            "tests.k8s_harness.fixtures",
             "--rootdir",
             str(tmp_path),
             "--basetemp",

@@ -1,0 +1,144 @@
+"""Site job task for Kubernetes sites: a ``KubernetesPodOperator`` whose pod comes from the one
+manifest builder (:func:`flare_airflow.launchers.kubernetes.job_pod`) and whose waiting follows
+NVIDIA FLARE's launcher semantics (:class:`flare_airflow.triggers.pod_state.PodStateTrigger`).
+
+Deferrable by default. Sync mode runs the same trigger in the worker, so both modes share one
+state table. However the task ends -- success, failure, timeout, kill, "mark failed" -- the pod is
+deleted unless the site keeps pods for debugging; the task log carries the pod's log and the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.sdk import Context
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskDeferred
+
+from flare_airflow.core.config import JobConfig
+from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.store import path_from_uri
+from flare_airflow.launchers.kubernetes import CONTAINER_NAME, job_pod
+from flare_airflow.launchers.site_runner import SiteRun, check_result, clear_outputs, write_failure
+from flare_airflow.operators.common import store_for
+from flare_airflow.operators.site import SiteJobFailed, make_site_run, site_task_defaults, skip_beyond_rounds
+from flare_airflow.triggers.pod_state import PodStateTrigger
+
+
+class SitePodOperator(KubernetesPodOperator):
+    """Train one site for one round as a pod in the site's cluster.
+
+    :param job: the validated job.
+    :param site: the site (its launcher is ``k8s``).
+    :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
+
+    Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
+    """
+
+    ui_color = "#c7e9c0"
+    template_fields = ()
+
+    def __init__(self, *, job: JobConfig, site: str, round_num: int, **kwargs: Any) -> None:
+        spec = job.sites[site].launcher_spec.k8s
+        site_task_defaults(job, site, kwargs)
+        kwargs.setdefault("deferrable", True)
+        super().__init__(
+            namespace=spec.namespace,
+            image=spec.image,
+            kubernetes_conn_id=spec.kubernetes_conn_id,
+            in_cluster=spec.in_cluster,
+            config_file=spec.config_file,
+            cluster_context=spec.cluster_context,
+            base_container_name=CONTAINER_NAME,
+            get_logs=True,
+            do_xcom_push=False,
+            on_finish_action="keep_pod" if spec.keep_pods else "delete_pod",
+            poll_interval=spec.poll_interval,
+            reattach_on_restart=False,
+            log_events_on_failure=True,
+            **kwargs,
+        )
+        self.job = job
+        self.site = site
+        self.round_num = round_num
+        self._run: SiteRun | None = None
+
+    def _site_run(self, context: Context) -> SiteRun:
+        if self._run is None:
+            self._run = make_site_run(self.job, self.site, self.round_num, context, argv=[])
+        return self._run
+
+    def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> Any:
+        if context is None:
+            raise FlareAirflowError("a site pod is built for one task instance: a context is needed")
+        store = store_for(self.job)
+        pod = job_pod(
+            self.job,
+            self.site,
+            self._site_run(context).site_job(),
+            store_root=str(store.root),
+            try_number=int(context["ti"].try_number or 1),
+        )
+        # The operator's own identifying labels too, so that Airflow's tooling finds the pod.
+        pod.metadata.labels.update(self._get_ti_pod_labels(context))
+        return pod
+
+    def execute(self, context: Context) -> Any:
+        skip_beyond_rounds(context, self.job, self.round_num)
+        run = self._site_run(context)
+        clear_outputs(path_from_uri(run.output))
+        return super().execute(context)
+
+    def _trigger(self) -> PodStateTrigger:
+        spec = self.job.sites[self.site].launcher_spec.k8s
+        self.convert_config_file_to_dict()
+        assert self.pod is not None
+        return PodStateTrigger(
+            pod_name=self.pod.metadata.name,
+            pod_namespace=self.pod.metadata.namespace,
+            kubernetes_conn_id=self.kubernetes_conn_id,
+            config_dict=self._config_dict,
+            in_cluster=self.in_cluster,
+            cluster_context=self.cluster_context,
+            pending_timeout=spec.pending_timeout,
+            startup_timeout=spec.startup_timeout,
+        )
+
+    def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
+        self.defer(trigger=self._trigger(), method_name="trigger_reentry")
+
+    def execute_sync(self, context: Context) -> Any:
+        # Same trigger, same state table as deferrable mode; the worker waits instead of the triggerer.
+        self.pod_request_obj = self.build_pod_request_obj(context)
+        self.pod = self.get_or_create_pod(pod_request_obj=self.pod_request_obj, context=context)
+
+        async def first_event() -> dict[str, Any]:
+            async for event in self._trigger().run():
+                return dict(event.payload)
+            raise FlareAirflowError("the pod-state trigger ended without an event")
+
+        return self.trigger_reentry(context, asyncio.run(first_event()))
+
+    def trigger_reentry(self, context: Context, event: dict[str, Any]) -> Any:
+        run = self._site_run(context)
+        output = path_from_uri(run.output)
+        reason = str(event.get("reason") or event.get("message") or event.get("status"))
+        self.log.info("site %s round %d pod %s: %s", self.site, self.round_num, event.get("name"), event.get("status"))
+        try:
+            super().trigger_reentry(context, event)
+        except (AirflowException, FlareAirflowError, Exception) as exc:
+            if isinstance(exc, AirflowSkipException | TaskDeferred):
+                raise
+            if event.get("status") == "success":
+                reason = f"pod succeeded but its result could not be collected: {exc}"
+            rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
+            write_failure(output, rc, reason)
+            raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {reason} [{rc.name}]") from None
+        try:
+            return check_result(run, output)
+        except FlareAirflowError as exc:
+            clear_outputs(output)
+            write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
+            raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {exc}") from None

@@ -1,0 +1,1 @@
+"""Triggers: serialisable, emit typed events."""

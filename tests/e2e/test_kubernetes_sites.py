@@ -1,0 +1,78 @@
+"""Kubernetes sites through real Airflow: site tasks are KubernetesPodOperator pods on a real
+control plane (kube-apiserver, scheduler, controller-manager), run by the LOCAL NODE AGENT test
+harness as local processes. The federated result must equal the process-sites run bitwise."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import shutil
+import sys
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from tests.harness import REPO, AirflowHome
+
+pytestmark = pytest.mark.e2e
+
+
+def k8s_block(airflow_home: AirflowHome, namespace: str, kubeconfig: pathlib.Path, **extra) -> dict:
+    airflow_home.store.mkdir(parents=True, exist_ok=True)
+    return {
+        "image": "registry.example/flare/digits-trainer:1",
+        "namespace": namespace,
+        "config_file": str(kubeconfig),
+        "store_mount": {"host_path": str(airflow_home.store), "mount_path": "/flare-store"},
+        # The node agent runs the container's command on this machine: the image's interpreter
+        # and script are this repository's.
+        "trainer_command": [sys.executable],
+        "trainer_script": str(REPO / "examples" / "digits" / "trainer.py"),
+        "pending_timeout": 60,
+        "poll_interval": 1,
+        **extra,
+    }
+
+
+def digits_job(airflow_home: AirflowHome, name: str, k8s_sites: list[str], block: dict) -> pathlib.Path:
+    job = yaml.safe_load((REPO / "dags" / "digits.yaml").read_text())
+    job["job"] = name
+    job["initial_model"] = str(REPO / "examples" / "digits" / "initial_model.safetensors")
+    job["trainer"]["script"] = str(REPO / "examples" / "digits" / "trainer.py")
+    for site in k8s_sites:
+        job["sites"][site] = {"launcher": "k8s", "launcher_spec": {"k8s": copy.deepcopy(block)}}
+    return airflow_home.write_job(name.replace("-", "_"), job)
+
+
+def test_all_kubernetes_sites_match_the_process_run_bitwise(
+    airflow_home: AirflowHome, control_plane, node_agent, namespace: str, core: k8s.CoreV1Api
+) -> None:
+    block = k8s_block(airflow_home, namespace, control_plane.kubeconfig_path())
+    sites = ["site-1", "site-2", "site-3", "site-4"]
+    pods = airflow_home.run("flare_digits_pods", digits_job(airflow_home, "digits-pods", sites, block))
+    assert pods.returncode == 0, pods.log[-6000:]
+    assert set(pods.tasks.values()) == {"success"}
+    assert {pods.tasks[f"round_{r}.{s}"] for r in range(1, 6) for s in sites} == {"success"}
+    assert pods.metrics()["rounds"][-1]["evaluation"]["accuracy"] >= 0.90
+    assert core.list_namespaced_pod(namespace).items == [], "every site pod is deleted when its task ends"
+
+    local = airflow_home.run("flare_digits_local", digits_job(airflow_home, "digits-local", [], block))
+    assert local.returncode == 0, local.log[-4000:]
+    assert pods.state["published"]["sha256"] == local.state["published"]["sha256"]
+
+
+def test_mixed_process_and_kubernetes_sites(
+    airflow_home: AirflowHome, control_plane, node_agent, namespace: str
+) -> None:
+    block = k8s_block(airflow_home, namespace, control_plane.kubeconfig_path())
+    dag_file = digits_job(airflow_home, "digits-mixed", ["site-2", "site-4"], block)
+    result = airflow_home.run("flare_digits_mixed", dag_file, conf={"rounds": 2})
+    assert result.returncode == 0, result.log[-6000:]
+    assert result.tasks["round_1.site-2"] == "success" and result.tasks["round_2.site-4"] == "success"
+    # site-2 and site-4 ran as pods, site-1 and site-3 as local processes
+    assert "site site-2 round 1 pod fl-digits-mixed-site-2-r1-" in result.log
+    assert "site site-4 round 2 pod fl-digits-mixed-site-4-r2-" in result.log
+    assert "site job digits-mixed/site-1 round 1/2 (train)" in result.log
+    assert "site site-1 round 1 pod" not in result.log
+    shutil.rmtree(dag_file.parent)
