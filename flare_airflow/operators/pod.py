@@ -10,6 +10,8 @@ deleted unless the site keeps pods for debugging; the task log carries the pod's
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import timedelta
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
@@ -91,7 +93,13 @@ class SitePodOperator(KubernetesPodOperator):
         clear_outputs(path_from_uri(run.output))
         return super().execute(context)
 
-    def _trigger(self) -> PodStateTrigger:
+    def _deadline(self, context: Context | None) -> float | None:
+        start = getattr(context["ti"], "start_date", None) if context else None
+        if self.execution_timeout is None or start is None:
+            return None
+        return float(start.timestamp() + self.execution_timeout.total_seconds())
+
+    def _trigger(self, context: Context | None) -> PodStateTrigger:
         spec = self.job.sites[self.site].launcher_spec.k8s
         self.convert_config_file_to_dict()
         assert self.pod is not None
@@ -104,10 +112,17 @@ class SitePodOperator(KubernetesPodOperator):
             cluster_context=self.cluster_context,
             pending_timeout=spec.pending_timeout,
             startup_timeout=spec.startup_timeout,
+            # The trigger enforces execution_timeout itself and deletes the pod: Airflow's own
+            # timeout of a deferred task would fail it without any chance to clean up.
+            execution_deadline=self._deadline(context),
+            grace_period=int(self.job.trainer.shutdown_timeout),
+            delete_on_kill=not spec.keep_pods,
         )
 
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
-        self.defer(trigger=self._trigger(), method_name="trigger_reentry")
+        deadline = self._deadline(context)
+        timeout = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.time()) + 60)
+        self.defer(trigger=self._trigger(context), method_name="trigger_reentry", timeout=timeout)
 
     def execute_sync(self, context: Context) -> Any:
         # Same trigger, same state table as deferrable mode; the worker waits instead of the triggerer.
@@ -115,7 +130,7 @@ class SitePodOperator(KubernetesPodOperator):
         self.pod = self.get_or_create_pod(pod_request_obj=self.pod_request_obj, context=context)
 
         async def first_event() -> dict[str, Any]:
-            async for event in self._trigger().run():
+            async for event in self._trigger(context).run():
                 return dict(event.payload)
             raise FlareAirflowError("the pod-state trigger ended without an event")
 
@@ -126,6 +141,10 @@ class SitePodOperator(KubernetesPodOperator):
         output = path_from_uri(run.output)
         reason = str(event.get("reason") or event.get("message") or event.get("status"))
         self.log.info("site %s round %d pod %s: %s", self.site, self.round_num, event.get("name"), event.get("status"))
+        if event.get("status") == "timeout":
+            # The container never ran (pending, image or config error) or the trigger already
+            # deleted it (execution timeout): there is no log to read, only the reason.
+            self.get_logs = False
         try:
             super().trigger_reentry(context, event)
         except (AirflowException, FlareAirflowError, Exception) as exc:

@@ -18,13 +18,15 @@ Events (``TriggerEvent.payload``)::
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from flare_airflow.core.spec import JobState
+from flare_airflow.core.spec import JobReturnCode, JobState
 from flare_airflow.launchers.kubernetes import PodStatus, map_pod
 
 _MAX_WATCH_SECONDS = 300
@@ -55,6 +57,9 @@ class PodStateTrigger(BaseTrigger):
         connection_extras: dict[str, Any] | None = None,
         pending_timeout: float = 300.0,
         startup_timeout: float = 120.0,
+        execution_deadline: float | None = None,
+        grace_period: int = 10,
+        delete_on_kill: bool = True,
     ) -> None:
         super().__init__()
         self.pod_name = pod_name
@@ -66,6 +71,10 @@ class PodStateTrigger(BaseTrigger):
         self.connection_extras = connection_extras
         self.pending_timeout = pending_timeout
         self.startup_timeout = startup_timeout
+        self.execution_deadline = execution_deadline
+        self.grace_period = grace_period
+        self.delete_on_kill = delete_on_kill
+        self._fired = False
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -80,6 +89,9 @@ class PodStateTrigger(BaseTrigger):
                 "connection_extras": self.connection_extras,
                 "pending_timeout": self.pending_timeout,
                 "startup_timeout": self.startup_timeout,
+                "execution_deadline": self.execution_deadline,
+                "grace_period": self.grace_period,
+                "delete_on_kill": self.delete_on_kill,
             },
         )
 
@@ -114,6 +126,44 @@ class PodStateTrigger(BaseTrigger):
             }
         )
 
+    def _deadline_event(self) -> TriggerEvent:
+        reason = "execution_timeout reached: the site job ran too long; its pod was deleted"
+        return TriggerEvent(
+            {
+                "status": "timeout",
+                "name": self.pod_name,
+                "namespace": self.pod_namespace,
+                "state": JobState.TERMINATED.value,
+                "return_code": int(JobReturnCode.ABORTED),
+                "reason": reason,
+                "message": f"pod {self.pod_namespace}/{self.pod_name}: {reason}",
+            }
+        )
+
+    def _seconds_left(self) -> float | None:
+        if self.execution_deadline is None:
+            return None
+        return self.execution_deadline - time.time()
+
+    async def _delete(self, core: Any) -> None:
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        try:
+            await core.delete_namespaced_pod(self.pod_name, self.pod_namespace, grace_period_seconds=self.grace_period)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    async def on_kill(self) -> None:
+        """The task was killed or marked failed while deferred: delete its pod (Airflow >= 3.3)."""
+        if self._fired or not self.delete_on_kill:
+            return
+        from kubernetes_asyncio import client
+
+        self.log.info("task killed: deleting pod %s/%s", self.pod_namespace, self.pod_name)
+        async with self._hook().get_conn() as api:
+            await self._delete(client.CoreV1Api(api))
+
     def _status(self, pod: Any) -> PodStatus:
         return map_pod(
             pod,
@@ -146,12 +196,21 @@ class PodStateTrigger(BaseTrigger):
                 pod = listed.items[0] if listed.items else None
                 status = self._status(pod)
                 if status.done:
+                    self._fired = True
                     yield self._event(status, pod)
                     return
-                # Wait for changes, but wake up in time to enforce the pending/startup deadlines.
+                left = self._seconds_left()
+                if left is not None and left <= 0:
+                    await self._delete(core)
+                    self._fired = True
+                    yield self._deadline_event()
+                    return
+                # Wait for changes, but wake up in time to enforce the pending/startup/execution deadlines.
                 wait = _MAX_WATCH_SECONDS
                 if pod is not None and getattr(pod.status, "phase", None) == "Pending":
                     wait = max(1, int(min(self.pending_timeout, self.startup_timeout) / 2) or 1)
+                if left is not None:
+                    wait = max(1, min(wait, math.ceil(left)))
                 stream = watch.Watch().stream(
                     core.list_namespaced_pod,
                     self.pod_namespace,
@@ -165,6 +224,7 @@ class PodStateTrigger(BaseTrigger):
                         current = None if item["type"] == "DELETED" else obj
                         status = self._status(current)
                         if status.done:
+                            self._fired = True
                             yield self._event(status, current)
                             return
                 except ApiException as exc:

@@ -1,0 +1,224 @@
+"""SitePodOperator and its pod-state trigger against the real control plane (the LOCAL NODE AGENT
+test harness plays the kubelet). The operator runs as Airflow runs a deferrable task: ``execute``
+defers, the trigger runs until its event, ``trigger_reentry`` finishes the task."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+from kubernetes import client as k8s
+from safetensors.numpy import load_file
+
+from flare_airflow.core.config import job_from_dict
+from flare_airflow.core.model import FLModel, write_artifact
+from flare_airflow.core.store import ModelStore
+from flare_airflow.operators.pod import SitePodOperator
+from flare_airflow.operators.site import SiteJobFailed
+from tests.harness import tiny_model
+from tests.k8s_harness.audit import summarize
+from tests.k8s_harness.kube import python_pod, wait_for
+
+TRAINER = pathlib.Path(__file__).parents[1] / "trainers" / "k8s_trainer.py"
+RUN_ID = "manual__2026-11-30T00:00:00+00:00"
+
+
+def make_op(tmp_path: pathlib.Path, namespace: str, kubeconfig: pathlib.Path, *, gpus: int = 0, args=(), **k8s_extra):
+    store = tmp_path / "store"
+    store.mkdir(exist_ok=True)
+    site = {
+        "launcher": "k8s",
+        "launcher_spec": {
+            "k8s": {
+                "image": "registry.example/flare/trainer:1",
+                "namespace": namespace,
+                "config_file": str(kubeconfig),
+                "store_mount": {"host_path": str(store), "mount_path": "/flare-store"},
+                "trainer_command": [sys.executable],
+                "trainer_script": str(TRAINER),
+                "poll_interval": 1,
+                **k8s_extra,
+            }
+        },
+    }
+    if gpus:
+        site["resource_spec"] = {"num_of_gpus": gpus}
+        site["resource_manager"] = {"type": "passthrough"}
+    job = job_from_dict(
+        {
+            "job": "podjob",
+            "rounds": 1,
+            "min_clients": 1,
+            "initial_model": str(tiny_model(tmp_path / "init.safetensors")),
+            "store": f"file://{store}",
+            "trainer": {"script": str(TRAINER), "args": list(args), "shutdown_timeout": 2},
+            "sites": {"site-1": site},
+        }
+    )
+    write_artifact(
+        ModelStore(store).global_model("podjob", RUN_ID, 0),
+        FLModel(params={"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}),
+    )
+    return SitePodOperator(task_id="site-1", job=job, site="site-1", round_num=1), store
+
+
+def context_for(op: SitePodOperator) -> dict[str, Any]:
+    ti = SimpleNamespace(
+        dag_id="podjob_dag",
+        task_id=op.task_id,
+        map_index=-1,
+        try_number=1,
+        start_date=datetime.now(UTC),
+        xcom_push=lambda *a, **k: None,
+    )
+    return {"ti": ti, "task_instance": ti, "run_id": RUN_ID, "dag": SimpleNamespace(dag_id="podjob_dag"), "params": {}}
+
+
+def run_deferred(op: SitePodOperator, context: dict[str, Any]) -> Any:
+    """What Airflow does with a deferrable task: execute, run the trigger to its event, re-enter."""
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context)
+    trigger = deferred.value.trigger
+    assert trigger.serialize()[0] == "flare_airflow.triggers.pod_state.PodStateTrigger"
+
+    async def first_event() -> dict[str, Any]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    event = asyncio.run(first_event())
+    return getattr(op, deferred.value.method_name)(context, event)
+
+
+def pods(core: k8s.CoreV1Api, namespace: str) -> list[str]:
+    return [p.metadata.name for p in core.list_namespaced_pod(namespace).items]
+
+
+def test_a_site_pod_trains_and_returns_the_update(tmp_path, control_plane, node_agent, namespace, core, audit) -> None:
+    op, store = make_op(tmp_path, namespace, control_plane.kubeconfig)
+    mark = audit.mark()
+    summary = run_deferred(op, context_for(op))
+    assert summary["site"] == "site-1" and summary["num_samples"] == 7
+    update = load_file(str(ModelStore(store).site_update("podjob", RUN_ID, 1, "site-1")))
+    np.testing.assert_array_equal(update["w"], np.ones(4, np.float32))
+    assert pods(core, namespace) == []
+    audit.settle()
+    counts = summarize(audit.client_requests(namespace, since=mark))
+    print(f"\nAPI requests of one site pod task (deferrable): {counts}")
+
+
+def test_image_pull_error_fails_within_30s_with_the_reason_and_deletes_the_pod(
+    tmp_path, control_plane, node_agent, namespace, core
+) -> None:
+    op, _ = make_op(tmp_path, namespace, control_plane.kubeconfig, image="registry.example/flare/pull-error:1")
+    started = time.monotonic()
+    with pytest.raises(SiteJobFailed, match=r"ErrImagePull|ImagePullBackOff"):
+        run_deferred(op, context_for(op))
+    assert time.monotonic() - started < 30
+    wait_for(lambda: pods(core, namespace) == [], 30, what="the failed pod is deleted")
+
+
+def _blockers(core: k8s.CoreV1Api, namespace: str, seconds: list[float]) -> list[str]:
+    names = []
+    for i, secs in enumerate(seconds):
+        name = f"gpu-blocker-{i}"
+        body = python_pod(
+            name,
+            f"import time; time.sleep({secs})",
+            sys.executable,
+            resources={"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}},
+        )
+        core.create_namespaced_pod(namespace, body)
+        names.append(name)
+    wait_for(
+        lambda: all((core.read_namespaced_pod(n, namespace).status.phase or "") == "Running" for n in names),
+        30,
+        what="four GPU blockers running",
+    )
+    return names
+
+
+def _cleanup(core: k8s.CoreV1Api, namespace: str, names: list[str]) -> None:
+    for name in names:
+        try:
+            core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        except k8s.ApiException as exc:
+            if exc.status != 404:
+                raise
+    wait_for(lambda: pods(core, namespace) == [], 30, what="blockers gone")
+
+
+def test_fifth_gpu_job_fails_after_pending_timeout_with_the_scheduler_reason(
+    tmp_path, control_plane, node_agent, namespace, core
+) -> None:
+    blockers = _blockers(core, namespace, [600, 600, 600, 600])
+    try:
+        op, _ = make_op(tmp_path, namespace, control_plane.kubeconfig, gpus=1, pending_timeout=4)
+        started = time.monotonic()
+        with pytest.raises(SiteJobFailed, match=r"Insufficient nvidia.com/gpu"):
+            run_deferred(op, context_for(op))
+        assert 3 <= time.monotonic() - started < 30
+        assert sorted(pods(core, namespace)) == blockers, "the pending site pod is deleted"
+    finally:
+        _cleanup(core, namespace, blockers)
+
+
+def test_fifth_gpu_job_waits_and_runs_when_a_gpu_frees(tmp_path, control_plane, node_agent, namespace, core) -> None:
+    blockers = _blockers(core, namespace, [6, 600, 600, 600])
+    try:
+        op, _ = make_op(tmp_path, namespace, control_plane.kubeconfig, gpus=1, pending_timeout=60)
+        started = time.monotonic()
+        summary = run_deferred(op, context_for(op))
+        assert summary["num_samples"] == 7
+        assert time.monotonic() - started >= 3, "it had to wait for a GPU"
+    finally:
+        _cleanup(core, namespace, blockers)
+
+
+def test_execution_timeout_deletes_the_pod(tmp_path, control_plane, node_agent, namespace, core) -> None:
+    op, _ = make_op(tmp_path, namespace, control_plane.kubeconfig, args=["--release", "/nonexistent/never"])
+    op.execution_timeout = timedelta(seconds=4)
+    with pytest.raises(SiteJobFailed, match="execution_timeout reached"):
+        run_deferred(op, context_for(op))
+    wait_for(lambda: pods(core, namespace) == [], 30, what="the timed-out pod is deleted")
+
+
+def test_killing_a_deferred_task_deletes_its_pod_and_process(
+    tmp_path, control_plane, node_agent, namespace, core
+) -> None:
+    op, _ = make_op(tmp_path, namespace, control_plane.kubeconfig, args=["--release", "/nonexistent/never"])
+    context = context_for(op)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context)
+    trigger = deferred.value.trigger
+    name = op.pod.metadata.name
+    wait_for(lambda: core.read_namespaced_pod(name, namespace).status.phase == "Running", 30, what="pod running")
+    processes = set(node_agent.running_processes())
+    assert processes, "the trainer runs as a process on the node"
+
+    async def run_then_kill() -> None:
+        task = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(1)
+        assert not task.done()
+        task.cancel()  # what the triggerer does on "mark failed" ...
+        await trigger.on_kill()  # ... and then asks the trigger to clean up
+
+    asyncio.run(run_then_kill())
+    wait_for(lambda: pods(core, namespace) == [], 30, what="the killed task's pod is deleted")
+    wait_for(lambda: not (set(node_agent.running_processes()) & processes), 30, what="the trainer process is gone")
+
+
+def test_sync_mode_uses_the_same_state_table(tmp_path, control_plane, node_agent, namespace, core) -> None:
+    op, _ = make_op(tmp_path, namespace, control_plane.kubeconfig, image="registry.example/flare/invalid-image:1")
+    op.deferrable = False
+    with pytest.raises(SiteJobFailed, match="InvalidImageName"):
+        op.execute(context_for(op))
+    wait_for(lambda: pods(core, namespace) == [], 30, what="the failed pod is deleted")
