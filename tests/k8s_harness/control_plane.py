@@ -204,7 +204,8 @@ class ControlPlane:
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         st = self.state
-        st.api_port = free_port(self._requested_port or 6443)
+        # An ephemeral port unless one is asked for: two test sessions on one machine must not race for 6443.
+        st.api_port = free_port(self._requested_port)
         st.etcd_port = free_port()
         st.etcd_peer_port = free_port()
         st.scheduler_port = free_port()
