@@ -126,7 +126,7 @@ class _State:
 class ControlPlane:
     """etcd + kube-apiserver + kube-scheduler + kube-controller-manager under ``run_dir``.
 
-    ``api_port``: 6443 when free, otherwise any free port (or pass one). ``die_with_parent``: the
+    ``api_port``: a free ephemeral port unless one is passed. ``die_with_parent``: the
     processes get SIGKILL when the Python process that started them dies (pytest); the shell entry
     point turns it off so the control plane outlives ``start``. ``etcd_on_tmpfs``: put etcd's data
     under /dev/shm (faster; removed by ``stop``).
@@ -484,7 +484,7 @@ def _main(argv: list[str] | None = None) -> int:
         "--run-dir",
         default=os.environ.get("FLARE_K8S_RUN_DIR", os.path.join(tempfile.gettempdir(), "flare-k8s-run")),
     )
-    parser.add_argument("--port", type=int, default=None, help="apiserver port (default 6443 when free)")
+    parser.add_argument("--port", type=int, default=None, help="apiserver port (default: a free ephemeral port)")
     args = parser.parse_args(argv)
     run_dir = pathlib.Path(args.run_dir)
     if args.command == "start":
