@@ -223,7 +223,21 @@ def _resources(resources: ResourceSpec) -> k8s.V1ResourceRequirements | None:
     return k8s.V1ResourceRequirements(requests=dict(amounts), limits=dict(amounts))
 
 
+def unreachable_store(spec: KubernetesLaunchSpec, store_root: str | None) -> str | None:
+    """Why a pod of this site could not reach the model store, or ``None`` if it can."""
+    if spec.store_mount is None and store_root is not None and _local_path(store_root) is not None:
+        return (
+            f"the model store {store_root} is a local path the pod cannot see: set launcher_spec.k8s.store_mount "
+            "(a PVC or hostPath holding the store), or use an object store (s3://, gs://, ...) with its "
+            "credentials as secret_env references"
+        )
+    return None
+
+
 def _env(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) -> list[k8s.V1EnvVar]:
+    problem = unreachable_store(spec, store_root)
+    if problem is not None:
+        raise LaunchError(f"{site_job.label}: {problem}")
     plain: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     for name, value in site_job.env.items():
         if spec.store_mount is not None and name in STORE_PATH_VARS:

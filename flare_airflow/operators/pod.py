@@ -19,10 +19,10 @@ from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskDeferred
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.launchers.kubernetes import CONTAINER_NAME, job_pod
+from flare_airflow.launchers.kubernetes import CONTAINER_NAME, job_pod, unreachable_store
 from flare_airflow.launchers.site_runner import SiteRun, check_result, clear_outputs, write_failure
 from flare_airflow.operators.common import store_for
 from flare_airflow.operators.site import SiteJobFailed, make_site_run, site_task_defaults, skip_beyond_rounds
@@ -44,6 +44,10 @@ class SitePodOperator(KubernetesPodOperator):
 
     def __init__(self, *, job: JobConfig, site: str, round_num: int, **kwargs: Any) -> None:
         spec = job.sites[site].launcher_spec.k8s
+        problem = unreachable_store(spec, str(store_for(job).root))
+        if problem is not None:
+            # At parse time: the DAG shows an import error instead of every round failing.
+            raise ConfigError(f"site {site!r}: {problem}")
         site_task_defaults(job, site, kwargs)
         kwargs.setdefault("deferrable", True)
         super().__init__(

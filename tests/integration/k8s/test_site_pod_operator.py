@@ -222,3 +222,21 @@ def test_sync_mode_uses_the_same_state_table(tmp_path, control_plane, node_agent
     with pytest.raises(SiteJobFailed, match="InvalidImageName"):
         op.execute(context_for(op))
     wait_for(lambda: pods(core, namespace) == [], 30, what="the failed pod is deleted")
+
+
+def test_a_pod_site_without_a_way_to_the_local_store_is_a_parse_time_error(tmp_path) -> None:
+    from flare_airflow.core.errors import ConfigError
+
+    job = job_from_dict(
+        {
+            "job": "nostore",
+            "rounds": 1,
+            "min_clients": 1,
+            "initial_model": str(tiny_model(tmp_path / "init.safetensors")),
+            "store": f"file://{tmp_path}/store",
+            "trainer": {"script": str(TRAINER)},
+            "sites": {"site-1": {"launcher": "k8s", "launcher_spec": {"k8s": {"image": "img:1"}}}},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"a local path the pod cannot see: set launcher_spec\.k8s\.store_mount"):
+        SitePodOperator(task_id="site-1", job=job, site="site-1", round_num=1)

@@ -110,7 +110,9 @@ RESOURCES = {
 
 def built(name: str, try_number: int = 1, **kw: Any) -> dict[str, Any]:
     spec = KubernetesLaunchSpec(**SPECS[name])
-    pod = build_pod(site_job(**kw), spec, RESOURCES[name], store_root=STORE, try_number=try_number)
+    # Sites without a store mount reach an object store (never the local STORE path).
+    root = STORE if spec.store_mount is not None else "s3://flare-bucket/store"
+    pod = build_pod(site_job(**kw), spec, RESOURCES[name], store_root=root, try_number=try_number)
     return pod_to_dict(pod)
 
 
@@ -815,3 +817,10 @@ def test_wait_with_a_timeout_returns_unknown_while_pending() -> None:
     assert handle.wait(timeout=0.1) is RC.UNKNOWN
     assert handle.state is JobState.STARTING
     assert handle.name in fake.pods
+
+
+def test_a_local_store_without_a_store_mount_is_refused() -> None:
+    with pytest.raises(LaunchError, match="a local path the pod cannot see"):
+        build_pod(site_job(), KubernetesLaunchSpec(image="x"), ResourceSpec(), store_root=STORE)
+    with pytest.raises(LaunchError, match="a local path the pod cannot see"):
+        build_pod(site_job(), KubernetesLaunchSpec(image="x"), ResourceSpec(), store_root=f"file://{STORE}")
