@@ -29,7 +29,8 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from flare_airflow.core.spec import JobReturnCode, JobState
 from flare_airflow.launchers.kubernetes import PodStatus, map_pod
 
-_MAX_WATCH_SECONDS = 300
+# Apiservers end watches after --min-request-timeout (30-60 min by default); ask for as long.
+_MAX_WATCH_SECONDS = 1800
 
 
 class PodStateTrigger(BaseTrigger):
