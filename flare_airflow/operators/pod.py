@@ -16,7 +16,7 @@ from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk import Context
-from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskDeferred
+from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
@@ -151,9 +151,9 @@ class SitePodOperator(KubernetesPodOperator):
             self.get_logs = False
         try:
             super().trigger_reentry(context, event)
-        except (AirflowException, FlareAirflowError, Exception) as exc:
-            if isinstance(exc, AirflowSkipException | TaskDeferred):
-                raise
+        except (AirflowSkipException, TaskDeferred):
+            raise
+        except Exception as exc:  # the stock operator raises several types; each ends this site job
             if event.get("status") == "success":
                 reason = f"pod succeeded but its result could not be collected: {exc}"
             rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
