@@ -48,7 +48,9 @@ def job_params(job: JobConfig) -> dict[str, Param]:
             minimum=1,
             maximum=len(job.sites),
             title="Minimum clients",
-            description=f"Valid site updates a round needs (of {len(job.sites)} sites: {', '.join(job.sites)}).",
+            # Not the site names: Airflow copies params into every task, so this text is stored
+            # (sites x tasks) times in the serialized DAG.
+            description=f"Valid site updates a round needs (of the job's {len(job.sites)} sites).",
         ),
         "warm_start": Param(
             job.warm_start,

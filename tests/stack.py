@@ -188,8 +188,15 @@ class AirflowStack:
         raise RuntimeError(f"run {run_id} of {dag_id} did not finish in {timeout}s")
 
     def task_instances(self, dag_id: str, run_id: str) -> dict[str, dict[str, Any]]:
-        body = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 1000})
-        return {ti["task_id"]: ti for ti in body["task_instances"]}
+        # The API caps a page at api.maximum_page_limit (100): page through.
+        out: dict[str, dict[str, Any]] = {}
+        while True:
+            body = self.api(
+                "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 100, "offset": len(out)}
+            )
+            out.update((ti["task_id"], ti) for ti in body["task_instances"])
+            if not body["task_instances"] or len(out) >= body["total_entries"]:
+                return out
 
     def stop(self) -> None:
         for p in self.procs:
