@@ -2,14 +2,23 @@
 
     .venv/bin/python benchmarks/run.py              # everything (~6-10 min on 2 cores)
     .venv/bin/python benchmarks/run.py --quick      # smaller set (~2 min)
-    .venv/bin/python benchmarks/run.py --only e2e   # or --only fedavg
+    .venv/bin/python benchmarks/run.py --only e2e   # or --only fedavg, --only k8s
 
 1. **e2e** -- a trivial job (2 sites x 1 and x 3 rounds, no-op trainer) through real Airflow
    (embedded default: SQLite, ``airflow dags test``) next to a 1-task no-op DAG (Airflow's floor).
 2. **fedavg** -- ``fedavg_from_store`` on 4 and 16 updates of 64 and 256 MiB: throughput and peak
    memory, next to numpy's own streaming bandwidth on the same bytes, and a per-stage breakdown.
+3. **k8s** -- the Kubernetes API requests of one site job (ours deferrable and sync, the stock
+   KubernetesPodOperator sync and deferrable; jobs of 10 s and 60 s) against a real control plane
+   (tests/k8s_harness), all cases at once in separate namespaces (~1.5 min).
+5. **nvflare** -- side by side with NVIDIA FLARE 2.9.0 (installed on first use into its own venv,
+   /var/tmp/flare-airflow-bench/nvflare-venv): the same jobs end to end (hello-numpy-style 2 sites x 1
+   and x 3 rounds, digits 4 x 5) through ``flare-airflow run`` and NVFlare's simulator, and FedAvg on
+   the same updates vs NVFlare's ``WeightedAggregationHelper`` (~10 min; ``--only nvflare`` writes
+   ``benchmarks/results/nvflare.md``).
 
-The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details. These
+The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details
+(``--only k8s``: to ``benchmarks/results/k8s_api.md``, so that it does not replace a full report). These
 machines are noisy: compared cases alternate within one run, repetitions >= 3, medians reported.
 """
 
@@ -25,21 +34,36 @@ from pathlib import Path
 
 import bench_e2e
 import bench_fedavg
+import bench_k8s_api
+import bench_nvflare
+import bench_scale
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUTPUT = BENCH_DIR / "results" / "latest.md"
+K8S_OUTPUT = BENCH_DIR / "results" / "k8s_api.md"  # --only k8s: a report of its own
+SCALE_OUTPUT = BENCH_DIR / "results" / "scale.md"  # --only scale: a report of its own
+NVFLARE_OUTPUT = BENCH_DIR / "results" / "nvflare.md"  # --only nvflare: a report of its own
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smaller set: 64 MiB updates only, no cold-run pass")
-    p.add_argument("--only", choices=("e2e", "fedavg"), help="run one benchmark")
+    p.add_argument(
+        "--quick", action="store_true", help="smaller set: 64 MiB updates only, no cold-run pass, 5/20 s k8s jobs"
+    )
+    p.add_argument("--only", choices=("e2e", "fedavg", "k8s", "scale", "nvflare"), help="run one benchmark")
     p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
     p.add_argument("--tmp-dir", help="where temporary AIRFLOW_HOME and model stores go (on disk, not tmpfs)")
     p.add_argument("--keep", action="store_true", help="keep temporary files (Airflow logs, stores)")
-    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="markdown report (default: %(default)s)")
+    p.add_argument(
+        "--output",
+        type=Path,
+        help=f"markdown report (default: {DEFAULT_OUTPUT}; with --only k8s: {K8S_OUTPUT})",
+    )
     args = p.parse_args(argv)
+    if args.output is None:
+        own = {"k8s": K8S_OUTPUT, "scale": SCALE_OUTPUT, "nvflare": NVFLARE_OUTPUT}
+        args.output = own.get(args.only, DEFAULT_OUTPUT)
     if args.reps < 3:
         p.error("--reps must be at least 3: these machines are noisy and single runs mislead")
     return args
@@ -68,6 +92,18 @@ def main(argv: list[str]) -> int:
                 tmp_base=args.tmp_dir,
             )
             sections.append(("2. FedAvg throughput and peak memory", tables))
+        if args.only in (None, "k8s"):
+            log("[k8s] Kubernetes API requests of one site job ...")
+            tables = bench_k8s_api.run(quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("3. Kubernetes API requests of one site job", tables))
+        if args.only in (None, "scale"):
+            log("[scale] DAG parse and one round under the real scheduler, 64-1024 sites ...")
+            tables = bench_scale.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("4. Scale: DAG parse and one round for 64-1024 sites", tables))
+        if args.only in (None, "nvflare"):
+            log("[nvflare] side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
+            tables = bench_nvflare.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("5. Side by side with NVIDIA FLARE 2.9.0", tables))
     except BenchmarkFailed as exc:
         print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
         return 1
@@ -76,9 +112,13 @@ def main(argv: list[str]) -> int:
     machine.add("load average at end", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     mode = "quick" if args.quick else "full"
     command = shlex.join(["python", "benchmarks/run.py", *argv])
+    if args.only == "k8s":
+        reps = "one run per case (request counts, not timings)"
+    else:
+        reps = f"{args.reps} repetitions per case" + (" (k8s request counts: one run)" if args.only is None else "")
     parts = [
         "# flare-airflow benchmarks\n",
-        f"`{command}` — {mode} set, {args.reps} repetitions per case; the benchmark itself took "
+        f"`{command}` — {mode} set, {reps}; the benchmark itself took "
         f"{elapsed / 60:.1f} min. Measured, never asserted: compare rows within this file, not across machines.\n",
         machine.markdown(),
     ]

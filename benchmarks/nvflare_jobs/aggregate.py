@@ -1,0 +1,85 @@
+"""NVFlare's weighted aggregation over safetensors updates (runs in NVFlare's own virtual environment).
+
+    python aggregate.py '{"files": [...], "weights": [...], "out": PATH or null}'
+
+Feeds NVFlare's ``WeightedAggregationHelper`` -- what the FedAvg controller of NVFlare's numpy
+FedAvg recipe uses for its in-time aggregation -- one update at a time, as results arrive there:
+load one file (``safetensors.numpy.load_file``), ``add`` it with its weight (a float, as the
+controller passes ``aggregation_weight * NUM_STEPS_CURRENT_ROUND``), drop it; then ``get_result``.
+Loading and aggregation are timed separately. Peak memory: the kernel's RSS high-water mark,
+reset after the imports. The aggregate is saved (untimed) to ``out`` for comparison.
+
+Prints ``RESULT {json}`` as its last line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    args = json.loads(argv[0])
+    import numpy as np
+    from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper
+    from safetensors.numpy import load_file, save_file
+
+    files, weights = list(args["files"]), [float(w) for w in args["weights"]]
+    gc.collect()
+    reset = _reset_hwm()
+    base_rss = _status_kib("VmRSS") if reset else _status_kib("VmHWM")
+    helper = WeightedAggregationHelper()
+    load_s = agg_s = 0.0
+    for i, (path, weight) in enumerate(zip(files, weights, strict=True)):
+        t0 = time.perf_counter()
+        params = load_file(path)
+        t1 = time.perf_counter()
+        helper.add(data=params, weight=weight, contributor_name=f"site-{i:02d}", contribution_round=1)
+        agg_s += time.perf_counter() - t1
+        load_s += t1 - t0
+        del params
+    t0 = time.perf_counter()
+    result = helper.get_result()
+    agg_s += time.perf_counter() - t0
+    peak_kib = _status_kib("VmHWM")
+    dtypes = sorted({str(v.dtype) for v in result.values()})
+    if args.get("out"):
+        save_file({k: np.ascontiguousarray(v) for k, v in result.items()}, args["out"])
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "load_seconds": load_s,
+                "aggregate_seconds": agg_s,
+                "peak_delta": (peak_kib - base_rss) * 1024,
+                "hwm_reset": reset,
+                "result_dtypes": dtypes,
+                "numpy": np.__version__,
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
