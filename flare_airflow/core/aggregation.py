@@ -12,21 +12,33 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
-from flare_airflow.core.model import ArtifactRecord, Params, ParamsType, WritablePath, all_finite, read_artifact
+from flare_airflow.core.model import (
+    ArtifactRecord,
+    Params,
+    ParamsType,
+    WritablePath,
+    all_finite,
+    read_artifact,
+    tensor_spec,
+)
 
 
-def validate_update(site: str, global_params: Mapping[str, np.ndarray], params: Params) -> None:
-    """Raise ``UpdateRejected`` unless ``params`` matches the global model's names, shapes, dtypes."""
-    missing = sorted(set(global_params) - set(params))
-    extra = sorted(set(params) - set(global_params))
+def validate_update(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
+    """Raise ``UpdateRejected`` unless ``params`` matches the global model's names, shapes, dtypes.
+
+    ``expected`` is the global model's :func:`tensor_spec` -- from its arrays or, without reading
+    them, from its record (``read_record(path).tensors``).
+    """
+    missing = sorted(set(expected) - set(params))
+    extra = sorted(set(params) - set(expected))
     if missing or extra:
         raise UpdateRejected(site, f"tensor names differ from the global model (missing {missing}, unexpected {extra})")
-    for name, ref in global_params.items():
+    for name, (dtype, shape) in expected.items():
         arr = params[name]
-        if arr.shape != ref.shape:
-            raise UpdateRejected(site, f"tensor {name!r} has shape {arr.shape}, the global model has {ref.shape}")
-        if arr.dtype != ref.dtype:
-            raise UpdateRejected(site, f"tensor {name!r} has dtype {arr.dtype}, the global model has {ref.dtype}")
+        if arr.shape != shape:
+            raise UpdateRejected(site, f"tensor {name!r} has shape {arr.shape}, the global model has {shape}")
+        if str(arr.dtype) != dtype:
+            raise UpdateRejected(site, f"tensor {name!r} has dtype {arr.dtype}, the global model has {dtype}")
     bad = all_finite(params)
     if bad is not None:
         raise UpdateRejected(site, f"tensor {bad!r} contains NaN or infinite values")
@@ -61,6 +73,7 @@ class FedAvg:
         if min_clients < 1:
             raise FlareAirflowError(f"min_clients must be >= 1, got {min_clients}")
         self.global_params = global_params
+        self._expected = tensor_spec(global_params)
         self.min_clients = min_clients
         self.site_weights = dict(site_weights or {})
         self._acc = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items()}
@@ -81,7 +94,7 @@ class FedAvg:
         if site in self.accepted or site in self.rejected:
             raise FlareAirflowError(f"site {site!r} already counted in this round")
         try:
-            validate_update(site, self.global_params, params)
+            validate_update(site, self._expected, params)
             samples = record.num_samples if record.num_samples is not None else 1
             weight = float(samples) * float(self.site_weights.get(site, 1.0))
             if not weight > 0:

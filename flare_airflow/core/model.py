@@ -127,6 +127,14 @@ class ArtifactRecord:
             raise ModelFormatError(f"{where}: unreadable artifact record ({exc})") from exc
 
 
+TensorSpec = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def tensor_spec(params: Params) -> TensorSpec:
+    """Name -> (dtype, shape) of each tensor: what an update must match (also kept in every record)."""
+    return {name: (str(arr.dtype), tuple(arr.shape)) for name, arr in params.items()}
+
+
 def record_path(tensors_path: WritablePath) -> WritablePath:
     return tensors_path.parent / (tensors_path.name.removesuffix(".safetensors") + ".json")
 
@@ -195,7 +203,7 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
         num_samples=num_samples,
         metrics=check_metrics(model.metrics, where),
         meta=meta,
-        tensors={k: (str(v.dtype), tuple(v.shape)) for k, v in params.items()},
+        tensors=tensor_spec(params),
     )
     atomic_write(path, data)
     atomic_write(record_path(path), record.to_json().encode())

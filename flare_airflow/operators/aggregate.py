@@ -13,6 +13,7 @@ from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import FLModel, WritablePath, read_artifact, record_path, write_artifact
 from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.store import ModelStore
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
 from flare_airflow.operators.common import run_id_of, run_params, store_for
@@ -98,7 +99,7 @@ class AggregateOperator(BaseOperator):
             "num_samples": outcome.num_samples,
             "metrics": outcome.metrics,
             "site_metrics": outcome.site_metrics,
-            "evaluation": self._evaluate(context, params.rounds, params.hparams, str(global_out))
+            "evaluation": self._evaluate(context, store, params.rounds, params.hparams, str(global_out))
             if job.evaluate
             else {},
         }
@@ -108,8 +109,9 @@ class AggregateOperator(BaseOperator):
         )  # fmt: skip
         return summary
 
-    def _evaluate(self, context: Context, rounds: int, hparams: dict[str, Any], global_uri: str) -> dict[str, float]:
-        store = store_for(self.job)
+    def _evaluate(
+        self, context: Context, store: ModelStore, rounds: int, hparams: dict[str, Any], global_uri: str
+    ) -> dict[str, float]:
         run_id = run_id_of(context)
         run = SiteRun(
             job=self.job.job,

@@ -95,7 +95,8 @@ def _pool_problems(job: JobConfig) -> tuple[list[str], list[str]]:
     if not required or not job.check_pools:
         return [], []
     found = problems(required, live_pools_from_api(sorted(required)))
-    return blocking(found), [m for m in found if m not in blocking(found)]
+    fatal = blocking(found)
+    return fatal, [m for m in found if m not in fatal]
 
 
 def plot_rounds(rows: Sequence[dict[str, Any]], title: str) -> bytes:

@@ -46,6 +46,22 @@ class PodStateTrigger(BaseTrigger):
     :param startup_timeout: seconds a pod may stay Pending for any other reason.
     """
 
+    # The constructor's keyword arguments: what serialize() hands the triggerer.
+    _FIELDS = (
+        "pod_name",
+        "pod_namespace",
+        "kubernetes_conn_id",
+        "config_dict",
+        "in_cluster",
+        "cluster_context",
+        "connection_extras",
+        "pending_timeout",
+        "startup_timeout",
+        "execution_deadline",
+        "grace_period",
+        "delete_on_kill",
+    )
+
     def __init__(
         self,
         *,
@@ -78,23 +94,7 @@ class PodStateTrigger(BaseTrigger):
         self._fired = False
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "pod_name": self.pod_name,
-                "pod_namespace": self.pod_namespace,
-                "kubernetes_conn_id": self.kubernetes_conn_id,
-                "config_dict": self.config_dict,
-                "in_cluster": self.in_cluster,
-                "cluster_context": self.cluster_context,
-                "connection_extras": self.connection_extras,
-                "pending_timeout": self.pending_timeout,
-                "startup_timeout": self.startup_timeout,
-                "execution_deadline": self.execution_deadline,
-                "grace_period": self.grace_period,
-                "delete_on_kill": self.delete_on_kill,
-            },
-        )
+        return f"{type(self).__module__}.{type(self).__qualname__}", {f: getattr(self, f) for f in self._FIELDS}
 
     def _hook(self) -> Any:
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook

@@ -114,3 +114,14 @@ def _alive(pid: int) -> bool:
         return False
     stat = pathlib.Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_a_crashing_evaluator_fails_its_round_with_the_reason(airflow_home: AirflowHome) -> None:
+    job = behave_job(airflow_home.root, "bad-eval", sites=2, rounds=1, min_clients=2, args=["--fail-evaluate"])
+    result = airflow_home.run("flare_bad_eval", airflow_home.write_job("bad_eval", job))
+    tasks = result.tasks
+    assert result.state["state"] == "failed"
+    assert tasks["round_1.site-1"] == "success" and tasks["round_1.site-2"] == "success"
+    assert tasks["round_1.global_model"] == "failed"
+    assert tasks["publish"] == "upstream_failed"
+    assert "evaluation of the round 1 global model failed: trainer failed: exit code 4" in result.log

@@ -24,6 +24,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     for flag in ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang"):
         p.add_argument(f"--{flag}", action="append", default=[])
+    p.add_argument("--fail-evaluate", action="store_true")
     p.add_argument("--pidfile-dir")
     p.add_argument("--echo-args")
     args, rest = p.parse_known_args()
@@ -42,6 +43,9 @@ def main() -> int:
         return 3
     model = flare.receive()
     if flare.is_evaluate():
+        if args.fail_evaluate:
+            print("evaluator crashing on purpose", flush=True)
+            return 4
         w = model.params["w"]
         flare.send(flare.FLModel(metrics={"accuracy": float(1.0 / (1.0 + abs(w).mean())), "loss": float(w.mean())}))
         return 0

@@ -12,7 +12,15 @@ import pytest
 
 from flare_airflow.core.aggregation import FedAvg, fedavg_from_store, validate_update
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
-from flare_airflow.core.model import ArtifactRecord, FLModel, ParamsType, read_artifact, record_path, write_artifact
+from flare_airflow.core.model import (
+    ArtifactRecord,
+    FLModel,
+    ParamsType,
+    read_artifact,
+    record_path,
+    tensor_spec,
+    write_artifact,
+)
 
 FULL, DIFF = ParamsType.FULL, ParamsType.DIFF
 
@@ -155,9 +163,9 @@ def test_a_site_is_counted_once_and_min_clients_is_positive() -> None:
 
 def test_validate_update_messages() -> None:
     glob = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}
-    validate_update("s", glob, {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)})
+    validate_update("s", tensor_spec(glob), {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)})
     with pytest.raises(UpdateRejected) as info:
-        validate_update("s", glob, {"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)})
+        validate_update("s", tensor_spec(glob), {"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)})
     assert info.value.site == "s"
     assert info.value.reason == "tensor 'w' has shape (2, 3), the global model has (2, 2)"
 
