@@ -1,12 +1,14 @@
 """Aggregation strategies. FedAvg: streaming, float64 accumulation, every update validated first.
 
-Only one update is held in memory at a time: the accumulator has the size of the global model (in
-float64) whatever the number of sites.
+Memory does not grow with the number of sites: the accumulator has the size of the global model (in
+float64), and :func:`fedavg_from_store` holds at most two updates, in two reused buffers.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,17 +20,17 @@ from flare_airflow.core.model import (
     ParamsType,
     WritablePath,
     all_finite,
-    read_artifact,
+    read_record,
+    read_verified,
     tensor_spec,
 )
 
+ACC_CHUNK = 1 << 16  # elements per multiply-add step: the float64 scratch (512 KiB) stays in the L2 cache
+_WORKERS = 2  # updates in flight in fedavg_from_store: peak memory is the float64 accumulator + two updates
 
-def validate_update(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
-    """Raise ``UpdateRejected`` unless ``params`` matches the global model's names, shapes, dtypes.
 
-    ``expected`` is the global model's :func:`tensor_spec` -- from its arrays or, without reading
-    them, from its record (``read_record(path).tensors``).
-    """
+def check_spec(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
+    """Raise ``UpdateRejected`` unless ``params`` has the global model's names, shapes and dtypes."""
     missing = sorted(set(expected) - set(params))
     extra = sorted(set(params) - set(expected))
     if missing or extra:
@@ -39,9 +41,23 @@ def validate_update(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]
             raise UpdateRejected(site, f"tensor {name!r} has shape {arr.shape}, the global model has {shape}")
         if str(arr.dtype) != dtype:
             raise UpdateRejected(site, f"tensor {name!r} has dtype {arr.dtype}, the global model has {dtype}")
+
+
+def non_finite(site: str, name: str) -> UpdateRejected:
+    return UpdateRejected(site, f"tensor {name!r} contains NaN or infinite values")
+
+
+def validate_update(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
+    """Raise ``UpdateRejected`` unless ``params`` matches the global model's names, shapes, dtypes
+    and holds no NaN or infinity.
+
+    ``expected`` is the global model's :func:`tensor_spec` -- from its arrays or, without reading
+    them, from its record (``read_record(path).tensors``).
+    """
+    check_spec(site, expected, params)
     bad = all_finite(params)
     if bad is not None:
-        raise UpdateRejected(site, f"tensor {bad!r} contains NaN or infinite values")
+        raise non_finite(site, bad)
 
 
 @dataclass
@@ -77,6 +93,7 @@ class FedAvg:
         self.min_clients = min_clients
         self.site_weights = dict(site_weights or {})
         self._acc = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items()}
+        self._scratch = np.empty(ACC_CHUNK, dtype=np.float64)
         self._diff_weight = 0.0
         self._total_weight = 0.0
         self._metric_sums: dict[str, float] = {}
@@ -91,21 +108,27 @@ class FedAvg:
 
     def add(self, site: str, params: Params, record: ArtifactRecord) -> None:
         """Validate and accumulate one update; on a bad update the site is recorded as rejected."""
-        if site in self.accepted or site in self.rejected:
-            raise FlareAirflowError(f"site {site!r} already counted in this round")
         try:
             validate_update(site, self._expected, params)
-            samples = record.num_samples if record.num_samples is not None else 1
-            weight = float(samples) * float(self.site_weights.get(site, 1.0))
-            if not weight > 0:
-                raise UpdateRejected(site, f"aggregation weight is {weight}; num_samples and weight must be > 0")
         except UpdateRejected as exc:
-            self.rejected[site] = exc.reason
+            self.add_checked(site, params, record, rejected=exc)
             return
-        w = np.float64(weight)
-        for name, arr in params.items():
-            # np.float64 is a strong scalar: the product is float64, never float32.
-            self._acc[name] += arr * w
+        self.add_checked(site, params, record)
+
+    def add_checked(
+        self, site: str, params: Params, record: ArtifactRecord, *, rejected: UpdateRejected | None = None
+    ) -> None:
+        """Accumulate an update already checked by :func:`validate_update` (or reject it with ``rejected``)."""
+        if site in self.accepted or site in self.rejected:
+            raise FlareAirflowError(f"site {site!r} already counted in this round")
+        samples = record.num_samples if record.num_samples is not None else 1
+        weight = float(samples) * float(self.site_weights.get(site, 1.0))
+        if rejected is None and not weight > 0:
+            rejected = UpdateRejected(site, f"aggregation weight is {weight}; num_samples and weight must be > 0")
+        if rejected is not None:
+            self.rejected[site] = rejected.reason
+            return
+        self._accumulate(params, np.float64(weight))
         if record.params_type is ParamsType.DIFF:
             self._diff_weight += weight
         self._total_weight += weight
@@ -116,6 +139,20 @@ class FedAvg:
             self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
             self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
 
+    def _accumulate(self, params: Params, w: np.float64) -> None:
+        """``acc += arr * w`` in float64, a cache-sized piece at a time (no update-sized temporary).
+
+        Element for element the same two roundings as ``acc += arr * np.float64(w)``: the product
+        rounded to float64, then the sum -- so the result is bitwise that of the plain expression.
+        """
+        for name, arr in params.items():
+            src, acc = arr.reshape(-1), self._acc[name].reshape(-1)
+            for s in range(0, src.size, ACC_CHUNK):
+                e = min(s + ACC_CHUNK, src.size)
+                tmp = self._scratch[: e - s]
+                np.multiply(src[s:e], w, out=tmp)
+                np.add(acc[s:e], tmp, out=acc[s:e])
+
     def result(self) -> RoundOutcome:
         """The new global model; raises ``QuorumNotReached`` with every failed site's reason."""
         if len(self.accepted) < self.min_clients:
@@ -125,14 +162,27 @@ class FedAvg:
                 f"{self.min_clients}. Failed sites: {failed}. The global model was not updated."
             )
         out: Params = {}
+        diff_weight, total = np.float64(self._diff_weight), np.float64(self._total_weight)
+        mean, base = self._scratch, np.empty_like(self._scratch)
         for name, ref in self.global_params.items():
-            acc = self._acc[name]
-            if self._diff_weight:
-                acc = acc + ref.astype(np.float64) * self._diff_weight
-            mean = acc / self._total_weight
-            if ref.dtype.kind in "iu":
-                mean = np.rint(mean)
-            out[name] = mean.astype(ref.dtype)
+            # (acc + global * diff_weight) / total, rounded for integers, cast back: piece by piece,
+            # so no float64 temporary of the model's size (the same roundings as whole arrays).
+            acc, glob = self._acc[name].reshape(-1), ref.reshape(-1)
+            res = np.empty(ref.shape, dtype=ref.dtype)
+            flat = res.reshape(-1)
+            for s in range(0, acc.size, ACC_CHUNK):
+                e = min(s + ACC_CHUNK, acc.size)
+                m = mean[: e - s]
+                if diff_weight:
+                    np.multiply(glob[s:e], diff_weight, out=base[: e - s])
+                    np.add(acc[s:e], base[: e - s], out=m)
+                    np.divide(m, total, out=m)
+                else:
+                    np.divide(acc[s:e], total, out=m)
+                if ref.dtype.kind in "iu":
+                    np.rint(m, out=m)
+                flat[s:e] = m
+            out[name] = res
         metrics = {k: self._metric_sums[k] / self._metric_weights[k] for k in sorted(self._metric_sums)}
         return RoundOutcome(
             params=out,
@@ -151,21 +201,74 @@ def fedavg_from_store(
     min_clients: int,
     site_weights: Mapping[str, float] | None = None,
 ) -> RoundOutcome:
-    """Stream updates from the store into FedAvg, one in memory at a time.
+    """Stream updates from the store into FedAvg, at most two in memory at a time.
 
     ``updates`` yields ``(site, path, failure)``; a site whose job failed passes ``path=None`` and
     the reason. Unreadable or invalid updates make their site rejected for the round.
+
+    Two threads each take the next update: read it into their own reused buffer, verify its size
+    and sha256 against its record (checking floating-point tensors for NaN/inf piece by piece as
+    they are hashed), parse the safetensors header into zero-copy tensors and check names, shapes
+    and dtypes. Only then, and in site order (so the float64 sums are the same whatever thread
+    finishes first), does the update count: its tensors are added to the accumulator, or its site
+    is rejected. While one thread accumulates, the other hashes: hashlib and numpy release the GIL.
     """
     agg = FedAvg(global_params, min_clients=min_clients, site_weights=site_weights)
-    for site, path, failure in sorted(updates, key=lambda u: u[0]):
-        if path is None:
-            agg.reject(site, failure or "no update")
-            continue
+    buffers = [np.empty(0, dtype=np.uint8) for _ in range(_WORKERS)]
+    free = list(range(_WORKERS))
+    turn = threading.Condition()
+    next_up = 0
+
+    def verified(slot: int, site: str, path: WritablePath) -> tuple[Params, ArtifactRecord | None, str | None]:
+        """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
+        record = None
         try:
-            params, record = read_artifact(path)
+            record = read_record(path)
+            if buffers[slot].nbytes < record.size:
+                buffers[slot] = np.empty(record.size, dtype=np.uint8)
+            params = read_verified(path, record, buffers[slot])
+            validate_update(site, agg._expected, params)
+        except UpdateRejected as exc:
+            return {}, record, exc.reason
         except FlareAirflowError as exc:
-            agg.reject(site, str(exc))
-            continue
-        agg.add(site, params, record)
-        del params
+            return {}, record, str(exc)
+        return params, record, None
+
+    def one(index: int, site: str, path: WritablePath | None, failure: str | None) -> None:
+        nonlocal next_up
+        with turn:
+            slot = free.pop()
+        params: Params = {}
+        error: BaseException | None = None
+        try:  # read, verify and check in parallel with the other thread ...
+            params, record, reason = (
+                verified(slot, site, path) if path is not None else ({}, None, failure or "no update")
+            )
+        except BaseException as exc:  # re-raised below, once it is this update's turn
+            error = exc
+        with turn:  # ... then count (or reject) in site order; the turn passes on whatever happens
+            turn.wait_for(lambda: next_up == index)
+        try:
+            if error is not None:
+                raise error
+            if record is None:
+                agg.reject(site, reason or "no update")
+            else:
+                agg.add_checked(site, params, record, rejected=UpdateRejected(site, reason) if reason else None)
+        finally:
+            params = {}
+            with turn:
+                next_up = index + 1
+                free.append(slot)
+                turn.notify_all()
+
+    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fedavg") as pool:
+        futures = [pool.submit(one, i, *u) for i, u in enumerate(sorted(updates, key=lambda u: u[0]))]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+    buffers.clear()  # before the result is computed: peak memory is the larger of the two phases
     return agg.result()

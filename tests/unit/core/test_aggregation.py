@@ -6,13 +6,17 @@ import hashlib
 import itertools
 import pathlib
 import pickle
+import threading
+import tracemalloc
 
 import numpy as np
 import pytest
+from upath import UPath
 
-from flare_airflow.core.aggregation import FedAvg, fedavg_from_store, validate_update
+from flare_airflow.core.aggregation import ACC_CHUNK, FedAvg, fedavg_from_store, validate_update
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
 from flare_airflow.core.model import (
+    CHUNK_BYTES,
     ArtifactRecord,
     FLModel,
     ParamsType,
@@ -21,6 +25,7 @@ from flare_airflow.core.model import (
     tensor_spec,
     write_artifact,
 )
+from tests.unit.core.test_model import NoReadinto, forge, raw_safetensors
 
 FULL, DIFF = ParamsType.FULL, ParamsType.DIFF
 
@@ -331,3 +336,161 @@ def test_deterministic_whatever_the_order_of_the_updates(tmp_path: pathlib.Path)
             agg.add(site, params, rec)
         naive.add(agg.result().params["a"].tobytes())
     assert len(naive) > 1
+
+
+# ---------------------------------------------------------------- the streaming pipeline
+
+
+def reference(glob: dict, updates: list[tuple[dict, float, ParamsType]]) -> dict[str, np.ndarray]:
+    """The weighted mean the plain way: whole-array float64 products, summed in order, divided once."""
+    out = {}
+    for name, ref in glob.items():
+        acc = np.zeros(ref.shape, np.float64)
+        diff_weight = 0.0
+        for params, w, ptype in updates:
+            acc += params[name].astype(np.float64) * w
+            diff_weight += w if ptype is DIFF else 0.0
+        mean = (acc + ref.astype(np.float64) * diff_weight) / sum(w for _, w, _ in updates)
+        out[name] = (np.rint(mean) if ref.dtype.kind in "iu" else mean).astype(ref.dtype)
+    return out
+
+
+def big_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Tensors spanning several accumulation and read chunks, of every numeric kind FedAvg averages."""
+    return {
+        "w": (rng.standard_normal((3 * ACC_CHUNK // 256 + 3, 256)) * 0.05).astype(np.float32),
+        "h": rng.standard_normal(CHUNK_BYTES // 2 + 7).astype(np.float16),
+        "d": rng.standard_normal(1001) * 1e3,
+        "steps": rng.integers(-1000, 1000, 257).astype(np.int32),
+        "count": np.array(rng.integers(0, 2**40), np.int64),
+        "u8": rng.integers(0, 255, 9).astype(np.uint8),
+    }
+
+
+def test_streaming_equals_the_plain_float64_reference_bitwise(tmp_path: pathlib.Path) -> None:
+    rng = np.random.default_rng(21)
+    glob = big_model(rng)
+    sites = [(big_model(rng), n, t) for n, t in [(7, FULL), (3, DIFF), (1000, FULL), (1, DIFF), (13, FULL)]]
+    updates = []
+    for i, (params, n, ptype) in enumerate(sites):
+        path = tmp_path / f"s{i}.safetensors"
+        write_artifact(path, FLModel(params=params, params_type=ptype, meta={"num_samples": n}))
+        updates.append((f"site-{i}", path, None))
+    got = fedavg_from_store(glob, updates, min_clients=5)
+    want = reference(glob, [(p, float(n), t) for p, n, t in sites])
+    assert sorted(got.params) == sorted(want)
+    for name in want:
+        assert got.params[name].dtype == want[name].dtype
+        assert got.params[name].tobytes() == want[name].tobytes(), name
+
+
+def test_a_corrupt_update_does_not_count(tmp_path: pathlib.Path) -> None:
+    """A flipped byte deep in a tensor (valid safetensors, valid floats): the sha256 rejects it."""
+    glob = {"w": np.zeros(3 * ACC_CHUNK, np.float32)}
+    ok = [write_update(tmp_path / f"ok{i}.safetensors", {"w": np.full(3 * ACC_CHUNK, v, np.float32)}) for i, v in
+          enumerate([1.0, 3.0])]  # fmt: skip
+    bad = write_update(tmp_path / "bad.safetensors", {"w": np.full(3 * ACC_CHUNK, 100.0, np.float32)})
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    out = fedavg_from_store(glob, [("a", ok[0], None), ("b", bad, None), ("c", ok[1], None)], min_clients=2)
+    assert out.accepted == {"a": 2.0, "c": 2.0}
+    assert "sha256" in out.rejected["b"] and "does not match its record" in out.rejected["b"]
+    np.testing.assert_array_equal(out.params["w"], np.full(3 * ACC_CHUNK, 2.0, np.float32))
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, -np.inf])
+def test_a_nan_deep_inside_a_large_tensor_is_rejected_naming_it(tmp_path: pathlib.Path, bad_value: float) -> None:
+    size = 3 * CHUNK_BYTES // 4 + 11  # float32: spans 4 read/check chunks
+    glob = {"a": np.zeros(5, np.float32), "z": np.zeros(size, np.float32)}
+    good_update = {"a": np.ones(5, np.float32), "z": np.ones(size, np.float32)}
+    poisoned = {"a": np.full(5, 50, np.float32), "z": np.full(size, 50, np.float32)}
+    poisoned["z"][2 * CHUNK_BYTES // 4 + 3] = bad_value  # the third chunk, after the first two were fine
+    updates = [
+        ("site-1", write_update(tmp_path / "1.safetensors", good_update), None),
+        ("site-2", write_update(tmp_path / "2.safetensors", poisoned), None),
+        ("site-3", write_update(tmp_path / "3.safetensors", good_update), None),
+    ]
+    out = fedavg_from_store(glob, updates, min_clients=2)
+    assert out.rejected == {"site-2": "tensor 'z' contains NaN or infinite values"}
+    np.testing.assert_array_equal(out.params["z"], np.ones(size, np.float32))
+    np.testing.assert_array_equal(out.params["a"], np.ones(5, np.float32))
+
+
+def test_unaligned_tensors_aggregate_exactly(tmp_path: pathlib.Path) -> None:
+    """Updates laid out by hand with every tensor at an unaligned offset average like aligned ones."""
+    rng = np.random.default_rng(8)
+    glob = {"b": np.zeros(3, np.int8), "w": np.zeros((40, 7), np.float32), "d": np.zeros(9)}
+    sites = []
+    for i, n in enumerate([2, 5, 9]):
+        params = {"b": rng.integers(-9, 9, 3).astype(np.int8), "w": rng.standard_normal((40, 7)).astype(np.float32),
+                  "d": rng.standard_normal(9)}  # fmt: skip
+        dtypes = {"b": "I8", "w": "F32", "d": "F64"}
+        payload = raw_safetensors({k: (dtypes[k], params[k]) for k in ("b", "w", "d")}, data_start=3 + i)
+        sites.append((f"s{i}", forge(tmp_path / f"s{i}.safetensors", payload, num_samples=n), params, n))
+    out = fedavg_from_store(glob, [(s, p, None) for s, p, _, _ in sites], min_clients=3)
+    want = reference(glob, [(params, float(n), FULL) for _, _, params, n in sites])
+    for name in glob:
+        assert out.params[name].tobytes() == want[name].tobytes()
+
+
+def test_updates_without_readinto_and_object_store_paths(tmp_path: pathlib.Path) -> None:
+    """Non-local stores: a memory:// path (fsspec), and files that offer only read()."""
+    rng = np.random.default_rng(4)
+    glob = random_model(rng, np.float32)
+    sites = [random_model(rng, np.float32) for _ in range(3)]
+    mem = UPath("memory://flare-agg-test/round-0001/s0.safetensors")
+    write_artifact(mem, FLModel(params=sites[0], meta={"num_samples": 2}))
+    local = [write_update(tmp_path / f"s{i}.safetensors", sites[i], num_samples=3 + i) for i in (1, 2)]
+    updates = [("s0", mem, None), ("s1", local[0], None), ("s2", NoReadinto(local[1]), None)]
+    out = fedavg_from_store(glob, updates, min_clients=3)  # type: ignore[arg-type]
+    want = reference(glob, [(sites[0], 2.0, FULL), (sites[1], 4.0, FULL), (sites[2], 5.0, FULL)])
+    for name in glob:
+        assert out.params[name].tobytes() == want[name].tobytes()
+
+
+def test_an_unexpected_error_propagates_without_hanging(tmp_path: pathlib.Path, monkeypatch) -> None:
+    import flare_airflow.core.aggregation as aggregation
+
+    real = aggregation.read_verified
+
+    def flaky(path, record, buffer=None):
+        if "s2" in str(path):
+            raise RuntimeError("disk on fire")
+        return real(path, record, buffer)
+
+    monkeypatch.setattr(aggregation, "read_verified", flaky)
+    updates = [(f"site-{i}", write_update(tmp_path / f"s{i}.safetensors", good(i)), None) for i in range(6)]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fedavg_from_store(GLOBAL, updates, min_clients=1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "fedavg_from_store hung"
+    assert len(errors) == 1 and str(errors[0]) == "disk on fire"
+
+
+def test_peak_memory_does_not_grow_with_the_number_of_updates(tmp_path: pathlib.Path) -> None:
+    size = 1 << 20  # float32 elements: 4 MiB updates
+    glob = {"w": np.zeros(size, np.float32)}
+    paths = [write_update(tmp_path / f"s{i}.safetensors", {"w": np.full(size, i, np.float32)}) for i in range(12)]
+
+    def peak(n: int) -> int:
+        tracemalloc.start()
+        try:
+            fedavg_from_store(glob, [(f"s{i:02d}", p, None) for i, p in enumerate(paths[:n])], min_clients=n)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = peak(2), peak(12)
+    update = 4 * size
+    # the float64 accumulator (2 updates) + 2 read buffers, then the accumulator + the result
+    assert large <= 4.25 * update, large / update
+    assert large <= small + update // 4, (small / update, large / update)

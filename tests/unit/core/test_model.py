@@ -11,15 +11,18 @@ import zipfile
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from upath import UPath
 
 from flare_airflow.core.errors import ModelFormatError
 from flare_airflow.core.model import (
+    CHUNK_BYTES,
     ArtifactRecord,
     FLModel,
     ParamsType,
     all_finite,
     atomic_write,
+    parse_safetensors,
     read_artifact,
     read_record,
     record_path,
@@ -129,19 +132,43 @@ def test_unreadable_record(tmp_path: pathlib.Path, text: str) -> None:
         read_artifact(path)
 
 
-def forge(path: pathlib.Path, payload: bytes) -> None:
+def forge(
+    path: pathlib.Path, payload: bytes, num_samples: int = 10, params_type: ParamsType = ParamsType.FULL
+) -> pathlib.Path:
     """Put ``payload`` where a safetensors file is expected, with a record whose checksum matches."""
     path.write_bytes(payload)
     record = ArtifactRecord(
         sha256=hashlib.sha256(payload).hexdigest(),
         size=len(payload),
-        params_type=ParamsType.FULL,
-        num_samples=10,
+        params_type=params_type,
+        num_samples=num_samples,
         metrics={},
         meta={},
         tensors={"w": ("float32", (2,))},
     )
     record_path(path).write_text(record.to_json())
+    return path
+
+
+def raw_safetensors(
+    tensors: dict[str, tuple[str, np.ndarray]], header: dict | None = None, data_start: int | None = None
+) -> bytes:
+    """A safetensors file laid out by hand: tensors in the given order, no alignment padding.
+
+    ``header`` entries replace the computed ones (to forge bad offsets); with ``data_start`` the
+    JSON is padded so that the data starts at that offset modulo 8 (safetensors pads to 0).
+    """
+    entries: dict = {}
+    data = b""
+    for name, (dtype, arr) in tensors.items():
+        raw = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()
+        entries[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    entries.update(header or {})
+    text = json.dumps(entries).encode()
+    if data_start is not None:
+        text += b" " * ((data_start - 8 - len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text + data
 
 
 def test_pickle_payload_is_refused(tmp_path: pathlib.Path) -> None:
@@ -244,3 +271,120 @@ def test_zero_dim_tensors_keep_their_shape(tmp_path: pathlib.Path) -> None:
     assert got["steps"].shape == ()
     assert int(got["steps"]) == 7
     assert record.tensors["steps"] == ("int64", ())
+
+
+def test_unaligned_tensors_are_read_correctly(tmp_path: pathlib.Path) -> None:
+    """Tensors at unaligned offsets (the data at 2 mod 8, 3 int8 first) come back right, as views."""
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    d = np.array([1e300, -2.5])
+    payload = raw_safetensors(
+        {"b": ("I8", np.array([1, -2, 3], np.int8)), "w": ("F32", w), "d": ("F64", d)}, data_start=2
+    )
+    path = forge(tmp_path / "m.safetensors", payload)
+    got, _ = read_artifact(path)
+    assert not got["w"].flags.aligned and not got["d"].flags.aligned
+    np.testing.assert_array_equal(got["w"], w)
+    np.testing.assert_array_equal(got["d"], d)
+    np.testing.assert_array_equal(got["b"], [1, -2, 3])
+    assert parse_safetensors(payload, "x")["w"].dtype == np.float32
+
+
+def test_parse_matches_safetensors_own_loader() -> None:
+    params = {**sample_params(), "flag": np.array([True, False]), "u": np.arange(5, dtype=np.uint16)}
+    data = safetensors.numpy.save(params, metadata={"params_type": "FULL"})
+    ours, theirs = parse_safetensors(data, "x"), safetensors.numpy.load(data)
+    assert sorted(ours) == sorted(theirs)
+    for name, arr in theirs.items():
+        assert ours[name].dtype == arr.dtype and ours[name].shape == arr.shape
+        np.testing.assert_array_equal(ours[name], arr)
+
+
+W2 = ("F32", np.ones(2, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        (b"\x05\x00\x00", "shorter than the 8-byte header length"),
+        ((10**9).to_bytes(8, "little") + b"{}", "does not fit"),
+        (raw_safetensors({"w": W2})[:-1], "the file has"),  # data shorter than the offsets say
+        (raw_safetensors({"w": W2}) + b"\x00", "the tensors end at byte"),  # trailing bytes
+        (raw_safetensors({"w": W2}, {"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 8]}}), "unsupported"),
+        (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}), "do not hold"),
+        (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}), "starts at"),
+        (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}), "bad shape"),
+        (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}), "bad shape"),
+        (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [2]}}), "expected dtype, shape and"),
+        (raw_safetensors({"w": W2}, {"__metadata__": {"a": 1}}), "__metadata__"),
+        (raw_safetensors({"w": W2, "v": W2}, {"v": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}), "starts"),
+        (len(b"[]").to_bytes(8, "little") + b"[]", "not a JSON object"),
+        (len(b'{"a":1,"a":2}').to_bytes(8, "little") + b'{"a":1,"a":2}', "duplicate keys"),
+    ],
+)
+def test_the_safetensors_header_is_checked_strictly(tmp_path: pathlib.Path, payload: bytes, fragment: str) -> None:
+    path = forge(tmp_path / "m.safetensors", payload)
+    with pytest.raises(ModelFormatError, match="not a valid safetensors file") as info:
+        read_artifact(path)
+    assert fragment in str(info.value)
+
+
+def test_a_file_longer_than_its_record_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.safetensors"
+    record = write_artifact(path, FLModel(params=sample_params()))
+    path.write_bytes(path.read_bytes() + b"\x00")
+    with pytest.raises(ModelFormatError, match=f"larger than the {record.size} bytes its record says"):
+        read_artifact(path)
+
+
+class NoReadinto:
+    """A path whose files offer only ``read()``, as some object-store backends' do."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+
+    def open(self, mode: str = "rb") -> io.BytesIO:
+        return ReadOnly(self.path.read_bytes())
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    @property
+    def parent(self) -> pathlib.Path:
+        return self.path.parent
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def __str__(self) -> str:
+        return f"noreadinto://{self.path}"
+
+
+class ReadOnly(io.BytesIO):
+    """A file object without ``readinto``."""
+
+    def __getattribute__(self, name: str):
+        if name == "readinto":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_files_without_readinto_are_read_whole(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.safetensors"
+    write_artifact(path, FLModel(params=sample_params()))
+    assert not hasattr(NoReadinto(path).open(), "readinto")
+    got, _ = read_artifact(NoReadinto(path))  # type: ignore[arg-type]
+    np.testing.assert_array_equal(got["layer.weight"], sample_params()["layer.weight"])
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        read_artifact(NoReadinto(path))  # type: ignore[arg-type]
+
+
+def test_all_finite_finds_a_nan_deep_inside_a_large_tensor() -> None:
+    big = np.zeros(3 * CHUNK_BYTES // 4 + 5, np.float32)  # 3 chunks and a bit
+    assert all_finite({"big": big}) is None
+    big[2 * CHUNK_BYTES // 4 + 1] = np.nan
+    assert all_finite({"ok": np.ones(3), "big": big}) == "big"
+    big[:] = 0
+    big[-1] = -np.inf
+    assert all_finite({"big": big}) == "big"
