@@ -21,7 +21,9 @@ $(BIN)/uv:
 
 # Pinned, reproducible install from the lock (regenerate with `make lock`).
 $(VENV)/.installed: requirements.lock pyproject.toml | $(BIN)/uv
-	$(BIN)/uv pip sync --quiet --python $(BIN)/python requirements.lock
+	@# --compile-bytecode: this image sets PYTHONDONTWRITEBYTECODE, so without .pyc files every
+	@# process would compile Airflow from source on import (~1.7 s of each `airflow` command).
+	$(BIN)/uv pip sync --quiet --compile-bytecode --python $(BIN)/python requirements.lock
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
 	touch $@
 

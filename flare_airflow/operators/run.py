@@ -101,13 +101,15 @@ def _pool_problems(job: JobConfig) -> tuple[list[str], list[str]]:
 
 def plot_rounds(rows: Sequence[dict[str, Any]], title: str) -> bytes:
     """PNG of global evaluation metrics and mean training loss per round."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure on the Agg canvas, not pyplot: no global figure registry or backend switch in
+    # the worker, and ~0.3 s less to import.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rounds = [r["round"] for r in rows]
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax_acc, ax_loss = fig.subplots(1, 2)
     acc = [r["evaluation"].get("accuracy") for r in rows]
     if any(a is not None for a in acc):
         ax_acc.plot(rounds, acc, marker="o", label="global accuracy (held-out)")
@@ -130,7 +132,6 @@ def plot_rounds(rows: Sequence[dict[str, Any]], title: str) -> bytes:
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
     return buf.getvalue()
 
 

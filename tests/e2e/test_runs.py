@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.harness import AirflowHome, behave_job
+from tests.harness import BIN, AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 
@@ -45,9 +46,24 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
     assert [e["run_id"] for e in events] == [cold.state["run_id"], warm.state["run_id"]]
     assert events[-1]["sha256"] == warm.state["published"]["sha256"]
 
+    # A DAG that no longer parses: the command fails with Airflow's reason and never reports the
+    # state of the (successful) run before it.
+    dag_file.write_text("this is not python\n")
+    broken = subprocess.run(
+        [str(BIN / "flare-airflow"), "run", "flare_warm", "--dagfile", str(dag_file)],
+        env=airflow_home.env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert broken.returncode == 1
+    assert "no new run of DAG 'flare_warm'" in broken.stderr, broken.stderr
+    assert "could not be found" in broken.stderr, broken.stderr
+    assert "success" not in broken.stdout
+
 
 def _asset_events(home: AirflowHome, name: str) -> list[dict]:
-    import subprocess
     import sys
 
     code = (
