@@ -63,7 +63,7 @@ TASKS_PER_ROUND = len(SITES) + 1  # the site tasks and the round's global_model 
 class RunResult:
     dag_id: str
     dags_test_seconds: float  # wall time of the `airflow dags test` process
-    total_seconds: float  # wall time of the whole command (with `flare-airflow run`: + state check)
+    total_seconds: float  # wall time of the whole command (with `flare-airflow run`: + start-up, state check, exit)
     log: Path
     phases: dict[str, float] = field(default_factory=dict)
     tasks: list[tuple[str, float]] = field(default_factory=list)  # (task_id, seconds) in run order
@@ -372,7 +372,8 @@ def site_job_outside_airflow(root: Path, reps: int) -> Table:
         table.add(label, f"{median(times[label]):.3f}", spread(times[label], "{:.3f}"))
     table.notes.append(
         "A site task is a BashOperator running `exec python -m flare_airflow.launchers.site_runner`, which starts the "
-        "trainer as a second Python process: two interpreter starts importing numpy, plus reading and verifying the "
+        "trainer as a second Python process: two interpreter starts importing numpy (the runner starts the trainer "
+        "first and loads numpy while it runs, so the two overlap on the 2 cores), plus reading and verifying the "
         "update once more after the trainer exits."
     )
     return table
@@ -420,7 +421,7 @@ def _tables(
     how = (
         "`airflow dags test` run directly, task states read from the SQLite metadata DB (--quick)"
         if quick
-        else "`flare-airflow run DAG --json` (wraps `airflow dags test`, then reads every task's state)"
+        else "`flare-airflow run DAG --json` (runs `airflow dags test` in-process, then reads every task's state)"
     )
     main = Table(
         "Wall time of one run (embedded default: SQLite, `airflow dags test`)",
@@ -447,8 +448,8 @@ def _tables(
     ]
     if not quick:
         main.notes.append(
-            "'whole command' adds `flare-airflow run`'s own start-up and its state check (it imports Airflow "
-            "to read the metadata DB)."
+            "'whole command' adds the interpreter's start, importing Airflow, `flare-airflow run`'s state check "
+            "(same process, same import) and the exit; `airflow dags test` s is the in-process command alone."
         )
 
     f, t1, t3 = (wall[c.dag_id] for c in CASES)

@@ -20,6 +20,7 @@ import numpy as np
 import safetensors.numpy
 
 from flare_airflow.core.errors import ModelFormatError
+from flare_airflow.core.store import record_path
 
 FORMAT = "flare-airflow/1"
 
@@ -133,10 +134,6 @@ TensorSpec = dict[str, tuple[str, tuple[int, ...]]]
 def tensor_spec(params: Params) -> TensorSpec:
     """Name -> (dtype, shape) of each tensor: what an update must match (also kept in every record)."""
     return {name: (str(arr.dtype), tuple(arr.shape)) for name, arr in params.items()}
-
-
-def record_path(tensors_path: WritablePath) -> WritablePath:
-    return tensors_path.parent / (tensors_path.name.removesuffix(".safetensors") + ".json")
 
 
 def atomic_write(path: WritablePath, data: bytes) -> None:

@@ -18,14 +18,21 @@ import hashlib
 import os
 import pathlib
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from flare_airflow.core.errors import StoreError
-from flare_airflow.core.model import WritablePath
+
+if TYPE_CHECKING:  # numpy-free at run time: the site runner starts the trainer before importing numpy
+    from flare_airflow.core.model import WritablePath
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASHED = re.compile(r"-[0-9a-f]{8}$")
+
+
+def record_path(tensors_path: WritablePath) -> WritablePath:
+    """Where an artifact's JSON record (checksum, tensors, metadata) sits: next to its tensors."""
+    return tensors_path.parent / (tensors_path.name.removesuffix(".safetensors") + ".json")
 
 
 def safe_component(value: str, what: str) -> str:

@@ -13,6 +13,7 @@ aggregation task to say why the site did not count.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -20,15 +21,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flare_airflow.core.aggregation import validate_update
 from flare_airflow.core.errors import FlareAirflowError
-from flare_airflow.core.model import WritablePath, read_artifact, read_record, record_path
 from flare_airflow.core.spec import JobReturnCode, SiteJob
-from flare_airflow.core.store import path_from_uri
+from flare_airflow.core.store import path_from_uri, record_path
 from flare_airflow.launchers.gpus import GpuAllocationError, GpuAllocator, GpuLease
 from flare_airflow.launchers.process import LaunchError, ProcessJobHandle, ProcessLauncher
+
+if TYPE_CHECKING:
+    from flare_airflow.core.model import WritablePath
 
 SPEC_ENV = "FLARE_SITE_JOB_SPEC"
 SUMMARY_PREFIX = "FLARE_RESULT "
@@ -130,6 +132,9 @@ def read_failure(output: WritablePath) -> str | None:
 
 def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
     """Verify what the trainer sent; raise ``FlareAirflowError`` with the reason if it is unusable."""
+    from flare_airflow.core.aggregation import validate_update
+    from flare_airflow.core.model import read_artifact, read_record
+
     if not record_path(output).exists():
         raise FlareAirflowError(
             f"the trainer exited successfully but sent no {'update' if run.task == 'train' else 'result'} "
@@ -201,6 +206,9 @@ def run_site(
             return JobReturnCode.EXECUTION_ERROR, str(exc)
         if on_launch is not None:
             on_launch(handle)
+        # The update check needs numpy: load it now, while the trainer starts on the other core,
+        # not before the launch (the two start-ups would add up: ~50 ms per site job).
+        importlib.import_module("flare_airflow.core.aggregation")
         rc = handle.wait()
     except _Killed as killed:
         if handle is not None:

@@ -11,9 +11,9 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from flare_airflow.core.aggregation import fedavg_from_store
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
-from flare_airflow.core.model import FLModel, WritablePath, read_artifact, record_path, write_artifact
+from flare_airflow.core.model import FLModel, WritablePath, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
-from flare_airflow.core.store import ModelStore
+from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
 from flare_airflow.operators.common import run_id_of, run_params, store_for

@@ -14,8 +14,9 @@ import threading
 import numpy as np
 import pytest
 
-from flare_airflow.core.model import FLModel, read_artifact, record_path, write_artifact
+from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.store import record_path
 from flare_airflow.launchers.process import ProcessLauncher
 from flare_airflow.launchers.site_runner import (
     SPEC_ENV,
