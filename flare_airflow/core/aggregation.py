@@ -16,6 +16,7 @@ import numpy as np
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
 from flare_airflow.core.model import (
     ArtifactRecord,
+    FiniteScan,
     Params,
     ParamsType,
     WritablePath,
@@ -207,9 +208,9 @@ def fedavg_from_store(
     the reason. Unreadable or invalid updates make their site rejected for the round.
 
     Two threads each take the next update: read it into their own reused buffer, verify its size
-    and sha256 against its record (checking floating-point tensors for NaN/inf piece by piece as
-    they are hashed), parse the safetensors header into zero-copy tensors and check names, shapes
-    and dtypes. Only then, and in site order (so the float64 sums are the same whatever thread
+    and sha256 against its record (hashing, and checking floating-point tensors for NaN/inf, piece
+    by piece as it is read), parse the safetensors header into zero-copy tensors and check names,
+    shapes and dtypes. Only then, and in site order (so the float64 sums are the same whatever thread
     finishes first), does the update count: its tensors are added to the accumulator, or its site
     is rejected. While one thread accumulates, the other hashes: hashlib and numpy release the GIL.
     """
@@ -226,8 +227,11 @@ def fedavg_from_store(
             record = read_record(path)
             if buffers[slot].nbytes < record.size:
                 buffers[slot] = np.empty(record.size, dtype=np.uint8)
-            params = read_verified(path, record, buffers[slot])
-            validate_update(site, agg._expected, params)
+            scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
+            params = read_verified(path, record, buffers[slot], scan)
+            check_spec(site, agg._expected, params)
+            if scan.bad is not None:
+                raise non_finite(site, scan.bad)
         except UpdateRejected as exc:
             return {}, record, exc.reason
         except FlareAirflowError as exc:

@@ -312,13 +312,54 @@ def parse_safetensors(data: Any, where: str) -> Params:
     return {t.name: tensor_view(data, t) for t in sorted(tensors, key=lambda t: t.name)}
 
 
-def read_into(path: WritablePath, size: int, buffer: np.ndarray | None = None) -> tuple[Any, str]:
+class FiniteScan:
+    """Finds NaN/inf in a safetensors file's floating-point tensors while its bytes arrive.
+
+    :func:`read_into` calls ``feed(data, upto)`` after each piece: once the header is in, every
+    float element wholly inside ``data[:upto]`` and not yet checked is checked -- right after the
+    piece was hashed, while it is in the CPU cache. ``bad`` is then the first tensor (in file
+    order) holding NaN or infinity, or ``None``. Meaningful only once the bytes' sha256 matched;
+    an invalid header stops the scan (parsing reports it).
+    """
+
+    def __init__(self) -> None:
+        self.bad: str | None = None
+        self._tensors: list[TensorSlice] | None = None
+        self._next = 0  # the tensor being checked
+        self._done = 0  # absolute offset checked up to in it
+
+    def feed(self, data: Any, upto: int) -> None:
+        if self._tensors is None:
+            if upto < 8 or upto < 8 + int.from_bytes(data[:8], "little"):
+                return
+            try:
+                self._tensors = safetensors_layout(data, "")
+            except ModelFormatError:
+                self._tensors = []
+        while self.bad is None and self._next < len(self._tensors):
+            t = self._tensors[self._next]
+            if t.dtype.kind in "fc":
+                start = max(self._done, t.start)
+                end = t.start + (min(upto, t.end) - t.start) // t.dtype.itemsize * t.dtype.itemsize
+                if end > start:
+                    count = (end - start) // t.dtype.itemsize
+                    if not np.isfinite(np.frombuffer(data, dtype=t.dtype, count=count, offset=start)).all():
+                        self.bad = t.name
+                    self._done = end
+                if end < t.end:
+                    return
+            self._next += 1
+
+
+def read_into(
+    path: WritablePath, size: int, buffer: np.ndarray | None = None, scan: FiniteScan | None = None
+) -> tuple[Any, str]:
     """The file's bytes, which must be exactly ``size`` (its record's), and their sha256.
 
     Reads ``CHUNK_BYTES`` at a time with ``readinto`` straight into ``buffer[:size]`` (a reused
-    buffer) or a new one, hashing each piece while it is still in the CPU cache. A file object
-    without ``readinto`` (some object-store backends) is read with ``read()`` into new ``bytes``.
-    The hashing releases the GIL.
+    buffer) or a new one, hashing each piece while it is still in the CPU cache (and feeding it to
+    ``scan``). A file object without ``readinto`` (some object-store backends) is read with
+    ``read()`` into new ``bytes``. The hashing and the finite checks release the GIL.
     """
     hasher = hashlib.sha256()
     with path.open("rb") as fh:
@@ -326,6 +367,8 @@ def read_into(path: WritablePath, size: int, buffer: np.ndarray | None = None) -
             data: Any = fh.read(size + 1)
             got = len(data)
             hasher.update(data)
+            if scan is not None and got == size:
+                scan.feed(data, got)
         else:
             target: Any = buffer if buffer is not None and buffer.nbytes >= size else bytearray(size)
             data = memoryview(target)[:size]
@@ -336,6 +379,8 @@ def read_into(path: WritablePath, size: int, buffer: np.ndarray | None = None) -
                     break
                 hasher.update(data[got : got + k])
                 got += k
+                if scan is not None:
+                    scan.feed(data, got)
             if got == size and fh.read(1):
                 got += 1
     if got < size:
@@ -345,12 +390,14 @@ def read_into(path: WritablePath, size: int, buffer: np.ndarray | None = None) -
     return data, hasher.hexdigest()
 
 
-def read_verified(path: WritablePath, record: ArtifactRecord, buffer: np.ndarray | None = None) -> Params:
+def read_verified(
+    path: WritablePath, record: ArtifactRecord, buffer: np.ndarray | None = None, scan: FiniteScan | None = None
+) -> Params:
     """Read a tensors file, check its size and sha256 against its record, then parse it.
 
     The tensors are zero-copy arrays over one buffer holding the file (``buffer`` if given).
     """
-    data, digest = read_into(path, record.size, buffer)
+    data, digest = read_into(path, record.size, buffer, scan)
     if digest != record.sha256:
         raise ModelFormatError(f"{path}: sha256 {digest[:12]}… does not match its record {record.sha256[:12]}…")
     return parse_safetensors(data, str(path))

@@ -454,10 +454,10 @@ def test_an_unexpected_error_propagates_without_hanging(tmp_path: pathlib.Path, 
 
     real = aggregation.read_verified
 
-    def flaky(path, record, buffer=None):
+    def flaky(path, *args):
         if "s2" in str(path):
             raise RuntimeError("disk on fire")
-        return real(path, record, buffer)
+        return real(path, *args)
 
     monkeypatch.setattr(aggregation, "read_verified", flaky)
     updates = [(f"site-{i}", write_update(tmp_path / f"s{i}.safetensors", good(i)), None) for i in range(6)]

@@ -18,12 +18,14 @@ from flare_airflow.core.errors import ModelFormatError
 from flare_airflow.core.model import (
     CHUNK_BYTES,
     ArtifactRecord,
+    FiniteScan,
     FLModel,
     ParamsType,
     all_finite,
     atomic_write,
     parse_safetensors,
     read_artifact,
+    read_into,
     read_record,
     record_path,
     write_artifact,
@@ -388,3 +390,41 @@ def test_all_finite_finds_a_nan_deep_inside_a_large_tensor() -> None:
     big[:] = 0
     big[-1] = -np.inf
     assert all_finite({"big": big}) == "big"
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 64, 1 << 20])
+@pytest.mark.parametrize("bad", [None, "h", "w", "d"])
+def test_finite_scan_sees_every_element_whatever_the_pieces(piece: int, bad: str | None) -> None:
+    """Pieces that split the header and elements, unaligned tensors, integer tensors between floats."""
+    tensors = {
+        "i": ("I8", np.array([1, 2, 3], np.int8)),
+        "h": ("F16", np.arange(5, dtype=np.float16)),
+        "w": ("F32", np.ones((3, 4), np.float32)),
+        "n": ("I64", np.array([7], np.int64)),
+        "d": ("F64", np.zeros(6)),
+        "e": ("F32", np.zeros(0, np.float32)),
+    }
+    if bad is not None:
+        tensors[bad][1].reshape(-1)[-1] = np.nan if bad != "w" else -np.inf  # the very last element
+    data = raw_safetensors(tensors, data_start=5)
+    scan = FiniteScan()
+    for upto in [*range(piece, len(data), piece), len(data)]:
+        scan.feed(data, upto)
+    assert scan.bad == bad
+
+
+def test_finite_scan_through_read_into(tmp_path: pathlib.Path) -> None:
+    params = {"a": np.zeros(3 * CHUNK_BYTES // 8 + 3), "b": np.ones(5, np.float32)}
+    params["a"][2 * CHUNK_BYTES // 8 + 1] = np.inf
+    path = tmp_path / "m.safetensors"
+    record = write_artifact(path, FLModel(params=params))
+    scan = FiniteScan()
+    read_into(path, record.size, None, scan)
+    assert scan.bad == "a"
+    scan = FiniteScan()
+    read_into(NoReadinto(path), record.size, None, scan)  # type: ignore[arg-type]
+    assert scan.bad == "a"
+    scan = FiniteScan()
+    forge(path, b"\x80 not safetensors")
+    read_into(path, path.stat().st_size, None, scan)
+    assert scan.bad is None
