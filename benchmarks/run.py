@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/run.py              # everything (~6-10 min on 2 cores)
     .venv/bin/python benchmarks/run.py --quick      # smaller set (~2 min)
-    .venv/bin/python benchmarks/run.py --only e2e   # or --only fedavg, --only k8s
+    .venv/bin/python benchmarks/run.py --only e2e   # or --only fedavg, --only k8s, ...
 
 1. **e2e** -- a trivial job (2 sites x 1 and x 3 rounds, no-op trainer) through real Airflow
    (embedded default: SQLite, ``airflow dags test``) next to a 1-task no-op DAG (Airflow's floor).
@@ -15,10 +15,12 @@
    /var/tmp/flare-airflow-bench/nvflare-venv): the same jobs end to end (hello-numpy-style 2 sites x 1
    and x 3 rounds, digits 4 x 5) through ``flare-airflow run`` and NVFlare's simulator, and FedAvg on
    the same updates vs NVFlare's ``WeightedAggregationHelper`` (~10 min; ``--only nvflare`` writes
-   ``benchmarks/results/nvflare.md``).
+   ``benchmarks/results/nvflare.md``; ``--only nvflare-aggregation`` runs its aggregation part alone,
+   ~3 min, into ``benchmarks/results/nvflare_aggregation.md``).
 
 The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details
-(``--only k8s``: to ``benchmarks/results/k8s_api.md``, so that it does not replace a full report). These
+(``--only k8s``: to ``benchmarks/results/k8s_api.md``, ``--only fedavg``: ``fedavg.md``, and so on,
+so that one part does not replace a full report). These
 machines are noisy: compared cases alternate within one run, repetitions >= 3, medians reported.
 """
 
@@ -44,6 +46,13 @@ DEFAULT_OUTPUT = BENCH_DIR / "results" / "latest.md"
 K8S_OUTPUT = BENCH_DIR / "results" / "k8s_api.md"  # --only k8s: a report of its own
 SCALE_OUTPUT = BENCH_DIR / "results" / "scale.md"  # --only scale: a report of its own
 NVFLARE_OUTPUT = BENCH_DIR / "results" / "nvflare.md"  # --only nvflare: a report of its own
+OWN_OUTPUTS = {
+    "fedavg": BENCH_DIR / "results" / "fedavg.md",
+    "k8s": K8S_OUTPUT,
+    "scale": SCALE_OUTPUT,
+    "nvflare": NVFLARE_OUTPUT,
+    "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,19 +60,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="smaller set: 64 MiB updates only, no cold-run pass, 5/20 s k8s jobs"
     )
-    p.add_argument("--only", choices=("e2e", "fedavg", "k8s", "scale", "nvflare"), help="run one benchmark")
+    p.add_argument(
+        "--only",
+        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation"),
+        help="run one benchmark (all but e2e write a report of their own)",
+    )
     p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
     p.add_argument("--tmp-dir", help="where temporary AIRFLOW_HOME and model stores go (on disk, not tmpfs)")
     p.add_argument("--keep", action="store_true", help="keep temporary files (Airflow logs, stores)")
     p.add_argument(
         "--output",
         type=Path,
-        help=f"markdown report (default: {DEFAULT_OUTPUT}; with --only k8s: {K8S_OUTPUT})",
+        help=f"markdown report (default: {DEFAULT_OUTPUT}; with --only X other than e2e: a file of its own)",
     )
     args = p.parse_args(argv)
     if args.output is None:
-        own = {"k8s": K8S_OUTPUT, "scale": SCALE_OUTPUT, "nvflare": NVFLARE_OUTPUT}
-        args.output = own.get(args.only, DEFAULT_OUTPUT)
+        args.output = OWN_OUTPUTS.get(args.only, DEFAULT_OUTPUT)
     if args.reps < 3:
         p.error("--reps must be at least 3: these machines are noisy and single runs mislead")
     return args
@@ -104,6 +116,12 @@ def main(argv: list[str]) -> int:
             log("[nvflare] side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("5. Side by side with NVIDIA FLARE 2.9.0", tables))
+        if args.only == "nvflare-aggregation":
+            log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
+            tables = bench_nvflare.run_aggregation_only(
+                reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir
+            )
+            sections.append(("5. Side by side with NVIDIA FLARE 2.9.0: aggregation", tables))
     except BenchmarkFailed as exc:
         print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
         return 1
