@@ -143,16 +143,19 @@ class FedAvg:
     def _accumulate(self, params: Params, w: np.float64) -> None:
         """``acc += arr * w`` in float64, a cache-sized piece at a time (no update-sized temporary).
 
-        Element for element the same two roundings as ``acc += arr * np.float64(w)``: the product
-        rounded to float64, then the sum -- so the result is bitwise that of the plain expression.
+        Each piece is converted to float64 (as ``arr * np.float64(w)`` converts it), multiplied in
+        place, added in place: element for element the same two roundings as the whole-array
+        expression, so the result is bitwise the same -- and faster than ``np.multiply`` casting
+        on the fly.
         """
         for name, arr in params.items():
             src, acc = arr.reshape(-1), self._acc[name].reshape(-1)
             for s in range(0, src.size, ACC_CHUNK):
                 e = min(s + ACC_CHUNK, src.size)
                 tmp = self._scratch[: e - s]
-                np.multiply(src[s:e], w, out=tmp)
-                np.add(acc[s:e], tmp, out=acc[s:e])
+                np.copyto(tmp, src[s:e])
+                tmp *= w
+                acc[s:e] += tmp
 
     def result(self) -> RoundOutcome:
         """The new global model; raises ``QuorumNotReached`` with every failed site's reason."""
