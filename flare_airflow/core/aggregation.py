@@ -6,6 +6,7 @@ float64), and :func:`fedavg_from_store` holds at most two updates, in two reused
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -13,8 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
+from flare_airflow.core.errors import FlareAirflowError, ModelFormatError, QuorumNotReached, UpdateRejected
 from flare_airflow.core.model import (
+    MAX_HEADER,
     ArtifactRecord,
     FiniteScan,
     Params,
@@ -222,12 +224,22 @@ def fedavg_from_store(
     free = list(range(_WORKERS))
     turn = threading.Condition()
     next_up = 0
+    # No update of the global model's tensors is larger: a record claiming more is refused before
+    # a buffer of that size is allocated.
+    max_size = (
+        8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in agg._expected.values())
+    )
 
     def verified(slot: int, site: str, path: WritablePath) -> tuple[Params, ArtifactRecord | None, str | None]:
         """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
         record = None
         try:
             record = read_record(path)
+            if record.size > max_size:
+                raise ModelFormatError(
+                    f"{path}: its record says {record.size} bytes, more than an update of the global model's "
+                    f"tensors can take ({max_size})"
+                )
             if buffers[slot].nbytes < record.size:
                 buffers[slot] = np.empty(record.size, dtype=np.uint8)
             scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed

@@ -21,6 +21,7 @@ from flare_airflow.core.model import (
     FLModel,
     ParamsType,
     read_artifact,
+    read_record,
     record_path,
     tensor_spec,
     write_artifact,
@@ -494,3 +495,14 @@ def test_peak_memory_does_not_grow_with_the_number_of_updates(tmp_path: pathlib.
     # the float64 accumulator (2 updates) + 2 read buffers, then the accumulator + the result
     assert large <= 4.25 * update, large / update
     assert large <= small + update // 4, (small / update, large / update)
+
+
+def test_a_record_claiming_a_huge_size_is_rejected_before_any_allocation(tmp_path: pathlib.Path) -> None:
+    path = write_update(tmp_path / "big.safetensors", good(1.0))
+    rec = read_record(path)
+    forged = ArtifactRecord(**{**rec.__dict__, "size": 1 << 50})
+    record_path(path).write_text(forged.to_json())
+    ok = write_update(tmp_path / "ok.safetensors", good(3.0))
+    out = fedavg_from_store(GLOBAL, [("big", path, None), ("ok", ok, None)], min_clients=1)
+    assert out.accepted == {"ok": 2.0}
+    assert f"its record says {1 << 50} bytes, more than an update of the global model's tensors" in out.rejected["big"]
