@@ -209,8 +209,9 @@ def _numpy_limit(files: list[Path], sizes: list[int]) -> float:
 
     Allocates the float64 accumulator and one buffer (first touched inside the timing, as ours are),
     ``readinto`` each file into the buffer, takes zero-copy views at the header's offsets, adds
-    ``view * np.float64(w)`` in float64 a cache-sized piece at a time (``np.multiply(.., out=tmp)``,
-    ``np.add(.., out=acc)``), then divides and casts back to float32. No sha256, no header checks,
+    ``view * np.float64(w)`` in float64 a cache-sized piece at a time (convert into a float64
+    scratch, ``*=``, ``+=``: faster than ``np.multiply`` casting on the fly, and what the package
+    does), then divides and casts back to float32. No sha256, no header checks,
     no finite check, no name/shape/dtype checks.
     """
     import numpy as np
@@ -233,8 +234,10 @@ def _numpy_limit(files: list[Path], sizes: list[int]) -> float:
             out = acc[name]
             for s in range(0, flat.size, chunk):
                 e = min(s + chunk, flat.size)
-                np.multiply(flat[s:e], w, out=tmp[: e - s])
-                np.add(out[s:e], tmp[: e - s], out=out[s:e])
+                t = tmp[: e - s]
+                np.copyto(t, flat[s:e])  # the fastest float32 -> float64 multiply-add numpy has here
+                t *= w
+                out[s:e] += t
     total = np.float64(sum(_num_samples(i) for i in range(len(files))))
     result = {}
     for name, a in acc.items():
@@ -500,9 +503,9 @@ def _throughput_table(rows: list[dict[str, Any]], reps: int) -> Table:
         "**(c) = the bandwidth limit the target (ours ≥ 0.7 x (c)) is judged against: numpy streaming of the same "
         "work without any verification**, in one thread -- allocate the float64 accumulator, `readinto` each file "
         "into one reused buffer, zero-copy views at the header's offsets, fused float64 multiply-add in 512 KiB "
-        "pieces, then divide and cast back; no sha256, no header, finite or name/shape/dtype checks. Ours does all "
-        "of those (sha256 of every update verified before it counts) and uses two threads; the ratios are paired "
-        "by repetition (ours and the reference ran back to back).",
+        "pieces (the same numpy calls as ours), then divide and cast back; no sha256, no header, finite or "
+        "name/shape/dtype checks. Ours does all of those (sha256 of every update verified before it counts) and "
+        "uses two threads; the ratios are paired by repetition (ours and the reference ran back to back).",
         "Updates: realistic model weights, base ~ N(0, 0.05) per element, update i = base + N(0, 0.01) noise "
         "(seeds 0 and 1000 + i), num_samples 10 + i; each run's result is checked against the exact float64 "
         "weighted mean of the same files (within one float32 ulp).",
@@ -534,7 +537,10 @@ def _breakdown_table(b: dict[str, Any]) -> Table:
             "(`FiniteScan`) of each piece while in cache",
         ),
         ("parse", "`parse_safetensors`: strict header check, zero-copy `np.frombuffer` views"),
-        ("accumulate", "`FedAvg._accumulate`: `np.multiply(.., out=tmp64)`, `np.add(.., out=acc)`, 512 KiB pieces"),
+        (
+            "accumulate",
+            "`FedAvg._accumulate`: per 512 KiB piece `np.copyto(tmp64, piece)`, `tmp64 *= w`, `acc += tmp64`",
+        ),
     ]
     total = sum(median(t[k]) for k, _ in stages)
     table = Table(
