@@ -68,6 +68,7 @@ def test_the_probe_sees_heavy_imports() -> None:
     """The configuration layer uses pydantic: the probe above would notice it."""
     assert "pydantic" in top_level_modules_after_importing("flare_airflow.core.config")
 
+
 def test_the_site_runner_starts_the_trainer_before_loading_numpy() -> None:
     # Its imports stop short of numpy so that the trainer's interpreter starts while numpy loads
     # for the update check: the two start-ups overlap on every site job.
