@@ -171,16 +171,42 @@ def _states_from_db(home: Path, dag_id: str) -> tuple[str, str, dict[str, str]]:
     return str(row[0]), str(row[1]), {str(t): str(s) for t, s in tis}
 
 
-class Runner:
-    """Runs the benchmark DAGs and checks each run's final task states."""
+# How `flare-airflow run` worked before issue 5's cuts (its code at 5ce5671, minus printing): its own
+# process starts `airflow dags test` as a subprocess, then imports Airflow to read the run's states.
+# Run with a virtual environment installed without compiled bytecode, it is the "before" of the
+# before/after comparison (see bench_nvflare).
+LEGACY_RUN = """
+import json, subprocess, sys, time
+from flare_airflow.cli import run_state
+dag_id, log_path = sys.argv[1], sys.argv[2]
+started = time.monotonic()
+with open(log_path, "w") as log:
+    proc = subprocess.run([sys.executable, "-m", "airflow", "dags", "test", dag_id], stdout=log,
+                          stderr=subprocess.STDOUT, check=False)
+elapsed = time.monotonic() - started
+state = run_state(dag_id)
+state["wall_seconds"] = round(elapsed, 2)
+print(json.dumps(state))
+sys.exit(proc.returncode)
+"""
 
-    def __init__(self, root: Path, *, via_cli: bool) -> None:
+
+class Runner:
+    """Runs the benchmark DAGs and checks each run's final task states.
+
+    ``legacy``: run them the way ``flare-airflow run`` did before issue 5 (:data:`LEGACY_RUN`),
+    with ``python`` (another virtual environment's interpreter).
+    """
+
+    def __init__(self, root: Path, *, via_cli: bool, python: str = sys.executable, legacy: bool = False) -> None:
         self.root = root
         self.home = root / "home"
         self.dags = root / "dags"
         self.logs = root / "logs"
         self.env = airflow_env(self.home, self.dags)
-        self.via_cli = via_cli
+        self.via_cli = via_cli or legacy
+        self.python = python
+        self.legacy = legacy
         self.seen_runs: set[str] = set()
         self.count = 0
 
@@ -191,7 +217,9 @@ class Runner:
         started = time.monotonic()
         if self.via_cli:
             # The product path: `flare-airflow run` wraps `airflow dags test` and checks every task.
-            cmd = [sys.executable, "-m", "flare_airflow.cli", "run", case.dag_id, "--json", "--log", str(log)]
+            cmd = [self.python, "-m", "flare_airflow.cli", "run", case.dag_id, "--json", "--log", str(log)]
+            if self.legacy:
+                cmd = [self.python, "-c", LEGACY_RUN, case.dag_id, str(log)]
             proc = subprocess.run(
                 cmd, env=self.env, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False, cwd=self.root
             )

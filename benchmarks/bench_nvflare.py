@@ -14,11 +14,13 @@ matches; if it cannot be installed the benchmark fails with pip's output (never 
      executed with ``SimEnv`` (job export + NVFlare's simulator, one thread per client), as
      NVFlare's hello-numpy example runs.
 
-   Jobs: hello-numpy-style (3 x 3 float32 model, each site adds 1; 2 sites x 1 and x 3 rounds)
+   Jobs: hello-numpy-style (3 x 3 float32 model, each site adds 1; 2 sites x 1, 3 and 10 rounds)
    and digits (4 sites x 5 rounds, ``dags/digits.yaml``'s settings; NVFlare's client script
    imports ``examples/digits/trainer.py``'s functions, so the training math is the same code).
    Every run's final model is checked (hello: initial + rounds, exactly); digits' final test
-   accuracy is computed from both final models with the trainer's own function.
+   accuracy is computed from both final models with the trainer's own function. Hello 2 x 3 and
+   digits also run "before" (:func:`ensure_before_venv`, :data:`bench_e2e.LEGACY_RUN`): the set-up
+   and command as they were before this benchmark's profiling, side by side with "after".
 
 2. **Aggregation.** On the same safetensors updates (written by :mod:`bench_fedavg`'s generator),
    each case in a fresh subprocess: our ``fedavg_from_store`` (project environment) and NVFlare's
@@ -206,7 +208,11 @@ class JobCase:
 
 HELLO_R1 = JobCase("hello", 2, 1)
 HELLO_R3 = JobCase("hello", 2, 3)
+HELLO_R10 = JobCase("hello", 2, 10)
 DIGITS = JobCase("digits", 4, 5)
+BEFORE_CASES = (HELLO_R3, DIGITS)  # also run the way flare-airflow ran before issue 5's cuts
+BEFORE_VENV_ENV = "FLARE_BENCH_BEFORE_VENV"
+DEFAULT_BEFORE_VENV = Path("/var/tmp/flare-airflow-bench/no-bytecode-venv")
 
 
 @dataclass
@@ -228,6 +234,39 @@ def _hello_initial() -> Any:
     import numpy as np
 
     return np.arange(1, 10, dtype=np.float32).reshape(3, 3)
+
+
+def ensure_before_venv() -> Path:
+    """The project's pinned packages installed WITHOUT compiled bytecode: what ``make setup`` gave
+    before it passed ``--compile-bytecode`` to ``uv pip sync``. Returns its interpreter.
+
+    The project's own source is installed editable, so "before" runs today's package code; what
+    differs is the set-up (no .pyc under PYTHONDONTWRITEBYTECODE) and how ``flare-airflow run``
+    ran Airflow (:data:`bench_e2e.LEGACY_RUN`).
+    """
+    venv = Path(os.environ.get(BEFORE_VENV_ENV) or DEFAULT_BEFORE_VENV)
+    python = venv / "bin" / "python"
+    uv = Path(sys.executable).parent / "uv"
+    lock = REPO / "requirements.lock"
+    marker = venv / ".flare-airflow-bench.json"
+    want = {"lock": lock.read_text(), "repo": str(REPO)}
+    if python.exists() and marker.exists() and json.loads(marker.read_text()) == want:
+        return python
+    shutil.rmtree(venv, ignore_errors=True)
+    log(f"[nvflare] creating {venv}: the project's pins without compiled bytecode (the 'before' set-up)")
+    for argv in (
+        [str(uv), "venv", "-q", "--python", sys.executable, str(venv)],
+        [str(uv), "pip", "sync", "-q", "--python", str(python), str(lock)],
+        [str(uv), "pip", "install", "-q", "--python", str(python), "--no-deps", "-e", str(REPO)],
+    ):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
+        if proc.returncode != 0:
+            raise BenchmarkFailed(f"`{' '.join(argv)}` exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    compiled = list((venv / "lib").glob("python3*/site-packages/airflow/__pycache__"))
+    if compiled:
+        raise BenchmarkFailed(f"{venv} has compiled bytecode ({compiled[0]}): it cannot stand for 'before'")
+    marker.write_text(json.dumps(want))
+    return python
 
 
 def _load_trainer() -> Any:
@@ -257,7 +296,7 @@ def write_our_dags(dags: Path, store: Path) -> dict[str, Any]:
     digits = _digits_settings()
     if len(digits["sites"]) - ("@default" in digits["sites"]) != DIGITS.sites or digits["rounds"] != DIGITS.rounds:
         raise BenchmarkFailed(f"{DIGITS_JOB} no longer has {DIGITS.sites} sites x {DIGITS.rounds} rounds")
-    for case in (HELLO_R1, HELLO_R3, DIGITS):
+    for case in (HELLO_R1, HELLO_R3, HELLO_R10, DIGITS):
         if case.kind == "hello":
             job: dict[str, Any] = {
                 "job": case.name,
@@ -542,7 +581,13 @@ def run_e2e(nv: NvflareEnv, *, reps: int, quick: bool, keep: bool, tmp_base: str
         split = trainer.load_split(trainer.parse_args(digits["trainer"].get("args", [])).seed)
         migrate_s = bench_e2e.migrate(runner.env, runner.home)
         log(f"[nvflare] airflow db migrate: {migrate_s:.1f}s")
-        cases = [HELLO_R1, HELLO_R3] + ([] if quick else [DIGITS])
+        cases = [HELLO_R1, HELLO_R3] + ([] if quick else [HELLO_R10, DIGITS])
+        before = None
+        if not quick:
+            before = bench_e2e.Runner(root / "before", via_cli=True, python=str(ensure_before_venv()), legacy=True)
+            before.env["PYTHONDONTWRITEBYTECODE"] = "1"  # as on these machines: nothing compiles on the way
+            write_our_dags(before.dags, store)
+            bench_e2e.migrate(before.env, before.home)
         count = 0
         hangs: list[str] = []
 
@@ -551,6 +596,9 @@ def run_e2e(nv: NvflareEnv, *, reps: int, quick: bool, keep: bool, tmp_base: str
             count += 1
             if system == "ours":
                 return run_ours(runner, case, store, trainer, split)
+            if system == "before":
+                assert before is not None
+                return run_ours(before, case, store, trainer, split)
             run = run_nvflare(nv, case, root, count, trainer, split, hangs)
             if not keep:
                 shutil.rmtree(root / "nvflare" / f"{count:02d}-{case.name}", ignore_errors=True)
@@ -558,9 +606,11 @@ def run_e2e(nv: NvflareEnv, *, reps: int, quick: bool, keep: bool, tmp_base: str
 
         # Untimed first runs: the first `dags test` after migrate also serialises the DAGs; both
         # stacks' imports come from a cold page cache otherwise.
-        warm = {s: one(s, HELLO_R1) for s in ("ours", "nvflare")}
+        warm = {s: one(s, HELLO_R1) for s in ("ours", "nvflare") + (("before",) if before else ())}
         log(f"[nvflare] first runs (untimed): ours {warm['ours'].wall:.1f}s, NVFlare {warm['nvflare'].wall:.1f}s")
         pairs = [(s, c) for c in cases for s in ("ours", "nvflare")]
+        if before is not None:
+            pairs += [("before", c) for c in BEFORE_CASES]
         runs: dict[tuple[str, str], list[E2ERun]] = {}
         for rep in range(reps):
             for system, case in rotate(pairs, rep):
@@ -575,6 +625,43 @@ def run_e2e(nv: NvflareEnv, *, reps: int, quick: bool, keep: bool, tmp_base: str
         else:
             shutil.rmtree(root, ignore_errors=True)
     return _e2e_tables(runs, cases, warm, compute, migrate_s, reps, hangs)
+
+
+def _before_after_table(runs: dict[tuple[str, str], list[E2ERun]], wall: Any) -> Table:
+    table = Table(
+        "Before and after the cuts of this issue (the same run, alternating with the rest)",
+        ["job", "before s", "after s", "**after / before**", "NVFlare s", "before / NVFlare", "**after / NVFlare**"],
+    )
+    for case in BEFORE_CASES:
+        b, a, n = wall("before", case), wall("ours", case), wall("nvflare", case)
+        table.add(
+            case.label,
+            f"{median(b):.2f} ({spread(b)})",
+            f"{median(a):.2f} ({spread(a)})",
+            _ratio_cell(a, b),
+            f"{median(n):.2f}",
+            _ratio_cell(b, n),
+            _ratio_cell(a, n),
+        )
+    table.notes += [
+        "*before* = today's package code run the way it ran before this issue: the project's pins installed "
+        "without compiled bytecode (`uv pip sync` without `--compile-bytecode`; these machines set "
+        "PYTHONDONTWRITEBYTECODE, so every process compiled Airflow, numpy and the rest from source on import), "
+        "and `flare-airflow run` starting `airflow dags test` as a subprocess, then importing Airflow a second "
+        "time for the state check, then a normal interpreter exit (bench_e2e's `LEGACY_RUN`, the old command's "
+        "code). *after* = `make setup` and `flare-airflow run` as they are now.",
+        "The cuts, found with py-spy on `flare-airflow run` (hello, 2 sites x 3 rounds): (1) compiled bytecode "
+        "(`source_to_code` was 27 % of all samples; `import airflow` 3.1 s -> 1.4 s); (2) `airflow dags test` "
+        "in the command's own process: Airflow imported once, the state check ~0.1 s instead of ~3.6 s; (3) "
+        "`os._exit` after the exit handlers: the interpreter's teardown after Airflow (garbage collection, module "
+        "clean-up) took ~1.4 s; (4) the site runner starts the trainer before loading numpy and loads it while the "
+        "trainer runs, and waits in `waitpid` instead of a 50 ms sleep loop (~0.1 s per site task); (5) the plot "
+        "on a bare matplotlib `Figure` (no pyplot). Left: Airflow's own fixed cost -- import ~1.4 s, parse + "
+        "serialise ~0.8 s, the in-process execution API's first request ~3 s (Cadwyn generating every API "
+        "version's routes) -- and ~60 ms of `dags test` bookkeeping per task; `airflow dags test` runs one task at "
+        "a time, NVFlare's clients run in parallel.",
+    ]
+    return table
 
 
 def _ratio_cell(ours: list[float], theirs: list[float]) -> str:
@@ -622,8 +709,9 @@ def _e2e_tables(
     main.notes += [
         f"Medians of {reps} repetitions (min-max in brackets); all {2 * len(cases)} runs of a repetition alternate, "
         "order rotated each repetition; the ratio is the median of the per-repetition ratios. Wall time = the whole "
-        "command: flare-airflow `flare-airflow run DAG --json` (wraps `airflow dags test` on a temporary "
-        "AIRFLOW_HOME with SQLite, then reads every task's state from the metadata DB); NVFlare `python job.py` "
+        "command: flare-airflow `flare-airflow run DAG --json` (runs `airflow dags test` in its own process on a "
+        "temporary AIRFLOW_HOME with SQLite, then reads every task's state from the metadata DB); NVFlare "
+        "`python job.py` "
         "(imports NVFlare, builds `NumpyFedAvgRecipe`, `recipe.run(SimEnv(...))` exports the job and runs NVFlare's "
         "simulator as a subprocess, one thread per client). Every run checked: ours all tasks `success`; NVFlare exit "
         "code 0, every round aggregated from all sites; hello: the final model is exactly the initial one + rounds "
@@ -669,6 +757,16 @@ def _e2e_tables(
         f"{median(fn):.2f} ({spread(fn)})",
         _ratio_cell(fo, fn),
     )
+    po, pn, fom, fnm = median(pro), median(prn), median(fo), median(fn)
+    if TARGET_RATIO * pn > po:
+        crossover = (fom - TARGET_RATIO * fnm) / (TARGET_RATIO * pn - po)
+        rounds.add(
+            f"hello: rounds from which ours ≤ {TARGET_RATIO} x NVFlare's wall time, from the two rows above "
+            "(fixed_ours + R x round_ours ≤ 0.5 x (fixed_NVFlare + R x round_NVFlare))",
+            f"R ≥ {max(crossover, 1):.1f}",
+            "",
+            "",
+        )
     for case in cases[1:]:
         o = [r.per_round for r in runs[("ours", case.name)] if r.per_round is not None]
         n = [r.per_round for r in runs[("nvflare", case.name)] if r.per_round is not None]
@@ -699,11 +797,12 @@ def _e2e_tables(
         "worker process per client) on the 2 cores."
     )
 
+    split_cases = [c for c in cases if c in (HELLO_R3, DIGITS)]
     phases = Table(
         "Where the time goes (wall-clock marks of each run; medians)",
         [
             "phase",
-            *(f"{'ours' if s == 'ours' else 'NVFlare'} {c.name} s" for c in cases[1:] for s in ("ours", "nvflare")),
+            *(f"{'ours' if s == 'ours' else 'NVFlare'} {c.name} s" for c in split_cases for s in ("ours", "nvflare")),
         ],
     )
 
@@ -717,17 +816,18 @@ def _e2e_tables(
         ("after the last round until the command exits", "last_round_end", "end"),
         ("**whole command**", "start", "end"),
     ):
-        phases.add(label, *(mark(s, c, a, b) for c in cases[1:] for s in ("ours", "nvflare")))
-    for c in cases[1:]:
+        phases.add(label, *(mark(s, c, a, b) for c in split_cases for s in ("ours", "nvflare")))
+    for c in split_cases:
         o = runs[("ours", c.name)]
         phases.notes.append(
-            f"Ours, {c.name} (bench_e2e's split of the same runs, medians): interpreter start + Airflow import + exit "
-            f"{median([r.phases['outside'] for r in o]):.2f} s; config, parse the dags folder, serialise, create the "
-            f"run {median([r.phases['prepare_run'] for r in o]):.2f} s; first task `prepare` with Airflow's one-time "
-            f"execution-API start-up {median([r.phases['first_task'] for r in o]):.2f} s; all other tasks "
-            f"{median([r.phases['other_tasks'] for r in o]):.2f} s; between tasks "
-            f"{median([r.phases['between'] for r in o]):.2f} s; after `airflow dags test`, `flare-airflow run`'s own "
-            f"start-up and state check (imports Airflow again) {median([r.wall - r.inner for r in o]):.2f} s."
+            f"Ours, {c.name} (bench_e2e's split of the same runs, medians): outside Airflow's log lines (interpreter "
+            f"start, Airflow import, CLI set-up, state check, exit) {median([r.phases['outside'] for r in o]):.2f} s, "
+            f"of which outside `airflow dags test` itself {median([r.wall - r.inner for r in o]):.2f} s; config, "
+            f"parse the dags folder, serialise, create the run {median([r.phases['prepare_run'] for r in o]):.2f} s; "
+            "first task `prepare` with Airflow's one-time in-process execution-API start-up (Cadwyn builds the "
+            f"routes of all 10 API versions: ~3 s in a profile) {median([r.phases['first_task'] for r in o]):.2f} s; "
+            f"all other tasks {median([r.phases['other_tasks'] for r in o]):.2f} s; between tasks "
+            f"{median([r.phases['between'] for r in o]):.2f} s."
         )
     phases.notes.append(
         "NVFlare's start-up (to its server's `Round 0 started.`) = importing NVFlare, building and exporting the "
@@ -735,9 +835,11 @@ def _e2e_tables(
         "scripts once round 0 has begun, which is why its round 1 is longer than the others; 'after' = its "
         "shut-down (END_RUN to every client, processes exit). Ours: start-up = `flare-airflow run` + "
         "`airflow dags test` start, DAG parsing, the run's creation and the `prepare` task; 'after' = `publish` "
-        "(final model, metrics.json, plot), the exit of `airflow dags test` and `flare-airflow run`'s state check."
+        "(final model, metrics.json, plot), `flare-airflow run`'s state check and its exit."
     )
     tables = [main, rounds, phases]
+    if any(k[0] == "before" for k in runs):
+        tables.append(_before_after_table(runs, wall))
     if DIGITS in cases:
         o, n = runs[("ours", DIGITS.name)], runs[("nvflare", DIGITS.name)]
         acc = Table(
