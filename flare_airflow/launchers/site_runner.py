@@ -250,4 +250,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Nothing is left to clean up (the trainer's group is gone, the lease released, the files
+    # closed): skip the interpreter's teardown of numpy & co., ~20 ms of every site job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
