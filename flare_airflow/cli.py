@@ -161,8 +161,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     started = time.monotonic()
     with _output_to(log_path):
-        before = latest_run_key(args.dag_id)
-        returncode, error = dags_test(args.dag_id, dagfile=args.dagfile, conf=args.conf)
+        try:
+            before = latest_run_key(args.dag_id)
+        except Exception as exc:  # no metadata database yet, or an unreadable one; traceback to the log
+            traceback.print_exc()
+            unreadable = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        else:
+            unreadable = ""
+            returncode, error = dags_test(args.dag_id, dagfile=args.dagfile, conf=args.conf)
+    if unreadable:
+        print(
+            f"error: cannot read Airflow's metadata database ({unreadable}); create it with `airflow db migrate` "
+            f"(`make setup` does) and check AIRFLOW_HOME; see {log_path}",
+            file=sys.stderr,
+        )
+        return 1
     elapsed = time.monotonic() - started
     try:
         state = run_state(args.dag_id, newer_than=before)

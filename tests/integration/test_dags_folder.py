@@ -44,3 +44,18 @@ def test_validate_command_reports_errors_with_file_and_field(tmp_path) -> None:
     assert f"{bad}: rounds: Input should be greater than or equal to 1" in out.stderr
     ok = subprocess.run([*cli, str(REPO / "dags" / "digits.yaml")], capture_output=True, text=True, check=False)
     assert ok.returncode == 0 and "site site-4: launcher process" in ok.stdout
+
+
+def test_run_without_a_metadata_database_says_how_to_create_it(tmp_path) -> None:
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path / "home"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    }
+    cli = os.path.join(os.path.dirname(sys.executable), "flare-airflow")
+    out = subprocess.run([cli, "run", "flare_digits"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "cannot read Airflow's metadata database" in out.stderr, out.stderr
+    assert "airflow db migrate" in out.stderr
+    assert not list((tmp_path / "home").glob("flare_store/*")), "nothing ran"
