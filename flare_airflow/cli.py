@@ -135,8 +135,8 @@ def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = Non
 
     write_default_airflow_configuration_if_needed()
     argv = ["dags", "test", dag_id]
-    if dagfile:
-        argv += ["--dagfile-path", dagfile]
+    if dagfile:  # absolute: Airflow fails on a relative path ("not in the subpath of" the dags folder)
+        argv += ["--dagfile-path", os.path.abspath(dagfile)]
     if conf:
         argv += ["--conf", conf]
     args = cli_parser.get_parser().parse_args(argv)
