@@ -655,8 +655,9 @@ def _before_after_table(runs: dict[tuple[str, str], list[E2ERun]], wall: Any) ->
         "in the command's own process: Airflow imported once, the state check ~0.1 s instead of ~3.6 s; (3) "
         "`os._exit` after the exit handlers: the interpreter's teardown after Airflow (garbage collection, module "
         "clean-up) took ~1.4 s; (4) the site runner starts the trainer before loading numpy and loads it while the "
-        "trainer runs, and waits in `waitpid` instead of a 50 ms sleep loop (~0.1 s per site task); (5) the plot "
-        "on a bare matplotlib `Figure` (no pyplot). Left: Airflow's own fixed cost -- import ~1.4 s, parse + "
+        "trainer runs, waits in `waitpid` instead of a 50 ms sleep loop and exits without interpreter teardown "
+        "(~0.1 s per site task together); (5) the plot on a bare matplotlib `Figure` (no pyplot). Left: Airflow's "
+        "own fixed cost -- import ~1.4 s, parse + "
         "serialise ~0.8 s, the in-process execution API's first request ~3 s (Cadwyn generating every API "
         "version's routes) -- and ~60 ms of `dags test` bookkeeping per task; `airflow dags test` runs one task at "
         "a time, NVFlare's clients run in parallel.",
