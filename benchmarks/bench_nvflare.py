@@ -1181,7 +1181,7 @@ def _aggregation_tables(rows: list[dict[str, Any]], cases: list[tuple[int, list[
 
 def aggregation_cases(quick: bool) -> list[tuple[int, list[int]]]:
     """(update MiB, [N, ...]) of the aggregation part."""
-    return [(16, [4, 16])] if quick else [(16, [4, 16, 64]), (256, [4, 16])]
+    return [(16, [4, 16])] if quick else [(16, [4, 16, 64]), (256, [4, 16, 64])]
 
 
 def run_aggregation_only(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Table]:
@@ -1223,9 +1223,8 @@ def run(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Tab
     )
     if not quick:
         env_table.notes.append(
-            "Aggregation matrix: the issue asks for N ∈ {4, 16, 64} x {16, 256} MB; 64 x 256 MiB (16 GiB of updates, "
-            "read 2 x 3 times, plus as much page cache) does not fit this section's ~10 minute budget on 2 cores, so "
-            "it runs 64 x 16 MiB and 16 x 256 MiB (and 4 of each)."
+            "Aggregation matrix: N ∈ {4, 16, 64} x {16, 256} MiB, as the issue asks; 64 x 256 MiB is 16 GiB of "
+            "updates on disk (and in the page cache when RAM allows)."
         )
     return [env_table, *e2e, *agg]
 
