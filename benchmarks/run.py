@@ -1,6 +1,6 @@
 """flare-airflow benchmarks: measured side by side, printed as markdown tables, never asserted.
 
-    .venv/bin/python benchmarks/run.py              # everything (~6-10 min on 2 cores)
+    .venv/bin/python benchmarks/run.py              # everything (~35 min on 2 cores)
     .venv/bin/python benchmarks/run.py --quick      # smaller set (~2 min)
     .venv/bin/python benchmarks/run.py --only e2e   # or --only fedavg, --only k8s, ...
 
