@@ -209,3 +209,31 @@ class CpuSnapshot:
             f"{other / wall:.2f} cores busy with other processes on average ({other:.0f} CPU-s over {wall:.0f} s); "
             f"hypervisor steal {steal / wall:.2f} cores"
         )
+
+
+# --- memory probes (Linux), stdlib only: NVFlare's venv imports them too (nvflare_jobs/aggregate.py) ---
+
+
+def status_kib(key: str) -> int:
+    """A ``/proc/self/status`` field in KiB (VmRSS, VmHWM, ...)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_hwm() -> bool:
+    """Reset the RSS high-water mark (VmHWM, what ru_maxrss reports) to the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_baseline() -> tuple[bool, int]:
+    """Reset the high-water mark; return (whether that worked, the KiB a later VmHWM is measured from)."""
+    reset = reset_hwm()
+    return reset, status_kib("VmRSS") if reset else status_kib("VmHWM")

@@ -34,7 +34,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import MIB, BenchmarkFailed, Table, filesystem_of, gbps, log, median, rotate, spread
+from bench_common import (
+    MIB,
+    BenchmarkFailed,
+    Table,
+    filesystem_of,
+    gbps,
+    log,
+    median,
+    rotate,
+    rss_baseline,
+    spread,
+    status_kib,
+)
 
 BENCH_DIR = Path(__file__).resolve().parent
 TENSORS = 4
@@ -56,27 +68,6 @@ def _global_path(store: Path) -> Path:
 
 def _num_samples(i: int) -> int:
     return 10 + i  # unequal weights, so the weighting is exercised
-
-
-# --- memory probes (Linux) ----------------------------------------------------------------------------
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_hwm() -> bool:
-    """Reset the RSS high-water mark (VmHWM, what ru_maxrss reports) to the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # --- workers (run in fresh subprocesses) ---------------------------------------------------------------
@@ -120,17 +111,20 @@ def _worker_fedavg(args: dict[str, Any]) -> dict[str, Any]:
         import tracemalloc
 
         tracemalloc.start()
-    reset = _reset_hwm()
-    base_rss = _status_kib("VmRSS") if reset else _status_kib("VmHWM")
+    reset, base_rss = rss_baseline()
     started = time.perf_counter()
     outcome = fedavg_from_store(global_params, updates, min_clients=n)
     seconds = time.perf_counter() - started
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     traced_peak = tracemalloc.get_traced_memory()[1] if use_tracemalloc else None
     if use_tracemalloc:
         tracemalloc.stop()
     if len(outcome.accepted) != n or outcome.rejected:
         raise BenchmarkFailed(f"expected {n} accepted updates, got {sorted(outcome.accepted)}; {outcome.rejected}")
+    if args.get("out"):  # untimed: bench_nvflare compares the aggregate with NVFlare's
+        from safetensors.numpy import save_file
+
+        save_file({k: np.ascontiguousarray(v) for k, v in outcome.params.items()}, args["out"])
     # A corner of the result against the exact weighted mean (float64) of the same files: within 1 ulp.
     from safetensors import safe_open
 

@@ -883,51 +883,6 @@ def _e2e_tables(
 # --- 2. aggregation ---------------------------------------------------------------------------------------
 
 
-def _worker_ours(args: dict[str, Any]) -> dict[str, Any]:
-    """``fedavg_from_store`` over the store's N updates, as bench_fedavg times it; optionally saves the result."""
-    import gc
-
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    from flare_airflow.core.aggregation import fedavg_from_store
-    from flare_airflow.core.model import read_artifact
-
-    store, n = Path(args["store"]), int(args["n"])
-    global_params, _ = read_artifact(bench_fedavg._global_path(store))
-    updates = [(f"site-{i:02d}", bench_fedavg._update_path(store, i), None) for i in range(n)]
-    nbytes = sum(p.stat().st_size for _, p, _ in updates)
-    gc.collect()
-    reset = bench_fedavg._reset_hwm()
-    base_rss = bench_fedavg._status_kib("VmRSS") if reset else bench_fedavg._status_kib("VmHWM")
-    started = time.perf_counter()
-    outcome = fedavg_from_store(global_params, updates, min_clients=n)
-    seconds = time.perf_counter() - started
-    peak_kib = bench_fedavg._status_kib("VmHWM")
-    if len(outcome.accepted) != n or outcome.rejected:
-        raise BenchmarkFailed(f"expected {n} accepted updates, got {sorted(outcome.accepted)}; {outcome.rejected}")
-    if args.get("out"):
-        save_file({k: np.ascontiguousarray(v) for k, v in outcome.params.items()}, args["out"])
-    return {"seconds": seconds, "bytes": nbytes, "peak_delta": (peak_kib - base_rss) * 1024, "hwm_reset": reset}
-
-
-WORKERS = {"ours": _worker_ours}
-
-
-def _call_ours(**args: Any) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "worker", "ours", json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    result = _result_line(proc.stdout)
-    if result is None:
-        raise BenchmarkFailed(f"our FedAvg worker {args} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return result
-
-
 def _call_nvflare(nv: NvflareEnv, **args: Any) -> dict[str, Any]:
     proc = subprocess.run(
         [str(nv.python), str(JOBS_DIR / "aggregate.py"), json.dumps(args)],
@@ -1013,7 +968,7 @@ def run_aggregation(
                 for n, kind in rotate(kinds, rep):
                     out = store / f"aggregate-{kind}-{n}.safetensors" if rep == 0 and kind != "ref" else None
                     if kind == "ours":
-                        res = _call_ours(store=str(store), n=n, out=str(out) if out else None)
+                        res = bench_fedavg._call("fedavg", store=str(store), n=n, out=str(out) if out else None)
                     elif kind == "nvflare":
                         res = _call_nvflare(
                             nv, files=[str(f) for f in files[:n]], weights=weights[:n], out=str(out) if out else None
@@ -1229,15 +1184,5 @@ def run(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Tab
     return [env_table, *e2e, *agg]
 
 
-def main_worker(argv: list[str]) -> int:
-    kind, args = argv[0], json.loads(argv[1])
-    result = WORKERS[kind](args)
-    print("RESULT " + json.dumps(result))
-    return 0
-
-
 if __name__ == "__main__":
-    if len(sys.argv) >= 4 and sys.argv[1] == "worker":
-        os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
-        sys.exit(main_worker(sys.argv[2:]))
     sys.exit("run benchmarks/run.py --only nvflare; this module is its NVIDIA FLARE part")

@@ -18,23 +18,11 @@ import gc
 import json
 import sys
 import time
+from pathlib import Path
 
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+# bench_common is stdlib only: importable from NVFlare's own venv.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_common import rss_baseline, status_kib
 
 
 def main(argv: list[str]) -> int:
@@ -45,8 +33,7 @@ def main(argv: list[str]) -> int:
 
     files, weights = list(args["files"]), [float(w) for w in args["weights"]]
     gc.collect()
-    reset = _reset_hwm()
-    base_rss = _status_kib("VmRSS") if reset else _status_kib("VmHWM")
+    reset, base_rss = rss_baseline()
     helper = WeightedAggregationHelper()
     load_s = agg_s = 0.0
     for i, (path, weight) in enumerate(zip(files, weights, strict=True)):
@@ -60,7 +47,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     result = helper.get_result()
     agg_s += time.perf_counter() - t0
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     dtypes = sorted({str(v.dtype) for v in result.values()})
     if args.get("out"):
         save_file({k: np.ascontiguousarray(v) for k, v in result.items()}, args["out"])

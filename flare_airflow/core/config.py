@@ -122,6 +122,20 @@ def _label_value(value: str, what: str) -> str:
     return value
 
 
+def _argv(value: Any) -> Any:
+    """An exact argv: a list of strings (numbers are turned into strings), never one shell string."""
+    if isinstance(value, str):
+        raise ValueError("must be a list of arguments, not a string (arguments are never run through a shell)")
+    if isinstance(value, list):
+        out = []
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, str | int | float):
+                raise ValueError(f"argument {item!r} must be a string or a number")
+            out.append(str(item))
+        return out
+    return value
+
+
 def _env_name(name: str, what: str) -> str:
     if not _ENV_NAME.match(name):
         raise ValueError(f"{what}: {name!r} is not a valid environment variable name (letters, digits, '_', '-', '.')")
@@ -386,11 +400,9 @@ class KubernetesLaunchSpec(_Strict):
     @field_validator("trainer_command", mode="before")
     @classmethod
     def _command(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            raise ValueError("must be a list of arguments, not a string (arguments are never run through a shell)")
         if isinstance(value, list) and not value:
             raise ValueError("must not be empty (leave it out for the default ['python'])")
-        return value
+        return _argv(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> KubernetesLaunchSpec:
@@ -516,16 +528,7 @@ class TrainerSpec(_Strict):
     @field_validator("args", "command", mode="before")
     @classmethod
     def _argv(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            raise ValueError("must be a list of arguments, not a string (arguments are never run through a shell)")
-        if isinstance(value, list):
-            out = []
-            for item in value:
-                if isinstance(item, bool) or not isinstance(item, str | int | float):
-                    raise ValueError(f"argument {item!r} must be a string or a number")
-                out.append(str(item))
-            return out
-        return value
+        return _argv(value)
 
 
 class AggregatorSpec(_Strict):
