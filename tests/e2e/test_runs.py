@@ -46,21 +46,27 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
     assert [e["run_id"] for e in events] == [cold.state["run_id"], warm.state["run_id"]]
     assert events[-1]["sha256"] == warm.state["published"]["sha256"]
 
-    # A DAG that no longer parses: the command fails with Airflow's reason and never reports the
-    # state of the (successful) run before it.
+    # Form values that are not JSON, then a DAG that no longer parses: the command fails with
+    # Airflow's reason and never reports the state of the (successful) run before it.
+    def run_cli(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "flare-airflow"), "run", "flare_warm", "--dagfile", str(dag_file), *extra],
+            env=airflow_home.env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+
+    bad_conf = run_cli("--conf", "{rounds: 1")
+    assert bad_conf.returncode == 1
+    assert "no new run of DAG 'flare_warm'" in bad_conf.stderr and "is not valid JSON" in bad_conf.stderr
     dag_file.write_text("this is not python\n")
-    broken = subprocess.run(
-        [str(BIN / "flare-airflow"), "run", "flare_warm", "--dagfile", str(dag_file)],
-        env=airflow_home.env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
+    broken = run_cli()
     assert broken.returncode == 1
     assert "no new run of DAG 'flare_warm'" in broken.stderr, broken.stderr
     assert "could not be found" in broken.stderr, broken.stderr
-    assert "success" not in broken.stdout
+    assert "success" not in broken.stdout + bad_conf.stdout
 
 
 def _asset_events(home: AirflowHome, name: str) -> list[dict]:

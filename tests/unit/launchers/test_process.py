@@ -8,6 +8,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -241,6 +242,26 @@ def test_wait_with_a_timeout_returns_unknown_while_running(lines, kill_on_exit) 
     assert handle.reason == ""
     handle.terminate()
     assert handle.wait(timeout=5) is RC.ABORTED
+
+
+def test_terminate_from_another_thread_ends_a_wait_blocked_in_waitpid(lines, kill_on_exit) -> None:
+    # wait() without a timeout blocks in waitpid; an operator's on_kill terminates from another thread.
+    handle = ProcessLauncher(sink=lines).launch_job(
+        site_job([PY, "-c", "import time; time.sleep(1000)"], shutdown_timeout=5)
+    )
+    kill_on_exit(handle.pid)
+    outcome: list[RC] = []
+    waiter = threading.Thread(target=lambda: outcome.append(handle.wait()))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not outcome
+    started = time.monotonic()
+    handle.terminate()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "wait() stayed blocked after terminate()"
+    assert time.monotonic() - started < 5
+    assert outcome == [RC.ABORTED]
+    assert handle.reason == "terminated (SIGTERM)"
 
 
 def test_launch_timeout_terminates_a_trainer_that_never_calls_receive(lines, alive, kill_on_exit) -> None:
