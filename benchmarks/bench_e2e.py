@@ -26,6 +26,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench_common import BenchmarkFailed, Table, log, median, rotate, spread
 
@@ -334,41 +335,41 @@ def task_kind(task_id: str) -> str:
 # --- a site job outside Airflow: what one site task costs before Airflow adds anything ---------------
 
 
-def site_job_outside_airflow(root: Path, reps: int) -> Table:
+def noop_site_run(work: Path, site: str, output: Path) -> Any:
+    """A :class:`SiteRun` of the no-op trainer on a 16x16 global model written under ``work`` (once)."""
     import numpy as np
 
     from flare_airflow.core.model import FLModel, write_artifact
-    from flare_airflow.launchers.site_runner import SPEC_ENV, SiteRun
+    from flare_airflow.launchers.site_runner import SiteRun
 
-    work = root / "site-job"
     global_model = work / "global.safetensors"
-    write_artifact(
-        global_model, FLModel(params={"weight": np.zeros((16, 16), np.float32), "bias": np.zeros(16, np.float32)})
-    )
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "_AIRFLOW"))}
-    trainer_env = {
-        **base_env,
-        "FLARE_JOB": "bench",
-        "FLARE_RUN_ID": "bench",
-        "FLARE_SITE": "site-1",
-        "FLARE_ROUND": "1",
-        "FLARE_TOTAL_ROUNDS": "1",
-        "FLARE_TASK": "train",
-        "FLARE_GLOBAL_MODEL": str(global_model),
-        "FLARE_OUTPUT": str(work / "trainer-alone.safetensors"),
-        "FLARE_HPARAMS": "{}",
-    }
-    spec = SiteRun(
+    if not global_model.exists():
+        write_artifact(
+            global_model,
+            FLModel(params={"weight": np.zeros((16, 16), np.float32), "bias": np.zeros(16, np.float32)}),
+        )
+    return SiteRun(
         job="bench",
         run_id="bench",
         round=1,
         total_rounds=1,
-        site="site-1",
+        site=site,
         task="train",
         argv=[sys.executable, str(TRAINER)],
         global_model=str(global_model),
-        output=str(work / "site-runner.safetensors"),
+        output=str(output),
     )
+
+
+def site_job_outside_airflow(root: Path, reps: int) -> Table:
+    from flare_airflow.launchers.site_runner import SPEC_ENV
+
+    work = root / "site-job"
+    spec = noop_site_run(work, "site-1", work / "site-runner.safetensors")
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "_AIRFLOW"))}
+    # The trainer alone gets the variables the runner would give it (SiteRun.site_job's).
+    alone = noop_site_run(work, "site-1", work / "trainer-alone.safetensors")
+    trainer_env = {**base_env, **alone.site_job().env}
     cases: list[tuple[str, list[str], dict[str, str]]] = [
         ("`python -c pass` (interpreter start)", [sys.executable, "-c", "pass"], base_env),
         (

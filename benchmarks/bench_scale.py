@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bench_e2e
 from bench_common import BenchmarkFailed, Table, log, median, spread
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -477,30 +478,13 @@ def worker_parse_ms(home: Path, dag_id: str) -> list[float]:
 
 def our_task_cpu(root: Path, reps: int) -> tuple[float, float]:
     """CPU s and wall s of one site job's own processes outside Airflow: bash -> site_runner -> trainer."""
-    import numpy as np
-
-    from flare_airflow.core.model import FLModel, write_artifact
-    from flare_airflow.launchers.site_runner import SPEC_ENV, SiteRun
+    from flare_airflow.launchers.site_runner import SPEC_ENV
 
     work = root / "site-job"
-    global_model = work / "global.safetensors"
-    write_artifact(
-        global_model, FLModel(params={"weight": np.zeros((16, 16), np.float32), "bias": np.zeros(16, np.float32)})
-    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "_AIRFLOW"))}
     cpu, wall = [], []
     for rep in range(reps):
-        spec = SiteRun(
-            job="bench",
-            run_id="bench",
-            round=1,
-            total_rounds=1,
-            site="site-0001",
-            task="train",
-            argv=[sys.executable, str(TRAINER)],
-            global_model=str(global_model),
-            output=str(work / f"update-{rep}.safetensors"),
-        )
+        spec = bench_e2e.noop_site_run(work, "site-0001", work / f"update-{rep}.safetensors")
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()
         proc = subprocess.run(
