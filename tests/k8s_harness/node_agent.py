@@ -16,8 +16,13 @@ Everything goes through the real Kubernetes API with the ``kubernetes`` Python c
   ``fieldRef`` (metadata.name/namespace/uid/labels/annotations, spec.nodeName,
   spec.serviceAccountName, status.podIP/hostIP), ``resourceFieldRef`` and ``envFrom``. A container
   without ``command`` uses ``image_entrypoints[image]`` (default: none) before its args.
-  The process env is NOT the agent's: it is ``base_env`` (PATH, HOME, LANG of the agent by default)
-  + ``HOSTNAME`` + ``KUBERNETES_SERVICE_HOST/PORT`` (the real apiserver) + the pod's env.
+  The process env is NOT the agent's: it is ``base_env`` + ``HOSTNAME`` +
+  ``KUBERNETES_SERVICE_HOST/PORT`` (the real apiserver) + the pod's env. ``base_env`` defaults to
+  what an image built for this host carries: PATH, HOME, LANG, LC_ALL, TZ of the agent and the
+  host's CPU-kernel settings of the numeric libraries (``OPENBLAS_*``, ``MKL_*``, ``OMP_*``, e.g.
+  ``OPENBLAS_CORETYPE`` on AMD EPYC machines, where older OpenBLAS builds misbehave). Without them a
+  pod's trainer would pick another BLAS kernel than a process site on the same host and compute
+  float32 results that differ in the last bit.
 * **Volumes → local paths**: hostPath → the same path; emptyDir → a per-pod directory; PVC →
   ``pvc_paths[claimName]`` when configured, otherwise the bound PV's ``hostPath``/``local`` path
   (read through the API); secret / configMap / downwardAPI → files written to a per-pod directory.
@@ -78,6 +83,7 @@ import time
 import traceback
 import urllib.parse
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +142,16 @@ def _parse_ts(s: str) -> float:
 
 
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+_HOST_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ")
+_HOST_KERNEL_ENV_PREFIXES = ("OPENBLAS_", "MKL_", "OMP_")
+
+
+def host_image_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment an image built for this host would carry (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k in _HOST_ENV or k.startswith(_HOST_KERNEL_ENV_PREFIXES)}
 
 
 def expand_vars(value: str, env: dict[str, str]) -> str:
@@ -742,11 +758,7 @@ class NodeAgent:
         self.labels = dict(labels or {})
         self.pvc_paths = dict(pvc_paths or {})
         self.faults = faults or Faults()
-        self.base_env = (
-            dict(base_env)
-            if base_env is not None
-            else {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TZ") if k in os.environ}
-        )
+        self.base_env = dict(base_env) if base_env is not None else host_image_env()
         self.image_entrypoints = dict(image_entrypoints or {})
         self.config_retry_seconds = config_retry_seconds
         self.record_events = record_events
