@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flare_airflow.core.errors import FlareAirflowError, ModelFormatError, QuorumNotReached, UpdateRejected
+from flare_airflow.core.errors import (
+    AggregateNotFinite,
+    FlareAirflowError,
+    ModelFormatError,
+    QuorumNotReached,
+    UpdateRejected,
+)
 from flare_airflow.core.model import (
     MAX_HEADER,
     ArtifactRecord,
@@ -23,6 +29,7 @@ from flare_airflow.core.model import (
     ParamsType,
     WritablePath,
     all_finite,
+    check_num_samples,
     read_record,
     read_verified,
     tensor_spec,
@@ -125,9 +132,16 @@ class FedAvg:
         if site in self.accepted or site in self.rejected:
             raise FlareAirflowError(f"site {site!r} already counted in this round")
         samples = record.num_samples if record.num_samples is not None else 1
-        weight = float(samples) * float(self.site_weights.get(site, 1.0))
-        if rejected is None and not weight > 0:
-            rejected = UpdateRejected(site, f"aggregation weight is {weight}; num_samples and weight must be > 0")
+        if rejected is None:
+            try:
+                check_num_samples(record.num_samples)
+                weight = float(samples) * float(self.site_weights.get(site, 1.0))
+            except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
+                rejected, weight = UpdateRejected(site, f"unusable aggregation weight: {exc}"), 0.0
+            if rejected is None and not (math.isfinite(weight) and weight > 0):
+                rejected = UpdateRejected(
+                    site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
+                )
         if rejected is not None:
             self.rejected[site] = rejected.reason
             return
@@ -141,6 +155,12 @@ class FedAvg:
         for key, value in record.metrics.items():
             self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
             self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
+
+    def _not_finite(self, name: str, why: str) -> AggregateNotFinite:
+        return AggregateNotFinite(
+            f"the aggregate of sites {sorted(self.accepted)} is unusable: tensor {name!r}: {why}. "
+            "The global model was not updated; check the sites' updates and weights (num_samples, weight)."
+        )
 
     def _accumulate(self, params: Params, w: np.float64) -> None:
         """``acc += arr * w`` in float64, a cache-sized piece at a time (no update-sized temporary).
@@ -168,6 +188,10 @@ class FedAvg:
                 f"{self.min_clients}. Failed sites: {failed}. The global model was not updated."
             )
         out: Params = {}
+        if not (math.isfinite(self._total_weight) and self._total_weight > 0):
+            raise AggregateNotFinite(
+                f"the sum of the sites' weights is {self._total_weight}; the global model was not updated"
+            )
         diff_weight, total = np.float64(self._diff_weight), np.float64(self._total_weight)
         mean, base = self._scratch, np.empty_like(self._scratch)
         for name, ref in self.global_params.items():
@@ -187,9 +211,18 @@ class FedAvg:
                     np.divide(acc[s:e], total, out=m)
                 if ref.dtype.kind in "iu":
                     np.rint(m, out=m)
+                    info = np.iinfo(ref.dtype)
+                    if m.size and (m.min() < info.min or m.max() > info.max):
+                        raise self._not_finite(name, f"its mean leaves the range of {ref.dtype}")
                 flat[s:e] = m
+                if ref.dtype.kind in "fc" and not np.isfinite(flat[s:e]).all():
+                    # float64 sums of finite updates are finite; the cast back (float16, float32) or a
+                    # DIFF added to the global model can still overflow.
+                    raise self._not_finite(name, f"its mean is not finite in {ref.dtype} (overflow)")
             out[name] = res
         metrics = {k: self._metric_sums[k] / self._metric_weights[k] for k in sorted(self._metric_sums)}
+        # Each site's metrics are finite, but their sample-weighted sum may not be: leave such a mean out.
+        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
         return RoundOutcome(
             params=out,
             accepted=dict(self.accepted),
@@ -206,11 +239,15 @@ def fedavg_from_store(
     *,
     min_clients: int,
     site_weights: Mapping[str, float] | None = None,
+    accepted_sha256: Mapping[str, str] | None = None,
 ) -> RoundOutcome:
     """Stream updates from the store into FedAvg, at most two in memory at a time.
 
     ``updates`` yields ``(site, path, failure)``; a site whose job failed passes ``path=None`` and
     the reason. Unreadable or invalid updates make their site rejected for the round.
+    ``accepted_sha256`` (site -> sha256), when given, is what each site task accepted: an update
+    whose record names another checksum was replaced after that (a late or foreign writer) and
+    does not count.
 
     Two threads each take the next update: read it into their own reused buffer, verify its size
     and sha256 against its record (hashing, and checking floating-point tensors for NaN/inf, piece
@@ -235,6 +272,12 @@ def fedavg_from_store(
         record = None
         try:
             record = read_record(path)
+            expected = None if accepted_sha256 is None else accepted_sha256.get(site)
+            if accepted_sha256 is not None and record.sha256 != expected:
+                raise ModelFormatError(
+                    f"{path}: sha256 {record.sha256[:12]}… is not the update its site task accepted "
+                    f"({(expected or 'none')[:12]}…): the file was replaced after the task checked it"
+                )
             if record.size > max_size:
                 raise ModelFormatError(
                     f"{path}: its record says {record.size} bytes, more than an update of the global model's "

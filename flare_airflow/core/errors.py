@@ -32,5 +32,9 @@ class QuorumNotReached(FlareAirflowError):
     """Fewer than ``min_clients`` valid updates arrived in a round."""
 
 
+class AggregateNotFinite(QuorumNotReached):
+    """The round's aggregate is not finite (or leaves its dtype's range): the round fails, nothing is published."""
+
+
 class ClientAPIError(FlareAirflowError):
     """The Client API was used outside a flare-airflow site job or in the wrong order."""

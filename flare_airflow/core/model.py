@@ -12,7 +12,9 @@ import hashlib
 import json
 import math
 import os
+import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -111,21 +113,86 @@ class ArtifactRecord:
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ArtifactRecord:
+        """Parse a record strictly: every field typed and in range, nothing non-finite.
+
+        A record is written by a site (or a trainer that bypassed the Client API), so it is input:
+        a bad one raises ``ModelFormatError`` and rejects that site, never the round.
+        """
+        if len(text) > MAX_RECORD_BYTES:
+            raise ModelFormatError(f"{where}: artifact record is {len(text)} bytes, more than {MAX_RECORD_BYTES}")
         try:
-            raw = json.loads(text)
+            raw = json.loads(text, parse_constant=_no_constant)
+            if not isinstance(raw, dict):
+                raise ValueError("the record is not a JSON object")
             if raw.get("format") != FORMAT:
-                raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT!r}")
+                raise ValueError(f"format is {_short(raw.get('format'))}, expected {FORMAT!r}")
+            sha256, size, tensors = raw.get("sha256"), raw.get("size"), raw.get("tensors")
+            if not isinstance(sha256, str) or not _SHA256.match(sha256):
+                raise ValueError(f"sha256 must be 64 hex digits, got {_short(sha256)}")
+            if type(size) is not int or not 0 <= size <= MAX_ARTIFACT_BYTES:
+                raise ValueError(f"size must be an integer from 0 to {MAX_ARTIFACT_BYTES}, got {_short(size)}")
+            if not isinstance(tensors, dict):
+                raise ValueError(f"tensors must be an object, got {_short(tensors)}")
+            meta = raw.get("meta", {})
+            if not isinstance(meta, dict):
+                raise ValueError(f"meta must be an object, got {_short(meta)}")
+            metrics = raw.get("metrics", {})
+            if not isinstance(metrics, dict):
+                raise ValueError(f"metrics must be an object, got {_short(metrics)}")
             return cls(
-                sha256=str(raw["sha256"]),
-                size=int(raw["size"]),
-                params_type=ParamsType(raw["params_type"]),
-                num_samples=None if raw.get("num_samples") is None else int(raw["num_samples"]),
-                metrics={str(k): float(v) for k, v in raw.get("metrics", {}).items()},
-                meta=dict(raw.get("meta", {})),
-                tensors={k: (str(v[0]), tuple(int(x) for x in v[1])) for k, v in raw["tensors"].items()},
+                sha256=sha256,
+                size=size,
+                params_type=ParamsType(str(raw.get("params_type"))),
+                num_samples=check_num_samples(raw.get("num_samples")),
+                metrics=check_metrics(metrics, where),
+                meta=meta,
+                tensors={str(k): _tensor_entry(k, v) for k, v in tensors.items()},
             )
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise ModelFormatError(f"{where}: unreadable artifact record ({exc})") from exc
+        except ModelFormatError:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError, OverflowError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ModelFormatError(f"{where}: unreadable artifact record ({reason[:200]})") from None
+
+
+MAX_RECORD_BYTES = 16 << 20  # a record lists names, shapes and a few metrics: far below this
+MAX_ARTIFACT_BYTES = 1 << 50
+MAX_NUM_SAMPLES = 10**15  # so that sums of weights stay exact and finite in float64
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this format accepts (JSON has no NaN or infinity)")
+
+
+def _tensor_entry(name: Any, value: Any) -> tuple[str, tuple[int, ...]]:
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not isinstance(value[0], str)
+        or not isinstance(value[1], list)
+    ):
+        raise ValueError(f"tensor {_short(name)}: expected [dtype, shape], got {_short(value)}")
+    if not all(type(x) is int and 0 <= x <= MAX_ARTIFACT_BYTES for x in value[1]):
+        raise ValueError(f"tensor {_short(name)}: shape {_short(value[1])} is not a list of sizes")
+    return value[0], tuple(value[1])
+
+
+def check_num_samples(value: Any, what: str = "num_samples") -> int | None:
+    """``num_samples`` (the FedAvg weight): absent, or an integer from 1 to ``MAX_NUM_SAMPLES``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= value <= MAX_NUM_SAMPLES:
+        raise ModelFormatError(
+            f"{what} must be a positive integer (the number of training samples, at most "
+            f"{MAX_NUM_SAMPLES:.0e}), got {_short(value)}"
+        )
+    return int(value)
 
 
 TensorSpec = dict[str, tuple[str, tuple[int, ...]]]
@@ -159,12 +226,23 @@ def atomic_write(path: WritablePath, data: bytes) -> None:
     tmp.replace(path)
 
 
-def check_metrics(metrics: dict[str, Any], where: str) -> dict[str, float]:
+def check_metrics(metrics: Mapping[str, Any], where: str) -> dict[str, float]:
+    """Metrics are finite numbers: a NaN or infinite metric is refused (JSON, XCom and the charts
+    cannot carry it, and it would poison the round's averages)."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
         if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
-            raise ModelFormatError(f"{where}: metric {key!r} must be a number, got {type(value).__name__}")
-        out[str(key)] = float(value)
+            raise ModelFormatError(f"{where}: metric {_short(key)} must be a number, got {type(value).__name__}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ModelFormatError(
+                f"{where}: metric {_short(key)} is {_short(value)}; metrics must be finite numbers "
+                "(leave a metric out when it has no value)"
+            )
+        out[str(key)] = number
     return out
 
 
@@ -183,11 +261,7 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
         data = safetensors.numpy.save(params, metadata=metadata)
     except Exception as exc:  # safetensors raises its own error types for bad dtypes
         raise ModelFormatError(f"{where}: cannot serialise tensors as safetensors: {exc}") from exc
-    num_samples = model.meta.get("num_samples")
-    if num_samples is not None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int | np.integer) or num_samples <= 0:
-            raise ModelFormatError(f"{where}: meta['num_samples'] must be a positive integer, got {num_samples!r}")
-        num_samples = int(num_samples)
+    num_samples = check_num_samples(model.meta.get("num_samples"), f"{where}: meta['num_samples']")
     meta = {k: v for k, v in model.meta.items() if k != "num_samples"}
     try:
         json.dumps(meta)
@@ -211,8 +285,19 @@ def read_record(path: WritablePath) -> ArtifactRecord:
     rec = record_path(path)
     if not rec.exists():
         raise ModelFormatError(f"{path}: no artifact record {rec.name} (the artifact was never completed)")
-    with rec.open("rb") as fh:
-        return ArtifactRecord.from_json(fh.read().decode(), str(rec))
+    try:
+        # In pieces: read(n) would allocate n bytes up front, and records are small.
+        pieces, size = [], 0
+        with rec.open("rb") as fh:
+            while size <= MAX_RECORD_BYTES and (piece := fh.read(1 << 16)):
+                pieces.append(piece)
+                size += len(piece)
+        text = b"".join(pieces).decode()
+    except UnicodeDecodeError:
+        raise ModelFormatError(f"{rec}: unreadable artifact record (not UTF-8 text)") from None
+    except OSError as exc:
+        raise ModelFormatError(f"{rec}: cannot read the artifact record ({exc.strerror or exc})") from None
+    return ArtifactRecord.from_json(text, str(rec))
 
 
 # safetensors' dtype names -> numpy (little-endian, as the format stores them); BF16 and the float8
@@ -291,7 +376,9 @@ def safetensors_layout(data: Any, where: str) -> list[TensorSlice]:
             at = t.end
         if at != len(view):
             raise ValueError(f"the tensors end at byte {at}, the file has {len(view)}")
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError, OverflowError) as exc:
+        if isinstance(exc, RecursionError):
+            raise ModelFormatError(f"{where}: not a valid safetensors file (its header is nested too deeply)") from None
         if view[:1] == b"\x80" or view[:2] == b"PK":
             raise ModelFormatError(
                 f"{where}: this is a pickle/torch.save payload; only safetensors files are accepted "

@@ -121,6 +121,7 @@ class SitePodOperator(KubernetesPodOperator):
             execution_deadline=self._deadline(context),
             grace_period=int(self.job.trainer.shutdown_timeout),
             delete_on_kill=not spec.keep_pods,
+            redefer_count=int((self.trigger_kwargs or {}).get("_redefer_count", 0)),
         )
 
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
@@ -136,15 +137,46 @@ class SitePodOperator(KubernetesPodOperator):
         async def first_event() -> dict[str, Any]:
             async for event in self._trigger(context).run():
                 return dict(event.payload)
-            raise FlareAirflowError("the pod-state trigger ended without an event")
+            return {**self._watch_lost("the pod-state trigger ended without an event"), "status": "error"}
 
-        return self.trigger_reentry(context, asyncio.run(first_event()))
+        try:
+            event = asyncio.run(first_event())
+        except BaseException:
+            # Killed (SIGTERM → on_kill) or interrupted while waiting: the pod must not outlive us.
+            self._delete_pod_quietly()
+            raise
+        if event.get("status") == "error":
+            # No triggerer to hand the watch back to: the pod cannot be followed, so it ends here.
+            event = {**event, "status": "timeout"}
+        return self.trigger_reentry(context, event)
+
+    def _watch_lost(self, reason: str) -> dict[str, Any]:
+        assert self.pod is not None
+        return {
+            "name": self.pod.metadata.name,
+            "namespace": self.pod.metadata.namespace,
+            "return_code": int(JobReturnCode.INFRASTRUCTURE_ERROR),
+            "reason": reason,
+            "message": reason,
+        }
+
+    def _delete_pod_quietly(self) -> None:
+        if self.pod is None or self.job.sites[self.site].launcher_spec.k8s.keep_pods:
+            return
+        try:
+            self.pod_manager.delete_pod(self.pod)
+        except Exception as exc:  # the original error matters more; say why the pod may remain
+            self.log.warning("could not delete pod %s: %s", self.pod.metadata.name, exc)
 
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> Any:
         run = self._site_run(context)
         output = path_from_uri(run.output)
         reason = str(event.get("reason") or event.get("message") or event.get("status"))
         self.log.info("site %s round %d pod %s: %s", self.site, self.round_num, event.get("name"), event.get("status"))
+        if event.get("status") == "error" and int(event.get("_redefer_count", 0)) >= self.MAX_REDEFER_ATTEMPTS:
+            # The watch kept failing: stop here and delete the pod (as for a timeout) rather than
+            # wait for it in the worker; the stock operator re-defers before that.
+            event = {**event, "status": "timeout"}
         if event.get("status") == "timeout":
             # The container never ran (pending, image or config error) or the trigger already
             # deleted it (execution timeout): there is no log to read, only the reason.

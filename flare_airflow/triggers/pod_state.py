@@ -12,7 +12,8 @@ Events (``TriggerEvent.payload``)::
      "reason", "message"}
 
 ``failed``: the pod ended (phase Failed) or vanished; ``timeout``: it never got to run to the end
-(pending/startup timeout, image pull error, bad config) -- it may still exist and must be deleted.
+(pending/startup timeout, image pull error, bad config) -- it may still exist and must be deleted;
+``error``: the pod could not be watched (the API kept failing); it may still run.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from flare_airflow.launchers.kubernetes import PodStatus, map_pod
 
 # Apiservers end watches after --min-request-timeout (30-60 min by default); ask for as long.
 _MAX_WATCH_SECONDS = 1800
+# Client side: a list may take this long; a watch may stay silent for its own length + _READ_SLACK.
+_REQUEST_TIMEOUT = 60
+_CONNECT_TIMEOUT = 30
+_READ_SLACK = 30
+# Transient API failures in a row (timeouts, resets, 5xx, 429) before the trigger gives up (~2.5 min).
+_MAX_FAILURES = 8
 
 
 class PodStateTrigger(BaseTrigger):
@@ -44,6 +51,10 @@ class PodStateTrigger(BaseTrigger):
     :param cluster_context: kubeconfig context.
     :param pending_timeout: seconds a pod may wait for cpu / memory / GPUs.
     :param startup_timeout: seconds a pod may stay Pending for any other reason.
+    :param execution_deadline: epoch seconds after which the pod is deleted (the task's execution_timeout).
+    :param grace_period: seconds the pod gets to stop when this trigger deletes it.
+    :param delete_on_kill: delete the pod when the deferred task is killed or marked failed.
+    :param redefer_count: how many times the operator re-deferred after an ``error`` event (echoed back).
     """
 
     # The constructor's keyword arguments: what serialize() hands the triggerer.
@@ -60,6 +71,7 @@ class PodStateTrigger(BaseTrigger):
         "execution_deadline",
         "grace_period",
         "delete_on_kill",
+        "redefer_count",
     )
 
     def __init__(
@@ -77,6 +89,7 @@ class PodStateTrigger(BaseTrigger):
         execution_deadline: float | None = None,
         grace_period: int = 10,
         delete_on_kill: bool = True,
+        redefer_count: int = 0,
     ) -> None:
         super().__init__()
         self.pod_name = pod_name
@@ -91,6 +104,7 @@ class PodStateTrigger(BaseTrigger):
         self.execution_deadline = execution_deadline
         self.grace_period = grace_period
         self.delete_on_kill = delete_on_kill
+        self.redefer_count = redefer_count
         self._fired = False
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -173,61 +187,137 @@ class PodStateTrigger(BaseTrigger):
             startup_timeout=self.startup_timeout,
         )
 
+    def _error_event(self, reason: str) -> TriggerEvent:
+        return TriggerEvent(
+            {
+                "status": "error",
+                "name": self.pod_name,
+                "namespace": self.pod_namespace,
+                "state": JobState.UNKNOWN.value,
+                "return_code": int(JobReturnCode.INFRASTRUCTURE_ERROR),
+                "reason": reason,
+                "message": f"pod {self.pod_namespace}/{self.pod_name}: {reason}",
+                "_redefer_count": self.redefer_count,
+            }
+        )
+
+    def _watch_seconds(self, pod: Any) -> int:
+        """How long one watch may last before the deadlines need checking again."""
+        wait = _MAX_WATCH_SECONDS
+        if pod is not None and getattr(pod.status, "phase", None) == "Pending":
+            wait = max(1, int(min(self.pending_timeout, self.startup_timeout) / 2) or 1)
+        left = self._seconds_left()
+        if left is not None:
+            wait = max(1, min(wait, math.ceil(left)))
+        return wait
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Watch the pod until it is done; never raise (an ``error`` event carries the reason).
+
+        The watch outlives every client-side and server-side timeout: when a watch ends (the
+        server's ``timeoutSeconds``, a dropped connection, a client timeout, an API restart), it
+        resumes from the last resourceVersion seen; only a ``410 Gone`` (that version was
+        compacted) makes it list the pod again. Transient failures back off; a run of
+        ``_MAX_FAILURES`` of them in a row, or an error that retrying cannot fix (401/403/404 on
+        the list), ends the trigger with an ``error`` event so that the operator can clean up.
+        """
+        try:
+            async for event in self._watch():
+                yield event
+                return
+        except Exception as exc:  # an error event lets the operator delete the pod; a raise would not
+            self.log.exception("watching pod %s/%s failed", self.pod_namespace, self.pod_name)
+            self._fired = True
+            yield self._error_event(f"watching the pod failed: {type(exc).__name__}: {exc}")
+
+    async def _watch(self) -> AsyncIterator[TriggerEvent]:
         from kubernetes_asyncio import client, watch
         from kubernetes_asyncio.client.exceptions import ApiException
 
         selector = f"metadata.name={self.pod_name}"
         async with self._hook().get_conn() as api:
             core = client.CoreV1Api(api)
-            attempts = 0
+            failures = 0
+            pod: Any = None
+            version: str | None = None  # None: list (again) before watching
             while True:
                 try:
-                    listed = await core.list_namespaced_pod(self.pod_namespace, field_selector=selector)
-                    attempts = 0
-                except (TimeoutError, ApiException, OSError) as exc:
-                    if isinstance(exc, ApiException) and exc.status is not None and exc.status < 500:
-                        raise
-                    attempts += 1
-                    if attempts > 5:
-                        raise
-                    self.log.warning("reading pod %s failed (%s); retrying", self.pod_name, exc)
-                    await asyncio.sleep(min(2**attempts, 30))
-                    continue
-                pod = listed.items[0] if listed.items else None
-                status = self._status(pod)
-                if status.done:
-                    self._fired = True
-                    yield self._event(status, pod)
-                    return
-                left = self._seconds_left()
-                if left is not None and left <= 0:
-                    await self._delete(core)
-                    self._fired = True
-                    yield self._deadline_event()
-                    return
-                # Wait for changes, but wake up in time to enforce the pending/startup/execution deadlines.
-                wait = _MAX_WATCH_SECONDS
-                if pod is not None and getattr(pod.status, "phase", None) == "Pending":
-                    wait = max(1, int(min(self.pending_timeout, self.startup_timeout) / 2) or 1)
-                if left is not None:
-                    wait = max(1, min(wait, math.ceil(left)))
-                stream = watch.Watch().stream(
-                    core.list_namespaced_pod,
-                    self.pod_namespace,
-                    field_selector=selector,
-                    resource_version=listed.metadata.resource_version,
-                    timeout_seconds=wait,
-                )
-                try:
+                    if version is None:
+                        listed = await core.list_namespaced_pod(
+                            self.pod_namespace, field_selector=selector, _request_timeout=_REQUEST_TIMEOUT
+                        )
+                        pod = listed.items[0] if listed.items else None
+                        version = listed.metadata.resource_version
+                    status = self._status(pod)
+                    if status.done:
+                        self._fired = True
+                        yield self._event(status, pod)
+                        return
+                    left = self._seconds_left()
+                    if left is not None and left <= 0:
+                        await self._delete(core)
+                        self._fired = True
+                        yield self._deadline_event()
+                        return
+                    wait = self._watch_seconds(pod)
+                    # The provider's API client gives every request a 60 s total timeout unless the
+                    # call names its own: a watch states how long it may stay silent instead.
+                    stream = watch.Watch().stream(
+                        core.list_namespaced_pod,
+                        self.pod_namespace,
+                        field_selector=selector,
+                        resource_version=version,
+                        timeout_seconds=wait,
+                        allow_watch_bookmarks=True,
+                        _request_timeout=(_CONNECT_TIMEOUT, wait + _READ_SLACK),
+                    )
                     async for item in stream:
                         obj = item["object"]
-                        current = None if item["type"] == "DELETED" else obj
-                        status = self._status(current)
+                        meta = obj.get("metadata", {}) if isinstance(obj, dict) else getattr(obj, "metadata", None)
+                        seen = (
+                            meta.get("resourceVersion")
+                            if isinstance(meta, dict)
+                            else getattr(meta, "resource_version", None)
+                        )
+                        if seen:
+                            version = seen
+                        failures = 0
+                        if item["type"] == "BOOKMARK":
+                            continue
+                        pod = None if item["type"] == "DELETED" else obj
+                        status = self._status(pod)
                         if status.done:
                             self._fired = True
-                            yield self._event(status, current)
+                            yield self._event(status, pod)
                             return
+                    failures = 0  # the server ended the watch (timeoutSeconds): check deadlines, go on
                 except ApiException as exc:
-                    if exc.status != 410:  # 410: resourceVersion too old -- list again
+                    if exc.status == 410:  # the resourceVersion was compacted away: list again
+                        self.log.info(
+                            "watch of pod %s: resourceVersion %s expired; listing again", self.pod_name, version
+                        )
+                        version = None
+                        continue
+                    if exc.status is not None and exc.status < 500 and exc.status != 429:
                         raise
+                    failures = await self._back_off(failures, exc)
+                except (TimeoutError, OSError, _client_errors()) as exc:
+                    failures = await self._back_off(failures, exc)
+
+    async def _back_off(self, failures: int, exc: BaseException) -> int:
+        failures += 1
+        if failures > _MAX_FAILURES:
+            raise exc
+        delay = 0 if failures == 1 else min(2 ** (failures - 1), 30)  # a dropped watch resumes at once
+        self.log.warning(
+            "watching pod %s failed (%s: %s); resuming in %d s (%d/%d)",
+            self.pod_name, type(exc).__name__, exc, delay, failures, _MAX_FAILURES,
+        )  # fmt: skip
+        await asyncio.sleep(delay)
+        return failures
+
+
+def _client_errors() -> type[BaseException]:
+    import aiohttp
+
+    return aiohttp.ClientError

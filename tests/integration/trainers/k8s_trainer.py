@@ -1,7 +1,8 @@
 """A site trainer for pod tests (Client API only): adds 1 to every tensor of the global model.
 
 ``--release PATH`` waits until PATH exists before sending; ``--secret-env NAME`` prints the sha256
-of that variable (never the value); ``--exit N`` exits with N instead of sending.
+of that variable (never the value); ``--exit N`` exits with N instead of sending; ``--sleep S``
+trains for S seconds.
 """
 
 import argparse
@@ -16,6 +17,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--release")
 parser.add_argument("--secret-env")
 parser.add_argument("--exit", type=int)
+parser.add_argument("--sleep", type=float, default=0.0)
 args = parser.parse_args()
 
 model = flare.receive()
@@ -25,6 +27,7 @@ if args.secret_env:
 if args.release:
     while not os.path.exists(args.release):
         time.sleep(0.05)
+time.sleep(args.sleep)
 if args.exit is not None:
     sys.exit(args.exit)
 flare.send(flare.FLModel(params={k: v + 1 for k, v in model.params.items()}, meta={"num_samples": 7}))
