@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from flare_airflow.core.errors import ConfigError
 
@@ -48,6 +48,7 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # Names of the Client API's variables (and of what the launcher adds) belong to flare-airflow.
 RESERVED_ENV_PREFIX = "FLARE_"
 STORE_VOLUME = "flare-store"
+SCRATCH_VOLUME = "flare-scratch"
 Scalar = int | float | str | bool
 
 
@@ -145,9 +146,106 @@ def _env_name(name: str, what: str) -> str:
 
 
 def _absolute_path(value: str, what: str) -> str:
-    if not value.startswith("/") or "/../" in f"{value}/" or ":" in value:
-        raise ValueError(f"{what} {value!r} must be an absolute path without '..' or ':'")
-    return value
+    """A normalised absolute path (no '.', '..', '//', ':' or control characters); a trailing '/' is dropped."""
+    path = value.rstrip("/") or "/"
+    if (
+        not value.startswith("/")
+        or ".." in value
+        or "//" in value
+        or ":" in value
+        or any(part == "." for part in path.split("/"))
+        or any(ord(c) < 32 or ord(c) == 127 for c in value)
+    ):
+        raise ValueError(
+            f"{what} {value!r} must be a plain absolute path: no '..', '.', '//', ':' or control characters"
+        )
+    return path
+
+
+def _within(path: str, top: str) -> bool:
+    return top == "/" or path == top or path.startswith(top + "/")
+
+
+# Host directories no pod may mount: the node's own system, the kubelet's and the container
+# runtimes' state (other pods' Secrets, images, sockets), logs of other pods. A host path inside one
+# of them or above one of them (e.g. /var, which holds /var/run) is refused.
+SYSTEM_HOST_PATHS = (
+    "/etc",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/boot",
+    "/root",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/run",
+    "/var/run",
+    "/var/lock",
+    "/var/log",
+    "/var/lib/kubelet",
+    "/var/lib/docker",
+    "/var/lib/containerd",
+    "/var/lib/containers",
+    "/var/lib/cri-o",
+    "/var/lib/etcd",
+    "/var/lib/cni",
+    "/opt/cni",
+)
+# Directories of the trainer's image a volume must not shadow (or contain, e.g. /var).
+SYSTEM_MOUNT_PATHS = (
+    "/etc",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/boot",
+    "/root",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/run",
+    "/var/run",
+    "/var/lib",
+)
+# The pod's writable scratch directory (an emptyDir; the root filesystem is read-only).
+SCRATCH_PATH = "/tmp"  # noqa: S108 - a pod's own emptyDir, not the host's /tmp
+_LIB_DIR = re.compile(r"^/lib[^/]*(/|$)")  # /lib, /lib32, /lib64, /libx32 ...
+
+
+def _system_dir(path: str, system: tuple[str, ...]) -> str | None:
+    """The system directory ``path`` is in, is, or contains; ``None`` if it stays clear of all of them."""
+    if path == "/":
+        return "/"
+    if _LIB_DIR.match(path):
+        return "/" + path.split("/")[1]
+    return next((top for top in system if _within(path, top) or _within(top, path)), None)
+
+
+def _host_path(value: str, what: str) -> str:
+    path = _absolute_path(value, what)
+    system = _system_dir(path, SYSTEM_HOST_PATHS)
+    if system is not None:
+        where = "the node's root" if system == "/" else f"the node's system directory {system}"
+        raise ValueError(
+            f"{what} {value!r} would expose {where} to the trainer: mount a data directory of its own (or use a PVC)"
+        )
+    return path
+
+
+def _mount_path(value: str, what: str) -> str:
+    path = _absolute_path(value, what)
+    system = _system_dir(path, SYSTEM_MOUNT_PATHS)
+    if system is not None:
+        where = "the whole container filesystem" if system == "/" else f"the image's {system}"
+        raise ValueError(f"{what} {value!r} would shadow {where}: mount it under a directory of its own, e.g. /data")
+    if path == SCRATCH_PATH:
+        raise ValueError(
+            f"{what} {value!r} is the pod's scratch directory (an emptyDir flare-airflow mounts there, "
+            "the root filesystem being read-only); choose another path"
+        )
+    return path
 
 
 class SecretRef(_Strict):
@@ -189,14 +287,19 @@ class VolumeSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if value == STORE_VOLUME:
-            raise ValueError(f"volume name {STORE_VOLUME!r} is reserved for store_mount; choose another name")
+        if value in (STORE_VOLUME, SCRATCH_VOLUME):
+            raise ValueError(f"volume name {value!r} is reserved for flare-airflow's own volumes; choose another name")
         return _dns_label(value, "volume name")
 
-    @field_validator("mount_path", "host_path")
+    @field_validator("mount_path")
     @classmethod
-    def _paths(cls, value: str | None) -> str | None:
-        return None if value is None else _absolute_path(value, "path")
+    def _mount(cls, value: str) -> str:
+        return _mount_path(value, "mount_path")
+
+    @field_validator("host_path")
+    @classmethod
+    def _host(cls, value: str | None) -> str | None:
+        return None if value is None else _host_path(value, "host_path")
 
     @field_validator("pvc")
     @classmethod
@@ -216,10 +319,15 @@ class StoreMount(_Strict):
     pvc: str | None = Field(None, description="PersistentVolumeClaim holding the store root")
     host_path: str | None = Field(None, description="the store root's directory on the node")
 
-    @field_validator("mount_path", "host_path")
+    @field_validator("mount_path")
     @classmethod
-    def _paths(cls, value: str | None) -> str | None:
-        return None if value is None else _absolute_path(value, "path")
+    def _mount(cls, value: str) -> str:
+        return _mount_path(value, "mount_path")
+
+    @field_validator("host_path")
+    @classmethod
+    def _host(cls, value: str | None) -> str | None:
+        return None if value is None else _host_path(value, "host_path")
 
     @field_validator("pvc")
     @classmethod
@@ -271,6 +379,55 @@ def _toleration(item: Any, index: int) -> dict[str, Any]:
     return out
 
 
+_SYSTEM_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease")
+_MAX_SECONDS = 30 * 24 * 3600
+# The image reference grammar of the OCI distribution spec (github.com/distribution/reference).
+_IMAGE_DOMAIN = re.compile(
+    r"^(localhost|(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*)(?::[0-9]+)?$"
+)
+_IMAGE_PATH = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
+_IMAGE_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
+_IMAGE_DIGEST = re.compile(r"^(sha256:[0-9a-f]{64}|sha384:[0-9a-f]{96}|sha512:[0-9a-f]{128})$")
+_IMAGE_FORM = "[registry[:port]/]name[:tag][@sha256:<64 hex digits>], e.g. registry.example.org/fl/trainer:1.0"
+
+
+def _image_reference(value: str) -> str:
+    """An image reference the kubelet can pull (refused here rather than as InvalidImageName in a pod)."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"image {value!r} is not a valid image reference: {why}; use {_IMAGE_FORM}")
+
+    if not value or any(c.isspace() or ord(c) < 32 for c in value):
+        raise bad("it is empty or contains spaces")
+    name, at, digest = value.partition("@")
+    if at and not _IMAGE_DIGEST.match(digest):
+        raise bad(f"digest {digest!r} must be sha256: followed by 64 lowercase hex digits")
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    tag = ""
+    if colon > slash:
+        name, tag = name[:colon], name[colon + 1 :]
+        if not _IMAGE_TAG.match(tag):
+            raise bad(f"tag {tag!r} must be up to 128 letters, digits, '_', '.' or '-', not starting with '.' or '-'")
+    parts = name.split("/")
+    # As docker does: the first part names a registry only if it has a '.' or ':' or is localhost.
+    if len(parts) > 1 and (parts[0] == "localhost" or "." in parts[0] or ":" in parts[0]):
+        domain, parts = parts[0], parts[1:]
+        if not _IMAGE_DOMAIN.match(domain):
+            raise bad(f"registry {domain!r} must be a host name with an optional :port")
+    repository = "/".join(parts)
+    if repository != repository.lower() and all(_IMAGE_PATH.match(part.lower()) for part in parts):
+        raise bad(f"the repository {repository!r} must be lowercase ({repository.lower()!r})")
+    if not all(_IMAGE_PATH.match(part) for part in parts):
+        raise bad(
+            f"the repository {repository!r} must be lowercase letters and digits, separated by '.', '_', '__', "
+            "'-' or '/'"
+        )
+    if len(name) > 255:
+        raise bad("the name is longer than 255 characters")
+    return value
+
+
 class KubernetesLaunchSpec(_Strict):
     """Site policy for Kubernetes site jobs (``launcher_spec.k8s``): one pod per site job and round.
 
@@ -311,14 +468,25 @@ class KubernetesLaunchSpec(_Strict):
     @field_validator("image")
     @classmethod
     def _image(cls, value: str | None) -> str | None:
-        if value is not None and (not value or any(c.isspace() for c in value)):
-            raise ValueError(f"image {value!r} must be a non-empty image reference without spaces")
-        return value
+        return None if value is None else _image_reference(value)
 
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, value: str) -> str:
+        if value in _SYSTEM_NAMESPACES:
+            raise ValueError(
+                f"namespace {value!r} belongs to Kubernetes itself; run site jobs in a namespace of their own"
+            )
         return _dns_label(value, "namespace")
+
+    @field_validator("pending_timeout", "startup_timeout", "poll_interval", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) or (isinstance(value, int | float) and not 0 < value <= _MAX_SECONDS):
+            raise ValueError(
+                f"{info.field_name} must be a number of seconds > 0 and <= {_MAX_SECONDS} (30 days), got {value!r}"
+            )
+        return value
 
     @field_validator("kubernetes_conn_id", "config_file", "cluster_context", "trainer_script")
     @classmethod
@@ -412,13 +580,32 @@ class KubernetesLaunchSpec(_Strict):
         if self.in_cluster and self.config_file:
             raise ValueError("in_cluster and config_file exclude each other")
         names = [v.name for v in self.volumes]
-        paths = [v.mount_path.rstrip("/") for v in self.volumes]
+        paths = [v.mount_path for v in self.volumes]
         if self.store_mount is not None:
-            paths.append(self.store_mount.mount_path.rstrip("/"))
+            paths.append(self.store_mount.mount_path)
         for what, items in (("volume name", names), ("mount_path", paths)):
             dupes = sorted({i for i in items if items.count(i) > 1})
             if dupes:
                 raise ValueError(f"{what} {dupes[0]!r} is used twice (volumes and store_mount)")
+        store = self.store_mount
+        if store is not None:
+            for vol in self.volumes:
+                # The pod sees only its round's input (read-only) and its own output of the store;
+                # a volume over, under or of the store would hand it the rest.
+                if _within(vol.mount_path, store.mount_path) or _within(store.mount_path, vol.mount_path):
+                    raise ValueError(
+                        f"volume {vol.name!r}: mount_path {vol.mount_path} overlaps store_mount.mount_path "
+                        f"{store.mount_path}; mount it elsewhere"
+                    )
+                if (vol.pvc is not None and vol.pvc == store.pvc) or (
+                    vol.host_path is not None
+                    and store.host_path is not None
+                    and (_within(vol.host_path, store.host_path) or _within(store.host_path, vol.host_path))
+                ):
+                    raise ValueError(
+                        f"volume {vol.name!r} mounts the model store (or part of it) again; the pod gets the store "
+                        "only through store_mount, which mounts just what the site job needs"
+                    )
         return self
 
 

@@ -8,7 +8,11 @@ Pieces, all usable without Airflow:
 * :func:`build_pod` -- the manifest: the trainer as an exact argv, the Client API's ``FLARE_*``
   environment (store paths rewritten to the store mount), the site's plain env and Secret
   *references* (``valueFrom.secretKeyRef``; a value never appears in the pod), cpu / memory /
-  ``nvidia.com/gpu`` with request = limit, volumes, a restrictive ``securityContext``.
+  ``nvidia.com/gpu`` with request = limit, volumes, a restrictive ``securityContext`` with a
+  read-only root filesystem and a scratch ``emptyDir`` at /tmp. Of the model store the pod mounts
+  only the directory of its input global model (read-only) and the directory of its output
+  (read-write); host paths must lie under the site admin's allow-list
+  (:data:`ALLOWED_HOST_PATHS_ENV` on the machine that builds the pod).
   :func:`job_pod` does the same from a validated job (argv from :func:`trainer_argv`).
 * :func:`map_pod` -- the one state table of this backend (``docs/state-mapping.md``): a pod (or
   ``None`` when it vanished) to :class:`PodStatus` (state, return code, reason, done, waiting for
@@ -39,6 +43,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import posixpath
 import re
 import signal
 import threading
@@ -57,6 +63,8 @@ from kubernetes.client.rest import ApiException
 from flare_airflow.core.config import (
     MANAGED_BY_LABEL,
     RESERVED_LABEL_PREFIX,
+    SCRATCH_PATH,
+    SCRATCH_VOLUME,
     STORE_VOLUME,
     JobConfig,
     KubernetesLaunchSpec,
@@ -69,6 +77,7 @@ from flare_airflow.launchers.process import LaunchError, map_exit
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ALLOWED_HOST_PATHS_ENV",
     "CONTAINER_NAME",
     "FAIL_FAST_REASONS",
     "GPU_RESOURCE",
@@ -77,6 +86,7 @@ __all__ = [
     "KubernetesJobHandle",
     "KubernetesLauncher",
     "PodStatus",
+    "allowed_host_paths",
     "build_pod",
     "job_pod",
     "map_pod",
@@ -95,6 +105,8 @@ DEFAULT_TRAINER_COMMAND = ("python",)
 # Client API variables that hold store locations (rewritten from the store root to the mount).
 STORE_PATH_VARS = ("FLARE_GLOBAL_MODEL", "FLARE_OUTPUT")
 RUN_ID_ANNOTATION = f"{RESERVED_LABEL_PREFIX}run-id"
+# Site policy on the worker, not in the job file: the host path prefixes pods may mount, ':'-separated.
+ALLOWED_HOST_PATHS_ENV = "FLARE_K8S_ALLOWED_HOST_PATHS"
 
 _MAX_NAME = 63
 _NAME_PREFIX = "fl"
@@ -196,7 +208,10 @@ def store_path_in_pod(value: str, store_root: str, mount_path: str) -> str:
     root = root.rstrip("/") or "/"
     if path is None or not (path == root or path.startswith(root.rstrip("/") + "/")):
         raise LaunchError(f"{value!r} is not under the model store root {store_root!r}: the pod could not reach it")
-    return mount_path.rstrip("/") + path[len(root.rstrip("/")) :]
+    relative = path[len(root.rstrip("/")) :]
+    if any(part in (".", "..") for part in relative.split("/")):
+        raise LaunchError(f"{value!r} has '.' or '..' components: give store locations as plain paths")
+    return mount_path.rstrip("/") + relative
 
 
 def _literal(value: str) -> str:
@@ -238,7 +253,8 @@ def _env(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) 
     problem = unreachable_store(spec, store_root)
     if problem is not None:
         raise LaunchError(f"{site_job.label}: {problem}")
-    plain: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    # HOME on the scratch volume: the root filesystem is read-only, and libraries write caches there.
+    plain: dict[str, str] = {"PYTHONUNBUFFERED": "1", "HOME": SCRATCH_PATH}
     for name, value in site_job.env.items():
         if spec.store_mount is not None and name in STORE_PATH_VARS:
             if store_root is None:
@@ -259,11 +275,68 @@ def _env(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) 
     return env
 
 
-def _volumes(spec: KubernetesLaunchSpec) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
+def allowed_host_paths(environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """The host path prefixes pods may mount (:data:`ALLOWED_HOST_PATHS_ENV`, ``':'``-separated).
+
+    ``None`` when the variable is unset: then only the node's system directories are refused (by
+    the job's validation). Set but empty: no host path at all. Read from the environment of the
+    process that builds the pod (the Airflow worker), never from the job.
+    """
+    raw = (os.environ if environ is None else environ).get(ALLOWED_HOST_PATHS_ENV)
+    if raw is None:
+        return None
+    prefixes = []
+    for entry in filter(None, raw.split(":")):
+        if not entry.startswith("/") or posixpath.normpath(entry) != (entry.rstrip("/") or "/"):
+            raise LaunchError(
+                f"{ALLOWED_HOST_PATHS_ENV}={raw!r}: {entry!r} is not a plain absolute path; "
+                "the site admin must fix the worker's setting (e.g. /data:/scratch)"
+            )
+        prefixes.append(entry.rstrip("/") or "/")
+    return tuple(prefixes)
+
+
+def _check_host_paths(site_job: SiteJob, spec: KubernetesLaunchSpec) -> None:
+    allowed = allowed_host_paths()
+    if allowed is None:
+        return
+    used = [(f"volume {vol.name!r}", vol.host_path) for vol in spec.volumes if vol.host_path is not None]
+    if spec.store_mount is not None and spec.store_mount.host_path is not None:
+        used.insert(0, ("store_mount", spec.store_mount.host_path))
+    for what, path in used:
+        if not any(top == "/" or path == top or path.startswith(top + "/") for top in allowed):
+            where = ", ".join(allowed) or "none"
+            raise LaunchError(
+                f"{site_job.label}: launcher_spec.k8s {what}: host_path {path} is not under a host path this site "
+                f"allows ({ALLOWED_HOST_PATHS_ENV}: {where}); use a PVC or a directory under an allowed path, or ask "
+                f"the site admin to add it to {ALLOWED_HOST_PATHS_ENV} on the Airflow workers"
+            )
+
+
+def _store_dirs(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) -> dict[str, bool]:
+    """The store directories the pod needs, relative to the store root, each with whether it is read-only:
+    the directory holding ``FLARE_GLOBAL_MODEL`` (read-only) and the one holding ``FLARE_OUTPUT``."""
+    if spec.store_mount is None or store_root is None:
+        return {}
+    dirs: dict[str, bool] = {}
+    for name, read_only in (("FLARE_GLOBAL_MODEL", True), ("FLARE_OUTPUT", False)):
+        value = site_job.env.get(name)
+        if value is None:
+            continue
+        relative = store_path_in_pod(value, store_root, "/").lstrip("/")
+        directory = posixpath.dirname(relative)
+        # One directory holding both stays writable: the output must be written.
+        dirs[directory] = dirs.get(directory, True) and read_only
+    return dirs
+
+
+def _volumes(
+    spec: KubernetesLaunchSpec, store_dirs: Mapping[str, bool]
+) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
     volumes: list[k8s.V1Volume] = []
     mounts: list[k8s.V1VolumeMount] = []
 
-    def add(name: str, mount_path: str, read_only: bool, pvc: str | None, host_path: str | None) -> None:
+    def add(name: str, pvc: str | None, host_path: str | None) -> None:
         if pvc is not None:
             source = {"persistent_volume_claim": k8s.V1PersistentVolumeClaimVolumeSource(claim_name=pvc)}
         elif host_path is not None:
@@ -272,13 +345,25 @@ def _volumes(spec: KubernetesLaunchSpec) -> tuple[list[k8s.V1Volume], list[k8s.V
         else:
             source = {"empty_dir": k8s.V1EmptyDirVolumeSource()}
         volumes.append(k8s.V1Volume(name=name, **source))
-        mounts.append(k8s.V1VolumeMount(name=name, mount_path=mount_path, read_only=read_only or None))
 
-    if spec.store_mount is not None:
-        store = spec.store_mount
-        add(STORE_VOLUME, store.mount_path, False, store.pvc, store.host_path)
+    def mount(name: str, mount_path: str, read_only: bool, sub_path: str | None = None) -> None:
+        mounts.append(
+            k8s.V1VolumeMount(name=name, mount_path=mount_path, read_only=read_only or None, sub_path=sub_path or None)
+        )
+
+    add(SCRATCH_VOLUME, None, None)
+    mount(SCRATCH_VOLUME, SCRATCH_PATH, False)
+    store = spec.store_mount
+    if store is not None and store_dirs:
+        add(STORE_VOLUME, store.pvc, store.host_path)
+        # Each directory at its usual place under mount_path (so FLARE_* paths are as without
+        # subPaths), a parent before anything mounted inside it.
+        for directory in sorted(store_dirs, key=len):
+            mount_path = posixpath.join(store.mount_path, directory).rstrip("/") or "/"
+            mount(STORE_VOLUME, mount_path, store_dirs[directory], directory)
     for vol in spec.volumes:
-        add(vol.name, vol.mount_path, vol.read_only, vol.pvc, vol.host_path)
+        add(vol.name, vol.pvc, vol.host_path)
+        mount(vol.name, vol.mount_path, vol.read_only)
     return volumes, mounts
 
 
@@ -296,30 +381,35 @@ def build_pod(
     becomes the container's ``command``, escaped against the kubelet's ``$(VAR)`` expansion);
     ``site_job.env`` holds the Client API's ``FLARE_*`` variables as the Airflow side computed them.
     With ``spec.store_mount``, ``FLARE_GLOBAL_MODEL`` and ``FLARE_OUTPUT`` must lie under
-    ``store_root`` and are rewritten to the mount path. Raises :class:`LaunchError` when the
-    site job cannot run as a pod (no image, a store path the pod cannot reach, empty argv).
+    ``store_root`` and are rewritten to the mount path; the pod mounts (``subPath``) only the
+    directory of the first, read-only, and the directory of the second, read-write, each at its
+    place under the mount path. Raises :class:`LaunchError` when the site job cannot run as a pod
+    (no image, a store path the pod cannot reach, empty argv, a host path outside
+    :func:`allowed_host_paths`).
     """
     if not spec.image:
         raise LaunchError(f"{site_job.label}: launcher_spec.k8s.image is not set; a pod needs the site's trainer image")
     if not site_job.argv:
         raise LaunchError(f"{site_job.label}: empty argv")
+    _check_host_paths(site_job, spec)
     name = pod_name(site_job.job, site_job.site, site_job.round, site_job.run_id, try_number)
     labels = {**spec.labels, **pod_labels(site_job.job, site_job.run_id, site_job.round, site_job.site, try_number)}
     annotations = {**spec.annotations, RUN_ID_ANNOTATION: site_job.run_id}
-    volumes, mounts = _volumes(spec)
+    env = _env(site_job, spec, store_root)
+    volumes, mounts = _volumes(spec, _store_dirs(site_job, spec, store_root))
     container = k8s.V1Container(
         name=CONTAINER_NAME,
         image=spec.image,
         image_pull_policy=spec.image_pull_policy,
         command=[_literal(arg) for arg in site_job.argv],
-        env=_env(site_job, spec, store_root),
+        env=env,
         resources=_resources(resources),
         volume_mounts=mounts or None,
         security_context=k8s.V1SecurityContext(
             allow_privilege_escalation=False,
             capabilities=k8s.V1Capabilities(drop=["ALL"]),
             privileged=False,
-            read_only_root_filesystem=False,
+            read_only_root_filesystem=True,
             run_as_non_root=True,
         ),
     )

@@ -29,9 +29,14 @@ Everything goes through the real Kubernetes API with the ``kubernetes`` Python c
   A process cannot see a mountPath, so the mapping is applied by REWRITING STRINGS: in the command,
   args, env values and workingDir, every occurrence of a mountPath at a path boundary (start of the
   string, or after ``=``, ``:``, ``,``, whitespace, a quote, or ``file://``) is replaced by its local
-  path (longest mountPath first; ``subPath`` honoured). Paths inside files are not rewritten. The
-  mapping is also given to the process as JSON in ``FLARE_NODE_AGENT_MOUNTS``. The working directory
-  is the rewritten ``workingDir`` when it exists locally, else a per-pod scratch directory.
+  path (longest mountPath first). ``subPath`` is honoured: the mountPath maps to that directory of
+  the volume, created when missing as a kubelet does. An ``emptyDir`` mounted at /tmp (the pod's
+  scratch under a read-only root filesystem) is the host's /tmp, left unmapped: tests pass paths
+  under /tmp (pytest's ``tmp_path``) in argv and env, and a process shares the host's filesystem
+  anyway. ``readOnly`` mounts and ``readOnlyRootFilesystem`` are not enforced (processes run as the
+  agent's user). Paths inside files are not rewritten. The mapping is also given to the process as
+  JSON in ``FLARE_NODE_AGENT_MOUNTS``. The working directory is the rewritten ``workingDir`` when it
+  exists locally, else a per-pod scratch directory.
 * **Status** through ``pods/status``: Pending with waiting reasons, Running (container ``running``
   state, startedAt, podIP 127.0.0.1), then Succeeded/Failed with each container's exit code and
   reason (``Completed``, ``Error``, ``OOMKilled`` when the process died of SIGKILL — also when the
@@ -1235,13 +1240,19 @@ class NodeAgent:
             elif "resourceFieldRef" in vf:
                 env[name] = self._resource(spec, vf["resourceFieldRef"])
         mounts: dict[str, str] = {}
+        empty_dirs = {v["name"] for v in pod["spec"].get("volumes") or [] if "emptyDir" in v}
         for m in spec.get("volumeMounts") or []:
             if m["name"] not in volumes:
                 raise _ConfigError(f'unable to find volume "{m["name"]}" in pod (node agent)')
+            if m["name"] in empty_dirs and m["mountPath"].rstrip("/") == "/tmp":
+                continue  # the host's /tmp (see the module docstring)
             local = volumes[m["name"]]
-            if m.get("subPath"):
-                local = os.path.join(local, m["subPath"])
-                os.makedirs(local, exist_ok=True)
+            sub_path = m.get("subPath")
+            if sub_path:
+                if os.path.isabs(sub_path) or ".." in sub_path.split("/"):
+                    raise _ConfigError(f'subPath "{sub_path}" must be a relative path without ".."')
+                local = os.path.join(local, sub_path)
+                os.makedirs(local, exist_ok=True)  # as a kubelet creates a missing subPath
             mounts[m["mountPath"]] = local
         mm = MountMap(mounts)
         command = list(spec.get("command") or self.image_entrypoints.get(spec.get("image", ""), []))

@@ -122,7 +122,17 @@ def test_a_k8s_site_without_an_image(job_dir) -> None:
     ("k8s", "field", "expected"),
     [
         ({"namespace": "Team_A"}, "namespace", "namespace 'Team_A' is not an RFC 1123 label"),
-        ({"image": "bad image"}, "image", "must be a non-empty image reference without spaces"),
+        ({"image": "bad image"}, "image", "image 'bad image' is not a valid image reference: it is empty or contains"),
+        (
+            {"image": "Registry.io/FL/Trainer:1"},
+            "image",
+            "the repository 'FL/Trainer' must be lowercase ('fl/trainer')",
+        ),
+        ({"image": "trainer:-1"}, "image", "tag '-1' must be up to 128 letters"),
+        ({"image": "trainer@sha256:abc"}, "image", "digest 'sha256:abc' must be sha256: followed by 64"),
+        ({"image": "reg_istry.io/trainer:1"}, "image", "registry 'reg_istry.io' must be a host name"),
+        ({"image": "fl//trainer"}, "image", "the repository 'fl//trainer' must be lowercase letters and digits"),
+        ({"namespace": "kube-system"}, "namespace", "namespace 'kube-system' belongs to Kubernetes itself"),
         ({"image_pull_policy": "Sometimes"}, "image_pull_policy", "'IfNotPresent', 'Always' or 'Never'"),
         ({"image_pull_secrets": ["Reg_Cred"]}, "image_pull_secrets", "image pull secret 'Reg_Cred' is not"),
         ({"service_account_name": "SA"}, "service_account_name", "service account name 'SA' is not"),
@@ -153,8 +163,77 @@ def test_a_k8s_site_without_an_image(job_dir) -> None:
             "volumes.0",
             "(got pvc, empty_dir)",
         ),
-        ({"volumes": [{"name": "d", "mount_path": "data", "empty_dir": True}]}, "mount_path", "must be an absolute"),
+        (
+            {"volumes": [{"name": "d", "mount_path": "data", "empty_dir": True}]},
+            "mount_path",
+            "must be a plain absolute",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/", "empty_dir": True}]},
+            "mount_path",
+            "shadow the whole container",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/etc/ssl", "empty_dir": True}]},
+            "mount_path",
+            "shadow the image's /etc",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/var", "empty_dir": True}]},
+            "mount_path",
+            "shadow the image's /var/run",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/lib64", "empty_dir": True}]},
+            "mount_path",
+            "shadow the image's /lib64",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/tmp", "empty_dir": True}]},
+            "mount_path",
+            "the pod's scratch directory",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/d", "host_path": "/"}]},
+            "host_path",
+            "would expose the node's root",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/d", "host_path": "/var/run/docker.sock"}]},
+            "host_path",
+            "would expose the node's system directory /var/run to the trainer",
+        ),
+        (
+            {"volumes": [{"name": "d", "mount_path": "/d", "host_path": "/var/lib"}]},
+            "host_path",
+            "would expose the node's system directory /var/lib/kubelet",
+        ),
+        ({"volumes": [{"name": "d", "mount_path": "/d", "host_path": "/data/../etc"}]}, "host_path", "no '..', '.'"),
+        ({"store_mount": {"host_path": "/proc/1/root"}}, "store_mount.host_path", "system directory /proc"),
+        ({"store_mount": {"pvc": "s", "mount_path": "/usr/share/store"}}, "store_mount.mount_path", "image's /usr"),
+        (
+            {
+                "volumes": [{"name": "a", "mount_path": "/flare-store/x", "empty_dir": True}],
+                "store_mount": {"pvc": "s"},
+            },
+            "k8s",
+            "volume 'a': mount_path /flare-store/x overlaps store_mount.mount_path /flare-store",
+        ),
+        (
+            {"volumes": [{"name": "a", "mount_path": "/a", "pvc": "s"}], "store_mount": {"pvc": "s"}},
+            "k8s",
+            "volume 'a' mounts the model store (or part of it) again",
+        ),
+        (
+            {
+                "volumes": [{"name": "a", "mount_path": "/a", "host_path": "/srv"}],
+                "store_mount": {"host_path": "/srv/store"},
+            },
+            "k8s",
+            "volume 'a' mounts the model store (or part of it) again",
+        ),
         ({"volumes": [{"name": "flare-store", "mount_path": "/s", "empty_dir": True}]}, "name", "is reserved"),
+        ({"volumes": [{"name": "flare-scratch", "mount_path": "/s", "empty_dir": True}]}, "name", "is reserved"),
         ({"volumes": [{"name": "d", "mount_path": "/d", "nfs": "x"}]}, "volumes.0.nfs", "allowed keys: name,"),
         (
             {
@@ -175,7 +254,11 @@ def test_a_k8s_site_without_an_image(job_dir) -> None:
         ({"store_mount": {"pvc": "s", "empty_dir": True}}, "store_mount.empty_dir", "unknown key 'empty_dir'"),
         ({"trainer_command": "python -u"}, "trainer_command", "not a string"),
         ({"trainer_command": []}, "trainer_command", "must not be empty"),
-        ({"pending_timeout": 0}, "pending_timeout", "greater than 0"),
+        ({"pending_timeout": 0}, "pending_timeout", "pending_timeout must be a number of seconds > 0"),
+        ({"pending_timeout": float("inf")}, "pending_timeout", "pending_timeout must be a number of seconds > 0"),
+        ({"startup_timeout": float("nan")}, "startup_timeout", "startup_timeout must be a number of seconds > 0"),
+        ({"poll_interval": -1}, "poll_interval", "got -1"),
+        ({"pending_timeout": True}, "pending_timeout", "got True"),
         ({"in_cluster": True, "config_file": "/k"}, "k8s", "in_cluster and config_file exclude each other"),
         ({"memory": "4Gi"}, "memory", "unknown key 'memory'; allowed keys: image, namespace,"),
     ],
@@ -201,3 +284,30 @@ def test_the_block_is_frozen() -> None:
     spec = KubernetesLaunchSpec(image="x")
     with pytest.raises(ValueError, match="frozen"):
         spec.namespace = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "x",
+        "trainer:dev",
+        "registry.example.org/fl/trainer:1.0",
+        "localhost:5000/fl/trainer",
+        "localhost/trainer:1",
+        "registry.example.org:443/a/b/c__d-e.f:v1.2_3",
+        "ghcr.io/org/trainer@sha256:" + "a" * 64,
+        "ghcr.io/org/trainer:1@sha256:" + "0" * 64,
+        "10.0.0.1:5000/trainer",
+    ],
+)
+def test_valid_image_references(image: str) -> None:
+    assert KubernetesLaunchSpec(image=image).image == image
+
+
+def test_paths_are_normalised_and_plain_data_paths_pass() -> None:
+    vol = VolumeSpec(name="d", mount_path="/data/", host_path="/srv/data/")
+    assert (vol.mount_path, vol.host_path) == ("/data", "/srv/data")
+    for path in ("/home/fl/data", "/mnt/nfs", "/var/data", "/opt/datasets", "/tmp/cache"):
+        VolumeSpec(name="d", mount_path=path, empty_dir=True)
+    for path in ("/home/fl/data", "/mnt/nfs", "/var/data", "/srv", "/scratch"):
+        VolumeSpec(name="d", mount_path="/d", host_path=path)

@@ -20,9 +20,11 @@ from kubernetes.client.rest import ApiException
 from flare_airflow.core.config import KubernetesLaunchSpec, ResourceSpec, TrainerSpec, job_from_dict
 from flare_airflow.core.spec import JobReturnCode, JobState, SiteJob
 from flare_airflow.launchers.kubernetes import (
+    ALLOWED_HOST_PATHS_ENV,
     CONTAINER_NAME,
     FAIL_FAST_REASONS,
     KubernetesLauncher,
+    allowed_host_paths,
     build_pod,
     job_pod,
     map_pod,
@@ -155,6 +157,7 @@ def test_security_context_is_restrictive(name: str) -> None:
     assert ctx["capabilities"] == {"drop": ["ALL"]}
     assert ctx["privileged"] is False
     assert ctx["runAsNonRoot"] is True
+    assert ctx["readOnlyRootFilesystem"] is True
     assert spec["restartPolicy"] == "Never"
     assert container["name"] == CONTAINER_NAME
 
@@ -210,8 +213,24 @@ def test_identity_env_and_policy_fields() -> None:
     # The store root is mounted at /mnt/store: both store variables point there, URI or path.
     assert env["FLARE_GLOBAL_MODEL"]["value"] == "/mnt/store/digits/run/round-0002/global.safetensors"
     assert env["FLARE_OUTPUT"]["value"] == "/mnt/store/digits/run/round-0003/sites/site-1.safetensors"
-    assert spec["volumes"] == [{"name": "flare-store", "hostPath": {"path": STORE, "type": "Directory"}}]
-    assert c["volumeMounts"] == [{"name": "flare-store", "mountPath": "/mnt/store"}]
+    assert spec["volumes"] == [
+        {"name": "flare-scratch", "emptyDir": {}},
+        {"name": "flare-store", "hostPath": {"path": STORE, "type": "Directory"}},
+    ]
+    assert c["volumeMounts"] == [
+        {"name": "flare-scratch", "mountPath": "/tmp"},
+        {
+            "name": "flare-store",
+            "mountPath": "/mnt/store/digits/run/round-0002",
+            "subPath": "digits/run/round-0002",
+            "readOnly": True,
+        },
+        {
+            "name": "flare-store",
+            "mountPath": "/mnt/store/digits/run/round-0003/sites",
+            "subPath": "digits/run/round-0003/sites",
+        },
+    ]
     assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
 
 
@@ -231,13 +250,25 @@ def test_site_labels_and_annotations_are_kept_but_ours_win() -> None:
 def test_volumes_are_mounted_as_declared() -> None:
     spec = built("volumes")["spec"]
     assert spec["volumes"] == [
+        {"name": "flare-scratch", "emptyDir": {}},
         {"name": "flare-store", "persistentVolumeClaim": {"claimName": "flare-store"}},
         {"name": "data", "persistentVolumeClaim": {"claimName": "site-data"}},
         {"name": "reference", "hostPath": {"path": "/srv/reference", "type": "Directory"}},
         {"name": "scratch", "emptyDir": {}},
     ]
     assert spec["containers"][0]["volumeMounts"] == [
-        {"name": "flare-store", "mountPath": "/flare-store"},
+        {"name": "flare-scratch", "mountPath": "/tmp"},
+        {
+            "name": "flare-store",
+            "mountPath": "/flare-store/digits/run/round-0002",
+            "subPath": "digits/run/round-0002",
+            "readOnly": True,
+        },
+        {
+            "name": "flare-store",
+            "mountPath": "/flare-store/digits/run/round-0003/sites",
+            "subPath": "digits/run/round-0003/sites",
+        },
         {"name": "data", "mountPath": "/data", "readOnly": True},
         {"name": "reference", "mountPath": "/reference"},
         {"name": "scratch", "mountPath": "/scratch"},
@@ -824,3 +855,154 @@ def test_a_local_store_without_a_store_mount_is_refused() -> None:
         build_pod(site_job(), KubernetesLaunchSpec(image="x"), ResourceSpec(), store_root=STORE)
     with pytest.raises(LaunchError, match="a local path the pod cannot see"):
         build_pod(site_job(), KubernetesLaunchSpec(image="x"), ResourceSpec(), store_root=f"file://{STORE}")
+
+
+# ---------------------------------------------------------------- read-only root, store mounts, host paths
+
+
+def _mounts(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(pod["spec"]["containers"][0]["volumeMounts"])
+
+
+def _env_values(pod: dict[str, Any]) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_the_root_filesystem_is_read_only_with_a_scratch_dir_and_home_on_it() -> None:
+    for name in SPECS:
+        pod = built(name)
+        assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+        assert {"name": "flare-scratch", "emptyDir": {}} in pod["spec"]["volumes"]
+        assert {"name": "flare-scratch", "mountPath": "/tmp"} in _mounts(pod)
+        assert _env_values(pod)["HOME"] == "/tmp"
+    # A site that needs another HOME (on a volume of its own) says so.
+    spec = KubernetesLaunchSpec(image="x", env={"HOME": "/home/trainer"})
+    pod = pod_to_dict(build_pod(site_job(), spec, ResourceSpec(), store_root=None))
+    assert _env_values(pod)["HOME"] == "/home/trainer"
+
+
+def _staging_job(round_num: int = 3, try_number: int = 2) -> SiteJob:
+    # The layout with per-try staging directories: the input global model of round r-1, the update
+    # of this site and try under round r.
+    run = f"{STORE}/digits/run"
+    return site_job(
+        round=round_num,
+        env={
+            "FLARE_SITE": "site-1",
+            "FLARE_GLOBAL_MODEL": f"file://{run}/round-{round_num - 1:04d}/global.safetensors",
+            "FLARE_OUTPUT": f"{run}/round-{round_num:04d}/staging/site-1/try-{try_number}/update.safetensors",
+        },
+    )
+
+
+@pytest.mark.parametrize("mount_path", ["/flare-store", "/mnt/store/"])
+def test_the_pod_mounts_its_input_read_only_and_only_its_own_output_read_write(mount_path: str) -> None:
+    spec = KubernetesLaunchSpec(image="x", store_mount={"host_path": STORE, "mount_path": mount_path})
+    pod = pod_to_dict(build_pod(_staging_job(), spec, ResourceSpec(), store_root=f"file://{STORE}/"))
+    kubernetes_validate.validate(pod, SCHEMA_VERSION, strict=True)
+    base = mount_path.rstrip("/")
+    store = [m for m in _mounts(pod) if m["name"] == "flare-store"]
+    assert store == [
+        {
+            "name": "flare-store",
+            "mountPath": f"{base}/digits/run/round-0002",
+            "subPath": "digits/run/round-0002",
+            "readOnly": True,
+        },
+        {
+            "name": "flare-store",
+            "mountPath": f"{base}/digits/run/round-0003/staging/site-1/try-2",
+            "subPath": "digits/run/round-0003/staging/site-1/try-2",
+        },
+    ]
+    # The Client API's paths are what they were with the whole store mounted, and each lies in its mount.
+    env = _env_values(pod)
+    assert env["FLARE_GLOBAL_MODEL"] == f"{base}/digits/run/round-0002/global.safetensors"
+    assert env["FLARE_OUTPUT"] == f"{base}/digits/run/round-0003/staging/site-1/try-2/update.safetensors"
+    assert str(env["FLARE_GLOBAL_MODEL"]).startswith(store[0]["mountPath"] + "/")
+    assert str(env["FLARE_OUTPUT"]).startswith(store[1]["mountPath"] + "/")
+    # No mount reaches the store root, another round or another site.
+    assert all(m["subPath"].startswith("digits/run/round-000") for m in store)
+
+
+def test_store_mount_edge_cases() -> None:
+    spec = KubernetesLaunchSpec(image="x", store_mount={"pvc": "store"})
+    # Input and output in one directory: one mount, writable (the output must be written).
+    same = site_job(env={"FLARE_GLOBAL_MODEL": f"{STORE}/r/global.safetensors", "FLARE_OUTPUT": f"{STORE}/r/out.st"})
+    store = [
+        m
+        for m in _mounts(pod_to_dict(build_pod(same, spec, ResourceSpec(), store_root=STORE)))
+        if m["name"] == "flare-store"
+    ]
+    assert store == [{"name": "flare-store", "mountPath": "/flare-store/r", "subPath": "r"}]
+    # Files at the store root: the root is what they need (no subPath).
+    top = site_job(env={"FLARE_GLOBAL_MODEL": f"{STORE}/g.st", "FLARE_OUTPUT": f"{STORE}/a/o.st"})
+    store = [
+        m
+        for m in _mounts(pod_to_dict(build_pod(top, spec, ResourceSpec(), store_root=STORE)))
+        if m["name"] == "flare-store"
+    ]
+    assert store == [
+        {"name": "flare-store", "mountPath": "/flare-store", "readOnly": True},
+        {"name": "flare-store", "mountPath": "/flare-store/a", "subPath": "a"},
+    ]
+    # No store variables: no part of the store is mounted at all.
+    none = site_job(env={"FLARE_SITE": "site-1"})
+    pod = pod_to_dict(build_pod(none, spec, ResourceSpec(), store_root=STORE))
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["flare-scratch"]
+    # '..' could climb out of the mounted directory: refused before any pod exists.
+    sneaky = site_job(env={"FLARE_GLOBAL_MODEL": f"{STORE}/a/../../etc/g.st", "FLARE_OUTPUT": f"{STORE}/a/o.st"})
+    with pytest.raises(LaunchError, match=r"'\.' or '\.\.' components"):
+        build_pod(sneaky, spec, ResourceSpec(), store_root=STORE)
+
+
+def test_allowed_host_paths_come_from_the_workers_environment() -> None:
+    assert allowed_host_paths({}) is None
+    assert allowed_host_paths({ALLOWED_HOST_PATHS_ENV: ""}) == ()
+    assert allowed_host_paths({ALLOWED_HOST_PATHS_ENV: "/data:/scratch/:"}) == ("/data", "/scratch")
+    for bad in ("data", "/data/../etc", "/data/./x"):
+        with pytest.raises(LaunchError, match=f"{ALLOWED_HOST_PATHS_ENV}=.*is not a plain absolute path"):
+            allowed_host_paths({ALLOWED_HOST_PATHS_ENV: f"/ok:{bad}"})
+
+
+def test_host_paths_outside_the_allow_list_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = KubernetesLaunchSpec(
+        image="x",
+        store_mount={"host_path": STORE},
+        volumes=[{"name": "ref", "mount_path": "/reference", "host_path": "/data/reference", "read_only": True}],
+    )
+
+    def build() -> dict[str, Any]:
+        return pod_to_dict(build_pod(site_job(), spec, ResourceSpec(), store_root=STORE))
+
+    monkeypatch.delenv(ALLOWED_HOST_PATHS_ENV, raising=False)
+    build()  # unset: only the system directories are refused (by validation)
+    monkeypatch.setenv(ALLOWED_HOST_PATHS_ENV, f"/data:{STORE}")
+    kubernetes_validate.validate(build(), SCHEMA_VERSION, strict=True)
+    monkeypatch.setenv(ALLOWED_HOST_PATHS_ENV, "/data")
+    with pytest.raises(LaunchError) as info:
+        build()
+    message = str(info.value)
+    assert message.startswith("digits/site-1/r3: launcher_spec.k8s store_mount: ")
+    assert f"store_mount: host_path {STORE} is not under a host path this site allows" in message
+    assert f"{ALLOWED_HOST_PATHS_ENV}: /data" in message
+    # A prefix is a directory, not a string prefix: /srv/flare allows /srv/flare/store, not /srv/flare-x.
+    monkeypatch.setenv(ALLOWED_HOST_PATHS_ENV, "/srv/flare/sto:/data")
+    with pytest.raises(LaunchError, match="store_mount: host_path"):
+        build()
+    monkeypatch.setenv(ALLOWED_HOST_PATHS_ENV, "/srv/flare")
+    with pytest.raises(LaunchError, match=r"volume 'ref': host_path /data/reference is not under"):
+        build()
+    monkeypatch.setenv(ALLOWED_HOST_PATHS_ENV, "")
+    with pytest.raises(LaunchError, match=r"allows \(FLARE_K8S_ALLOWED_HOST_PATHS: none\)"):
+        build()
+    # The job cannot widen it: its env is the pod's, not the worker's.
+    widened = spec.model_copy(update={"env": {ALLOWED_HOST_PATHS_ENV: "/"}})
+    with pytest.raises(LaunchError, match="is not under a host path this site allows"):
+        build_pod(site_job(), widened, ResourceSpec(), store_root=STORE)
+    # PVCs and emptyDirs are not host paths.
+    monkeypatch.setenv(ALLOWED_HOST_PATHS_ENV, "")
+    pvc = KubernetesLaunchSpec(
+        image="x", store_mount={"pvc": "store"}, volumes=[{"name": "s", "mount_path": "/s", "empty_dir": True}]
+    )
+    build_pod(site_job(), pvc, ResourceSpec(), store_root=STORE)
