@@ -11,8 +11,10 @@ Every error names the file, the field and the site, and says what is allowed.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
@@ -21,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from flare_airflow.core.errors import ConfigError
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
 
 # libyaml's parser when PyYAML was built with it (the wheels are): ~5x faster on a 1024-site job,
 # whose YAML every task process parses again.
@@ -41,38 +43,104 @@ _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+# Airflow's own schedule presets beyond cron's (airflow.sdk.definitions.dag._create_timetable).
+_SCHEDULE_PRESETS = ("@once", "@continuous")
+_CRON_PRESETS = {"@quarterly": "0 0 1 */3 *"}
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 # Labels the pod builder sets itself (flare_airflow.launchers.kubernetes.pod_labels).
 RESERVED_LABEL_PREFIX = "flare-airflow/"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # Names of the Client API's variables (and of what the launcher adds) belong to flare-airflow.
 RESERVED_ENV_PREFIX = "FLARE_"
+# A process trainer inherits the worker's environment minus Airflow's own variables
+# (flare_airflow.launchers.process): a job may not put them back.
+RESERVED_PROCESS_ENV_PREFIXES = (RESERVED_ENV_PREFIX, "AIRFLOW", "_AIRFLOW")
 STORE_VOLUME = "flare-store"
 SCRATCH_VOLUME = "flare-scratch"
 Scalar = int | float | str | bool
+# Store URI schemes a run can use: the local file system and the object stores Airflow's
+# ObjectStoragePath reaches through fsspec (the backend package must be installed where tasks run).
+STORE_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs", "sftp")
+# Upper bounds: beyond them a value is a typo, and some would overflow (timedelta, pool slots).
+MAX_SECONDS = 366 * 24 * 3600.0
+MAX_WEIGHT = 1e6
+MIN_WEIGHT = 1e-6
+# Integers the trigger form (JSON in a browser) carries exactly.
+MAX_FORM_INT = 2**53
+# A job file is small (a 1024-site job is ~60 KiB); YAML aliases may not expand it without bound.
+MAX_JOB_FILE_BYTES = 4 * 1024 * 1024
+MAX_EXPANDED_NODES = 200_000
+MAX_NESTING = 64
+MAX_REPR = 80
+
+
+def short_repr(value: Any, limit: int = MAX_REPR) -> str:
+    """``repr(value)`` cut to ``limit`` characters: messages stay readable whatever the input."""
+    try:
+        text = reprlib_repr(value)
+    except Exception:  # an object whose repr fails is still named by its type
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _clip(text: str, limit: int = MAX_REPR) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def reprlib_repr(value: Any) -> str:
+    # reprlib bounds the work on huge or deeply nested values (an alias bomb expands to 10**9 items).
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = MAX_REPR
+    r.maxlist = r.maxdict = r.maxtuple = r.maxset = 6
+    r.maxlevel = 3
+    return r.repr(value)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no silent coercion (`rounds: true` is not 1, `evaluate: "no"` is not True);
+    # allow_inf_nan=False: `.inf` / `.nan` are no timeout, weight or CPU count.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ResourceSpec(_Strict):
     """What one site job asks for (NVFlare ``resource_spec``)."""
 
-    num_of_gpus: int = Field(0, ge=0, description="GPUs per site job")
-    num_of_cpus: float | None = Field(None, gt=0, description="CPU cores per site job")
+    num_of_gpus: int = Field(0, ge=0, le=1024, description="GPUs per site job")
+    num_of_cpus: float | None = Field(None, gt=0, le=4096, description="CPU cores per site job")
     memory: str | None = Field(None, description="memory per site job, e.g. '4Gi'")
-    mem_per_gpu_in_GiB: float | None = Field(None, ge=0, description="free GPU memory needed per GPU")
+    mem_per_gpu_in_GiB: float | None = Field(None, ge=0, le=1e6, description="free GPU memory needed per GPU")
 
     @field_validator("memory", mode="before")
     @classmethod
     def _memory(cls, value: Any) -> Any:
         if value is None:
             return None
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise ValueError(f"must be a quantity like '512Mi', '4Gi' or '2G', got {short_repr(value)}")
         text = str(value)
-        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?([EPTGMK]i?|[eE][0-9]+)?", text):
-            raise ValueError(f"{text!r} is not a quantity like '512Mi', '4Gi' or '2G'")
+        match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([EPTGMK]i?|[eE][0-9]+)?", text)
+        if not match:
+            raise ValueError(f"{short_repr(text)} is not a quantity like '512Mi', '4Gi' or '2G'")
+        if _quantity_bytes(match.group(1), match.group(2) or "") < 1:
+            raise ValueError(f"{text!r} is less than one byte: give the memory a site job needs, e.g. '4Gi'")
+        if _quantity_bytes(match.group(1), match.group(2) or "") > 2**63 - 1:
+            raise ValueError(f"{short_repr(text)} is more memory than any machine has (at most 8Ei)")
         return text
+
+
+_QUANTITY_SUFFIXES = {
+    "": 1,
+    **{s: 1000**i for i, s in enumerate("KMGTPE", start=1)},
+    **{s + "i": 1024**i for i, s in enumerate("KMGTPE", start=1)},
+}
+
+
+def _quantity_bytes(number: str, suffix: str) -> float:
+    if suffix[:1] in ("e", "E") and suffix[1:].isdigit():
+        exponent = int(suffix[1:])
+        return math.inf if exponent > 30 else float(number) * 10.0**exponent
+    return float(number) * _QUANTITY_SUFFIXES[suffix]
 
 
 class ProcessLaunchSpec(_Strict):
@@ -80,6 +148,21 @@ class ProcessLaunchSpec(_Strict):
 
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the trainer")
     cwd: str | None = Field(None, description="working directory of the trainer")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, item in value.items():
+            _env_name(name, "env", reserved=RESERVED_PROCESS_ENV_PREFIXES)
+            _no_nul(item, f"env.{name}")
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (leave it out to run in the job file's directory)")
+        return None if value is None else _no_nul(value, "cwd")
 
 
 def _dns_label(value: str, what: str) -> str:
@@ -123,25 +206,41 @@ def _label_value(value: str, what: str) -> str:
     return value
 
 
+def _no_nul(value: str, what: str) -> str:
+    # execve and the file system cut a string at NUL: what ran would differ from what was written.
+    if "\0" in value:
+        raise ValueError(f"{what} contains a NUL character (\\0), which no argument, path or variable may hold")
+    return value
+
+
 def _argv(value: Any) -> Any:
     """An exact argv: a list of strings (numbers are turned into strings), never one shell string."""
     if isinstance(value, str):
         raise ValueError("must be a list of arguments, not a string (arguments are never run through a shell)")
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         out = []
         for item in value:
             if isinstance(item, bool) or not isinstance(item, str | int | float):
-                raise ValueError(f"argument {item!r} must be a string or a number")
-            out.append(str(item))
+                raise ValueError(f"argument {short_repr(item)} must be a string or a number")
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"argument {item!r} is not a finite number; quote it if you mean the text")
+            out.append(_no_nul(str(item), f"argument {short_repr(item)}"))
         return out
     return value
 
 
-def _env_name(name: str, what: str) -> str:
+def _env_name(name: str, what: str, reserved: tuple[str, ...] = (RESERVED_ENV_PREFIX,)) -> str:
     if not _ENV_NAME.match(name):
-        raise ValueError(f"{what}: {name!r} is not a valid environment variable name (letters, digits, '_', '-', '.')")
-    if name.startswith(RESERVED_ENV_PREFIX):
-        raise ValueError(f"{what}: {name!r} is reserved: FLARE_* variables are set by flare-airflow for the Client API")
+        raise ValueError(
+            f"{what}: {short_repr(name)} is not a valid environment variable name "
+            "(letters, digits, '_', '-', '.'; not starting with a digit; no '=')"
+        )
+    if name.startswith(reserved):
+        airflow = ", AIRFLOW* ones are Airflow's own" if len(reserved) > 1 else ""
+        raise ValueError(
+            f"{what}: {name!r} is reserved ({', '.join(p + '*' for p in reserved)}): FLARE_* variables are set by "
+            f"flare-airflow for the Client API{airflow}; choose another name"
+        )
     return name
 
 
@@ -627,7 +726,7 @@ class ResourceManagerSpec(_Strict):
     """
 
     type: Literal["gpu", "passthrough"] = "gpu"
-    num_of_gpus: int = Field(0, ge=0, description="GPUs the site has (pool slots)")
+    num_of_gpus: int = Field(0, ge=0, le=4096, description="GPUs the site has (pool slots)")
     gpu_class: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,30}$", description="e.g. 'a100'")
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,256}$", description="Airflow pool name")
     ignore_host: bool = Field(False, description="do not assign local devices (jobs run on other machines)")
@@ -637,9 +736,9 @@ class SiteSpec(_Strict):
     """One site of a job, after ``@default`` has been merged in."""
 
     launcher: Literal["process", "k8s", "docker", "slurm"] = "process"
-    weight: float = Field(1.0, gt=0, description="multiplies num_samples in FedAvg")
+    weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="multiplies num_samples in FedAvg")
     retries: int = Field(0, ge=0, le=20)
-    retry_delay_seconds: float = Field(10.0, ge=0)
+    retry_delay_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)
     resource_spec: ResourceSpec = Field(default_factory=ResourceSpec)
     resource_manager: ResourceManagerSpec | None = None
     launcher_spec: LauncherSpec = Field(default_factory=LauncherSpec)
@@ -707,15 +806,54 @@ class TrainerSpec(_Strict):
     command: list[str] = Field(default_factory=list, description="command prefix; default: this Python")
     hparams: dict[str, Scalar] = Field(default_factory=dict, description="hyper-parameters (UI form fields)")
     launch_timeout: float | None = Field(
-        None, gt=0, description="seconds for the trainer to call receive(); unlimited by default"
+        None, gt=0, le=MAX_SECONDS, description="seconds for the trainer to call receive(); unlimited by default"
     )
-    shutdown_timeout: float = Field(10.0, ge=0, description="grace between SIGTERM and SIGKILL")
-    timeout: float | None = Field(None, gt=0, description="seconds a site job may run (execution timeout)")
+    shutdown_timeout: float = Field(10.0, ge=0, le=3600, description="grace between SIGTERM and SIGKILL")
+    timeout: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="seconds a site job may run (execution timeout)"
+    )
 
     @field_validator("args", "command", mode="before")
     @classmethod
     def _argv(cls, value: Any) -> Any:
         return _argv(value)
+
+    @field_validator("script")
+    @classmethod
+    def _script(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name the trainer script, e.g. 'train.py' (relative to the job file)")
+        return _no_nul(value, "trainer.script")
+
+    @field_validator("hparams", mode="before")
+    @classmethod
+    def _hparams(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        for key, item in value.items():
+            if not isinstance(key, str) or not _HPARAM_KEY.match(key):
+                raise ValueError(
+                    f"hyper-parameter name {short_repr(key)} is not allowed: use letters, digits and '_', "
+                    "starting with a letter (it becomes the trigger form field hp_<name>)"
+                )
+            what = f"hyper-parameter {key!r}"
+            if isinstance(item, str):
+                _no_nul(item, what)
+                continue
+            if isinstance(item, bool):
+                continue
+            if isinstance(item, int):
+                if abs(item) > MAX_FORM_INT:
+                    raise ValueError(f"{what} is {short_repr(item)}: integers must be within +-2**53 (the form's JSON)")
+            elif isinstance(item, float):
+                if not math.isfinite(item):
+                    raise ValueError(f"{what} is {item!r}: hyper-parameters must be finite numbers")
+            else:
+                raise ValueError(
+                    f"{what} must be a number, a string or true/false, got {type(item).__name__} "
+                    f"{short_repr(item)} (the trigger form has one field per hyper-parameter)"
+                )
+        return value
 
 
 class AggregatorSpec(_Strict):
@@ -747,6 +885,56 @@ class JobConfig(_Strict):
         data = dict(data)
         data["sites"] = merge_sites(data.get("sites"), data.pop("resource_spec", None), data.pop("launcher_spec", None))
         return data
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str | None) -> str | None:
+        if value is None or value in _SCHEDULE_PRESETS:
+            return value
+        _no_nul(value, "schedule")
+        try:
+            # Airflow's own cron parser; imported here only (core does not import Airflow).
+            from croniter import croniter
+        except ImportError:  # pragma: no cover - croniter comes with Airflow
+            return value
+        try:
+            croniter(_CRON_PRESETS.get(value, value))
+        except Exception as exc:  # croniter's errors have no common base beyond ValueError/KeyError
+            raise ValueError(
+                f"schedule {short_repr(value)} is not a cron expression ({_clip(str(exc), 120)}): use five "
+                "fields like '0 3 * * 1' (Mondays 03:00), a preset (@hourly, @daily, @weekly, @monthly, "
+                "@quarterly, @yearly, @once, @continuous), or leave it out for manual runs"
+            ) from None
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        _no_nul(value, "store")
+        if not value.strip():
+            raise ValueError("must not be empty (leave it out for <AIRFLOW_HOME>/flare_store)")
+        if "://" not in value:
+            return value  # a local directory, relative to the job file
+        scheme, _, rest = value.partition("://")
+        if scheme not in STORE_SCHEMES:
+            raise ValueError(
+                f"store {short_repr(value)}: unknown scheme {short_repr(scheme)}; use a directory, file:///path, "
+                f"or an object store URI ({', '.join(s + '://' for s in STORE_SCHEMES if s != 'file')})"
+            )
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"store {short_repr(value)}: a file:// URI needs an absolute path (file:///data/store)")
+        if scheme != "file" and not rest.split("/")[0]:
+            raise ValueError(f"store {short_repr(value)}: name the bucket or host ({scheme}://<bucket>/<prefix>)")
+        return value
+
+    @field_validator("initial_model", "base_dir")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name a file (paths are relative to the job file)")
+        return _no_nul(value, "path")
 
     @field_validator("job")
     @classmethod
@@ -784,8 +972,10 @@ class JobConfig(_Strict):
                 "paths are relative to the job file"
             )
         if not self.initial_model_path().is_file():
+            what = "is not a file" if self.initial_model_path().exists() else "does not exist"
             raise ValueError(
-                f"initial_model {self.initial_model!r} does not exist (looked at {self.initial_model_path()})"
+                f"initial_model {self.initial_model!r} {what} (looked at {self.initial_model_path()}); "
+                "give a safetensors file, relative to the job file"
             )
         return self
 
@@ -803,70 +993,93 @@ class JobConfig(_Strict):
         return {name: site.weight for name, site in self.sites.items()}
 
 
-def _merge_block(*blocks: Any) -> dict[str, Any]:
+def _mapping(value: Any, where: str, what: str) -> Mapping[str, Any]:
+    """``value`` as a mapping (``None``: empty), or a ValueError naming ``where``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of {what}, got {type(value).__name__} {short_repr(value)}")
+    return value
+
+
+def _merge_block(*blocks: tuple[Any, str]) -> dict[str, Any]:
+    """Shallow merge of ``(block, where)`` pairs, later wins; every block must be a mapping."""
     out: dict[str, Any] = {}
-    for block in blocks:
-        if block:
-            if not isinstance(block, Mapping):
-                raise ValueError(f"expected a mapping, got {type(block).__name__}: {block!r}")
-            out.update(block)
+    for block, where in blocks:
+        out.update(_mapping(block, where, "keys to values"))
     return out
 
 
 def _backends(block: Any, where: str) -> dict[str, Any]:
-    if not block:
-        return {}
-    if not isinstance(block, Mapping):
-        raise ValueError(f"{where} must be a mapping of backend -> settings, got {block!r}")
     out = {}
-    for key, value in block.items():
-        backend = BACKEND_ALIASES.get(key, key)
+    for key, value in _mapping(block, where, "backend -> settings (process, k8s, ...)").items():
+        backend = BACKEND_ALIASES.get(key, key) if isinstance(key, str) else key
         if backend not in BACKENDS:
-            raise ValueError(f"{where}: unknown launcher backend {key!r}; allowed: {', '.join(BACKENDS)}, kubernetes")
+            raise ValueError(
+                f"{where}: unknown launcher backend {short_repr(key)}; allowed: {', '.join(BACKENDS)}, kubernetes"
+            )
         out[backend] = value
     return out
 
 
+def _site_names(sites: list[Any]) -> dict[str, Any]:
+    """NVFlare's short form ``sites: [site-1, site-2]``: every site with the defaults."""
+    out: dict[str, Any] = {}
+    for item in sites:
+        if not isinstance(item, str):
+            raise ValueError(f"sites: a list of sites holds site names, got {type(item).__name__} {short_repr(item)}")
+        if item in out:
+            raise ValueError(f"sites: site {item!r} is listed twice")
+        out[item] = None
+    return out
+
+
 def merge_sites(sites: Any, top_resources: Any, top_launchers: Any) -> Any:
-    """Fold ``@default`` and NVFlare's top-level ``resource_spec`` / ``launcher_spec`` into each site."""
+    """Fold ``@default`` and NVFlare's top-level ``resource_spec`` / ``launcher_spec`` into each site.
+
+    Raises ``ValueError`` naming the block (e.g. ``sites.@default``) when one is not a mapping.
+    """
     if sites is None:
         return sites
     if isinstance(sites, list):
-        sites = {str(name): {} for name in sites}
+        sites = _site_names(sites)
     if not isinstance(sites, Mapping):
-        return sites
-    top_resources = dict(top_resources or {})
-    top_launchers = dict(top_launchers or {})
-    default = dict(sites.get(DEFAULT_SITE) or {})
+        raise ValueError(
+            f"sites must be a mapping of site name -> settings (or a list of site names), "
+            f"got {type(sites).__name__} {short_repr(sites)}"
+        )
+    top_resources = _mapping(top_resources, "resource_spec", "site name -> resources")
+    top_launchers = _mapping(top_launchers, "launcher_spec", "site name -> launcher blocks")
+    default = _mapping(sites.get(DEFAULT_SITE), f"sites.{DEFAULT_SITE}", "settings every site shares")
     names = [n for n in sites if n != DEFAULT_SITE]
     for key, what in ((top_resources, "resource_spec"), (top_launchers, "launcher_spec")):
         for name in key:
             if name not in (DEFAULT_SITE, NVFLARE_DEFAULT) and name not in names:
-                raise ValueError(f"{what} names site {name!r}, which is not in sites ({', '.join(names)})")
+                known = _clip(", ".join(map(str, names)), 200)
+                raise ValueError(f"{what} names site {short_repr(name)}, which is not in sites ({known})")
     merged: dict[str, Any] = {}
     for name in names:
-        own = sites[name] or {}
-        if not isinstance(own, Mapping):
-            merged[name] = own
-            continue
+        own = _mapping(sites[name], f"sites.{name}", "settings (or empty for the defaults)")
         site = {**default, **own}
         site["resource_spec"] = _merge_block(
-            top_resources.get(DEFAULT_SITE),
-            top_resources.get(NVFLARE_DEFAULT),
-            default.get("resource_spec"),
-            top_resources.get(name),
-            own.get("resource_spec"),
+            (top_resources.get(DEFAULT_SITE), f"resource_spec.{DEFAULT_SITE}"),
+            (top_resources.get(NVFLARE_DEFAULT), f"resource_spec.{NVFLARE_DEFAULT}"),
+            (default.get("resource_spec"), f"sites.{DEFAULT_SITE}.resource_spec"),
+            (top_resources.get(name), f"resource_spec.{name}"),
+            (own.get("resource_spec"), f"sites.{name}.resource_spec"),
         )
         layers = [
-            _backends(top_launchers.get(NVFLARE_DEFAULT), "launcher_spec.default"),
-            _backends(default.get("launcher_spec"), "sites.@default.launcher_spec"),
-            _backends(top_launchers.get(name), f"launcher_spec.{name}"),
-            _backends(own.get("launcher_spec"), f"sites.{name}.launcher_spec"),
+            (_backends(top_launchers.get(NVFLARE_DEFAULT), "launcher_spec.default"), "launcher_spec.default"),
+            (_backends(default.get("launcher_spec"), "sites.@default.launcher_spec"), "sites.@default.launcher_spec"),
+            (_backends(top_launchers.get(name), f"launcher_spec.{name}"), f"launcher_spec.{name}"),
+            (_backends(own.get("launcher_spec"), f"sites.{name}.launcher_spec"), f"sites.{name}.launcher_spec"),
         ]
         site["launcher_spec"] = {
-            backend: _merge_block(*(layer.get(backend) for layer in layers))
+            backend: _merge_block(
+                *((layer[backend], f"{where}.{backend}") for layer, where in layers if backend in layer)
+            )
             for backend in BACKENDS
-            if any(backend in layer for layer in layers)
+            if any(backend in layer for layer, _ in layers)
         }
         merged[name] = site
     return merged
@@ -907,21 +1120,72 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
     return None
 
 
+_TYPE_MESSAGES = {
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number (not .inf or .nan)",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "model_type": "must be a mapping of keys to values",
+    "model_attributes_type": "must be a mapping of keys to values",
+    "dict_type": "must be a mapping of keys to values",
+    "list_type": "must be a list",
+    "invalid_key": "keys must be strings",
+}
+MAX_ERROR_LINES = 20
+MAX_ERROR_LINE = 400
+
+
+def _message(err: Any, loc: tuple[Any, ...]) -> str:
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        return f"unknown key {short_repr(loc[-1])}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
+    if kind == "missing":
+        return "required field is missing"
+    if kind in _TYPE_MESSAGES:
+        msg = _TYPE_MESSAGES[kind]
+        if isinstance(value, bool) and kind.startswith(("int", "float")):
+            return f"{msg}, got {str(value).lower()} (true/false is not a number)"
+        if kind == "string_type" and isinstance(value, int | float):
+            return f"{msg}, got the number {short_repr(value)} (quote it: '{value}')"
+        return f"{msg}, got {type(value).__name__} {short_repr(value)}"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if msg.startswith("Input should be "):
+        # pydantic's range and choice messages ("Input should be greater than 0") plus what was given
+        msg = "must be " + msg.removeprefix("Input should be ") + f", got {short_repr(value)}"
+    return msg
+
+
+def _cap(line: str) -> str:
+    if len(line) <= MAX_ERROR_LINE:
+        return line
+    # keep the head (where and what) and the tail (what to do); cut the middle (a long value)
+    return line[: MAX_ERROR_LINE - 150] + " ... " + line[-145:]
+
+
 def _describe(exc: ValidationError, source: str) -> str:
     lines = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors[:MAX_ERROR_LINES]:
         loc = tuple(err["loc"])
-        field = ".".join(str(p) for p in loc) or "(top level)"
-        where = f"{source}: {field}"
+        msg = _message(err, loc)
+        if not loc:
+            # raised before field validation (merging @default and NVFlare's blocks): names its block
+            lines.append(_cap(f"{source}: {msg}"))
+            continue
+        field = ".".join(str(p) for p in loc)
+        where = f"{source}: {short_repr(field, 200) if len(field) > 200 else field}"
         if len(loc) >= 2 and loc[0] == "sites":
-            where += f" (site {loc[1]!r})"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            allowed = _allowed_keys(loc[:-1])
-            msg = f"unknown key {loc[-1]!r}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
-        elif err["type"] == "missing":
-            msg = "required field is missing"
-        lines.append(f"{where}: {msg}")
+            where += f" (site {short_repr(loc[1])})"
+        lines.append(_cap(f"{where}: {msg}"))
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more errors")
     return "invalid job configuration:\n  " + "\n  ".join(lines)
 
 
@@ -936,39 +1200,165 @@ def job_from_dict(data: Mapping[str, Any], *, source: str = "<python>", base_dir
         return JobConfig.model_validate(payload)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, source)) from None
-    except ValueError as exc:  # raised while merging sites, before field validation
-        raise ConfigError(f"invalid job configuration:\n  {source}: sites: {exc}") from None
+    except ValueError as exc:  # raised while merging sites, before field validation; names its block
+        raise ConfigError(f"invalid job configuration:\n  {_cap(f'{source}: {exc}')}") from None
 
 
 class _UniqueKeyLoader(_SafeLoader):
-    """A safe loader that refuses duplicate keys instead of silently keeping the last one."""
+    """A safe loader that refuses duplicate keys, alias bombs and self-referencing documents.
+
+    Aliases are fine (``&defaults`` ... ``*defaults``), but what they expand to is bounded: the
+    composed node graph is measured before anything is constructed, so a 1 KiB file that would
+    expand to 10**9 values is refused in microseconds.
+    """
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _expanded_size(node, {}, set(), 0)
+        return super().construct_document(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            if key_node.tag == "tag:yaml.org,2002:merge":
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (each key may appear once)", key_node.start_mark
+                    None,
+                    None,
+                    "merge keys ('<<') are not supported: write the keys out "
+                    "(settings every site shares go in sites.@default)",
+                    key_node.start_mark,
                 )
-            seen.add(key)
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key is a list or mapping; keys must be plain names", key_node.start_mark
+                ) from None
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {short_repr(key)} (each key may appear once)", key_node.start_mark
+                )
         return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int], depth: int) -> int:
+    """Values ``node`` expands to with every alias followed (memoised: linear in the file)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise yaml.constructor.ConstructorError(
+            None, None, "an alias refers to a value that contains it (a self-referencing document)", node.start_mark
+        )
+    if depth > MAX_NESTING:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"values are nested more than {MAX_NESTING} levels deep", node.start_mark
+        )
+    size = 1
+    if isinstance(node, yaml.SequenceNode | yaml.MappingNode):
+        open_nodes.add(key)
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+        for child in children:
+            size += _expanded_size(child, sizes, open_nodes, depth + 1)
+            if size > MAX_EXPANDED_NODES:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the document expands to more than {MAX_EXPANDED_NODES} values through its aliases "
+                    "(an alias bomb?); write the values out or use fewer nested aliases",
+                    node.start_mark,
+                )
+        open_nodes.discard(key)
+    sizes[key] = size
+    return size
+
+
+def load_initial_model(job: JobConfig) -> dict[str, Any]:
+    """The job's ``initial_model`` as tensors, checked as a run checks it (strict safetensors, finite).
+
+    ``load_job`` only checks that the file exists (every task process parses the job); this reads
+    it. Raises ``ConfigError`` naming the field, the file and what is wrong.
+    """
+    from flare_airflow.core.model import all_finite, parse_safetensors
+
+    path = job.initial_model_path()
+    where = f"initial_model {job.initial_model!r} ({path})"
+    try:
+        params = parse_safetensors(path.read_bytes(), str(path))
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except FlareAirflowError as exc:
+        raise ConfigError(f"{where}: {_clip(str(exc).removeprefix(f'{path}: '), 300)}") from None
+    if not params:
+        raise ConfigError(f"{where}: holds no tensors; save the model's initial weights (safetensors.numpy.save_file)")
+    bad = all_finite(params)
+    if bad is not None:
+        raise ConfigError(f"{where}: tensor {bad!r} has NaN or infinite values; the first round would publish them")
+    return params
+
+
+def check_store_backend(job: JobConfig) -> None:
+    """The store's URI scheme has its fsspec backend installed here (a run would fail without it)."""
+    if not job.store or "://" not in job.store:
+        return
+    scheme = job.store.partition("://")[0]
+    if scheme == "file":
+        return
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        raise ConfigError(
+            f"store {job.store!r}: the {scheme}:// backend is not installed here ({_clip(str(exc), 160)}); "
+            "install it (e.g. the matching Airflow provider) on every machine that runs tasks"
+        ) from None
+    except ValueError as exc:
+        raise ConfigError(f"store {job.store!r}: {_clip(str(exc), 160)}") from None
+
+
+def _read_job_text(path: pathlib.Path) -> str:
+    try:
+        if path.is_dir():
+            raise ConfigError(f"{path}: is a directory; give the job's YAML file (e.g. {path}/job.yaml)")
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_JOB_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the job file ({exc.strerror or exc})") from None
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError(f"{short_repr(str(path))}: not a usable file name ({exc})") from None
+    if len(raw) > MAX_JOB_FILE_BYTES:
+        raise ConfigError(
+            f"{path}: larger than {MAX_JOB_FILE_BYTES // 2**20} MiB; a job file holds settings, not data "
+            "(is this the right file?)"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not a text file (byte {exc.start} is not UTF-8); a job file is YAML text: is this the right file?"
+        ) from None
 
 
 def load_job(path: str | pathlib.Path) -> JobConfig:
     """Load and validate a job YAML file; relative paths in it are relative to the file."""
     path = pathlib.Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the job file ({exc.strerror})") from None
+    text = _read_job_text(path)
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: malformed YAML: {problem}") from None
+        raise ConfigError(_cap(f"{where}: malformed YAML: {problem}")) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: malformed YAML: values are nested too deeply") from None
+    if data is None:
+        raise ConfigError(f"{path}: the job file is empty; see docs/dag-authors.md for the keys a job needs")
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: the job file must be a YAML mapping (key: value), got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: the job file must be a YAML mapping (job: ..., rounds: ..., sites: ...), "
+            f"got a {type(data).__name__} {short_repr(data)}"
+        )
     return job_from_dict(data, source=str(path), base_dir=str(path.parent.resolve()))
