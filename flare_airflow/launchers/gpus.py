@@ -107,6 +107,30 @@ class GpuAllocator:
         self.lock_dir = Path(lock_dir or os.environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)
         self.nvidia_smi = nvidia_smi
 
+    @property
+    def _fix(self) -> str:
+        return (
+            f"the lock directory must be a directory writable by every Airflow worker user of this host "
+            f"(set {LOCK_DIR_ENV} to choose another)"
+        )
+
+    def _ensure_lock_dir(self) -> None:
+        """Create the lock directory, or say exactly why it cannot be used."""
+        try:
+            self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o1777)
+        except FileExistsError:
+            raise GpuAllocationError(
+                f"the GPU lock directory {self.lock_dir} exists but is not a directory; remove it or {self._fix}"
+            ) from None
+        except OSError as exc:
+            raise GpuAllocationError(
+                f"cannot create the GPU lock directory {self.lock_dir}: {exc.strerror or exc}; {self._fix}"
+            ) from None
+        if not os.access(self.lock_dir, os.W_OK | os.X_OK):
+            raise GpuAllocationError(
+                f"the GPU lock directory {self.lock_dir} is not writable by this user (uid {os.getuid()}); {self._fix}"
+            )
+
     def _candidates(self, mem_per_gpu_gib: float | None) -> list[int]:
         gpus = query_gpus(self.nvidia_smi)
         if gpus is None:
@@ -123,10 +147,17 @@ class GpuAllocator:
         """Lock ``count`` free GPUs now, or return ``None`` if not enough are free."""
         if count <= 0:
             return GpuLease(devices=[])
-        self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o1777)
+        self._ensure_lock_dir()
         lease = GpuLease(devices=[])
         for index in self._candidates(mem_per_gpu_gib):
-            fd = os.open(self.lock_dir / f"gpu-{index}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            path = self.lock_dir / f"gpu-{index}.lock"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:
+                lease.release()
+                raise GpuAllocationError(
+                    f"cannot open the GPU lock file {path}: {exc.strerror or exc}; {self._fix}"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

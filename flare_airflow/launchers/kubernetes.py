@@ -204,7 +204,10 @@ def store_path_in_pod(value: str, store_root: str, mount_path: str) -> str:
     """Where ``value`` (a path or file:// URI under ``store_root``) appears in a pod that mounts the root."""
     root, path = _local_path(store_root), _local_path(value)
     if root is None:
-        raise LaunchError(f"store_mount mounts a file:// store, but the model store is {store_root!r}")
+        raise LaunchError(
+            f"store_mount mounts a file:// store, but the model store is {store_root!r}: leave store_mount out "
+            "for an object store and give the pod its credentials as secret_env references"
+        )
     root = root.rstrip("/") or "/"
     if path is None or not (path == root or path.startswith(root.rstrip("/") + "/")):
         raise LaunchError(f"{value!r} is not under the model store root {store_root!r}: the pod could not reach it")
@@ -259,7 +262,10 @@ def _env(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) 
         if spec.store_mount is not None and name in STORE_PATH_VARS:
             if store_root is None:
                 raise LaunchError(f"{site_job.label}: store_mount is set but no store root was given to build_pod")
-            value = store_path_in_pod(value, store_root, spec.store_mount.mount_path)
+            try:
+                value = store_path_in_pod(value, store_root, spec.store_mount.mount_path)
+            except LaunchError as exc:
+                raise LaunchError(f"{site_job.label}: {name}: {exc}") from None
         plain[name] = value
     plain.update(spec.env)
     env = [
@@ -297,7 +303,10 @@ def allowed_host_paths(environ: Mapping[str, str] | None = None) -> tuple[str, .
 
 
 def _check_host_paths(site_job: SiteJob, spec: KubernetesLaunchSpec) -> None:
-    allowed = allowed_host_paths()
+    try:
+        allowed = allowed_host_paths()
+    except LaunchError as exc:
+        raise LaunchError(f"{site_job.label}: {exc}") from None
     if allowed is None:
         return
     used = [(f"volume {vol.name!r}", vol.host_path) for vol in spec.volumes if vol.host_path is not None]

@@ -1,24 +1,30 @@
 """Run one site job to completion and check its result: the command behind a site task.
 
 ``python -m flare_airflow.launchers.site_runner`` reads a :class:`SiteRun` (JSON) from the
-environment variable ``FLARE_SITE_JOB_SPEC``, launches the trainer through the process launcher,
-forwards SIGTERM/SIGINT to it (so killing the Airflow task kills the trainer's process group),
-and then checks what the trainer sent: an update must exist, be safetensors with a valid
+environment variable ``FLARE_SITE_JOB_SPEC`` (and the resolved secret variables, JSON, from
+``FLARE_SITE_SECRETS``: they go to the trainer's environment only), verifies the input global
+model against its record, launches the trainer through the process launcher, forwards
+SIGTERM/SIGINT to it (so killing the Airflow task kills the trainer's process group), and then
+checks what the trainer sent: an update must exist, be safetensors with a valid
 checksum, and match the global model's names, shapes and dtypes with finite values.
 
 Its last line of output is a JSON summary (the task's XCom); its exit code is the job's
-``JobReturnCode``. A failed job leaves a failure record next to the update, read by the
+``JobReturnCode``. Nothing of the job outlives the runner: it is a child subreaper (orphaned
+descendants of the trainer are reparented to it) and ends every remaining descendant when the
+trainer ends, however it ends; it gets SIGTERM when the task process that started it dies.
+A failed job leaves a failure record next to the update, read by the
 aggregation task to say why the site did not count.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -27,12 +33,22 @@ from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode, SiteJob
 from flare_airflow.core.store import path_from_uri, record_path
 from flare_airflow.launchers.gpus import GpuAllocationError, GpuAllocator, GpuLease
-from flare_airflow.launchers.process import LaunchError, ProcessJobHandle, ProcessLauncher
+from flare_airflow.launchers.process import (
+    LaunchError,
+    ProcessJobHandle,
+    ProcessLauncher,
+    become_subreaper,
+    die_with_parent,
+    end_processes,
+    job_processes,
+)
 
 if TYPE_CHECKING:
     from flare_airflow.core.model import WritablePath
 
 SPEC_ENV = "FLARE_SITE_JOB_SPEC"
+# Resolved secret_env values for the trainer, kept out of the SiteRun (which may be logged).
+SECRETS_ENV = "FLARE_SITE_SECRETS"
 SUMMARY_PREFIX = "FLARE_RESULT "
 
 
@@ -104,6 +120,57 @@ class _Killed(BaseException):
         self.signum = signum
 
 
+class GlobalModelUnusable(FlareAirflowError):
+    """The input global model is missing or does not match its record: the trainer is not started."""
+
+
+def check_global_model(run: SiteRun) -> None:
+    """Verify the round's input global model against its record (size and sha256) before launching.
+
+    Hashes the file with the standard library only (the update check's numpy loads later, while
+    the trainer starts). Raises :class:`GlobalModelUnusable` saying what is wrong and what to do.
+    """
+    path = path_from_uri(run.global_model)
+    record = record_path(path)
+    where = f"site {run.site} round {run.round}: the input global model {run.global_model}"
+    rerun = f"re-run the task that published it (round {run.round - 1}'s global model, or check initial_model)"
+    if not path.exists():
+        raise GlobalModelUnusable(f"{where} does not exist; {rerun}")
+    if not record.exists():
+        raise GlobalModelUnusable(f"{where} has no record {record.name} (never completed); {rerun}")
+    try:
+        with record.open("rb") as fh:
+            raw = json.loads(fh.read(1_000_000))
+        expected, size = str(raw["sha256"]), int(raw["size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GlobalModelUnusable(
+            f"{where}: its record {record.name} is corrupted ({type(exc).__name__}); {rerun}"
+        ) from None
+    digest = hashlib.sha256()
+    got = 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+            got += len(chunk)
+    if got != size or digest.hexdigest() != expected:
+        raise GlobalModelUnusable(
+            f"{where} does not match its record ({got} bytes, sha256 {digest.hexdigest()[:12]}…; the record says "
+            f"{size} bytes, {expected[:12]}…): it was changed or corrupted after it was written; {rerun}"
+        )
+
+
+def end_orphans(grace: float) -> None:
+    """End every descendant of this process (a subreaper's adopted orphans included) and reap them."""
+    end_processes(lambda: job_processes(roots=(os.getpid(),)), grace)
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def failure_path(output: WritablePath) -> WritablePath:
     return output.parent / (output.name.removesuffix(".safetensors") + ".failure.json")
 
@@ -162,15 +229,19 @@ def run_site(
     *,
     handle_signals: bool = True,
     on_launch: Callable[[ProcessJobHandle], None] | None = None,
+    secrets: Mapping[str, str] | None = None,
 ) -> tuple[JobReturnCode, dict[str, Any] | str]:
     """Launch, wait, check. Returns the return code and the summary (or the failure reason).
 
     With ``handle_signals`` (the runner's own process) SIGTERM/SIGINT terminate the trainer and
-    exit; callers inside a task process pass ``False`` and terminate via ``on_launch``'s handle.
+    exit, the process becomes a child subreaper that ends every leftover descendant when the
+    trainer ends, and the death of its parent (the task process) sends it SIGTERM. Callers inside
+    a task process pass ``False`` and terminate via ``on_launch``'s handle. ``secrets`` are added
+    to the trainer's environment only, and never repeated in a failure reason.
     """
     output = path_from_uri(run.output)
     clear_outputs(output)
-    launcher = launcher or ProcessLauncher()
+    launcher = launcher or ProcessLauncher(adopt_orphans=handle_signals)
     job = run.site_job()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
 
@@ -189,6 +260,17 @@ def run_site(
         # Handlers first: a kill that lands while the trainer is being started still stops it.
         for s in signals:
             previous[s] = signal.signal(s, on_signal)
+        if handle_signals:
+            become_subreaper()  # before the launch: orphans must never reach init
+            if not die_with_parent(signal.SIGTERM) and os.getppid() == 1:
+                raise _Killed(signal.SIGTERM)  # the task process died before the runner got here
+        try:
+            check_global_model(run)
+        except GlobalModelUnusable as exc:
+            write_failure(output, JobReturnCode.INFRASTRUCTURE_ERROR, str(exc))
+            return JobReturnCode.INFRASTRUCTURE_ERROR, str(exc)
+        if secrets:
+            job = replace(job, env={**job.env, **secrets})
         if run.assign_gpus:
             try:
                 lease = GpuAllocator(num_gpus=run.gpu_capacity).acquire(
@@ -204,6 +286,7 @@ def run_site(
         except LaunchError as exc:
             write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
             return JobReturnCode.EXECUTION_ERROR, str(exc)
+        handle.hide((secrets or {}).values())
         if on_launch is not None:
             on_launch(handle)
         # The update check needs numpy: load it now, while the trainer starts on the other core,
@@ -218,6 +301,8 @@ def run_site(
         print(reason, file=sys.stderr, flush=True)
         sys.exit(128 + killed.signum)
     finally:
+        if handle_signals:
+            end_orphans(run.shutdown_timeout)
         if lease is not None:
             lease.release()
         for s, h in previous.items():
@@ -240,8 +325,9 @@ def main() -> int:
         print(f"{SPEC_ENV} is not set; this command is run by flare-airflow site tasks", file=sys.stderr)
         return int(JobReturnCode.CONFIG_ERROR)
     run = SiteRun.from_json(text)
+    secrets = json.loads(os.environ.pop(SECRETS_ENV, "") or "{}")
     print(f"site job {run.job}/{run.site} round {run.round}/{run.total_rounds} ({run.task}): {run.argv}", flush=True)
-    rc, result = run_site(run)
+    rc, result = run_site(run, secrets=secrets)
     if rc is JobReturnCode.SUCCESS:
         print(SUMMARY_PREFIX + json.dumps(result, sort_keys=True), flush=True)
         return 0

@@ -186,3 +186,22 @@ def test_site_runner_gives_the_trainer_its_devices_and_releases_them(tmp_path: p
             assert rc != 0 and "exit code 5" in (read_failure(tmp_path / "crash.safetensors") or "")
         else:
             assert rc == 0
+
+
+@pytest.mark.parametrize(
+    ("lock_dir", "message"),
+    [
+        ("{tmp}/a-file", "the GPU lock directory {tmp}/a-file exists but is not a directory; remove it"),
+        ("{tmp}/a-file/locks", "cannot create the GPU lock directory {tmp}/a-file/locks: Not a directory"),
+        # /proc/sys refuses writes even to root: a lock directory nobody on this host can use.
+        ("/proc/sys", "the GPU lock directory /proc/sys is not writable by this user"),
+    ],
+)
+def test_an_unusable_lock_directory_is_named_with_what_to_do(
+    tmp_path: pathlib.Path, lock_dir: str, message: str
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(GpuAllocationError) as info:
+        GpuAllocator(num_gpus=1, lock_dir=lock_dir.format(tmp=tmp_path)).acquire(1, timeout=1)
+    assert message.format(tmp=tmp_path) in str(info.value)
+    assert "FLARE_GPU_LOCK_DIR" in str(info.value)

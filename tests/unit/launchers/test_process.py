@@ -319,7 +319,7 @@ def test_launch_timeout_spares_a_trainer_that_called_receive(write_script, tmp_p
 
 
 def test_missing_executable_raises_launch_error(tmp_path) -> None:
-    with pytest.raises(LaunchError, match=r"demo/site-1/r2: cannot start '/nonexistent/trainer'"):
+    with pytest.raises(LaunchError, match=r"demo/site-1/r2: cannot start '/nonexistent/trainer': no such file"):
         ProcessLauncher().launch_job(site_job(["/nonexistent/trainer", "--x"]))
     with pytest.raises(LaunchError, match="cannot start"):
         ProcessLauncher().launch_job(site_job([PY, "-c", "pass"], cwd=str(tmp_path / "no-such-dir")))
@@ -389,3 +389,98 @@ def test_trainer_dies_when_its_launcher_is_sigkilled(write_script, alive, wait, 
         assert wait(lambda: not alive(trainer), 5), "the trainer outlived its SIGKILLed launcher"
     finally:
         helper.stdout.close()
+
+
+# ---------------------------------------------------------------- the whole tree, not just the group
+
+ESCAPES = """
+import os, subprocess, sys, time
+# A grandchild in a session of its own, and a double-forked daemon: both leave the trainer's group.
+setsid_child = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(1000)"])
+r, w = os.pipe()
+first = os.fork()
+if first == 0:
+    if os.fork() == 0:
+        os.setsid()
+        os.write(w, str(os.getpid()).encode())
+        os.execv("/bin/sleep", ["sleep", "1000"])
+    os._exit(0)
+os.waitpid(first, 0)
+daemon = os.read(r, 32).decode()
+while os.getsid(setsid_child.pid) != setsid_child.pid:
+    time.sleep(0.01)
+with open(sys.argv[1], "w") as fh:
+    fh.write(f"{setsid_child.pid} {daemon}")
+print("ready", flush=True)
+if sys.argv[2] == "stay":
+    time.sleep(1000)
+"""
+
+
+@pytest.mark.parametrize("end", ["terminate", "exit"])
+def test_processes_that_left_the_group_end_with_the_job(
+    end, write_script, tmp_path, lines, alive, wait, kill_on_exit
+) -> None:
+    bystander = subprocess.Popen(["sleep", "1000"])  # started by us, not by the job: must survive
+    kill_on_exit(bystander.pid)
+    pids = tmp_path / "pids"
+    script = write_script("escapes.py", ESCAPES)
+    handle = ProcessLauncher(sink=lines).launch_job(
+        site_job([PY, str(script), str(pids), "stay" if end == "terminate" else "leave"], shutdown_timeout=5)
+    )
+    kill_on_exit(handle.pid)
+    lines.wait_for("ready")
+    escaped = [int(x) for x in pids.read_text().split()]
+    for pid in escaped:
+        kill_on_exit(pid)
+    assert len(escaped) == 2
+    started = time.monotonic()
+    if end == "terminate":
+        handle.terminate()
+    else:
+        assert handle.wait(timeout=30) is RC.SUCCESS
+    assert time.monotonic() - started < 4, "SIGTERM should have been enough"
+    assert wait(lambda: not any(alive(pid) for pid in escaped), 5), [p for p in escaped if alive(p)]
+    assert alive(bystander.pid)
+    bystander.kill()
+    bystander.wait()
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"cwd": "{tmp}/missing"}, "the working directory '{tmp}/missing' does not exist on this host"),
+        ({"cwd": "{tmp}/file"}, "the working directory '{tmp}/file' is not a directory"),
+        ({"argv": ["no-such-trainer-program"]}, "cannot start 'no-such-trainer-program': the program was not found"),
+        ({"argv": ["{tmp}/file"]}, "cannot start '{tmp}/file': not an executable file"),
+        ({"argv": ["{tmp}"]}, "cannot start '{tmp}': not an executable file"),
+        ({"env": {"TOKEN": "a\0b"}}, "the value of environment variable 'TOKEN' contains a NUL byte"),
+        ({"env": {"A=B": "x"}}, "'A=B' cannot be an environment variable name"),
+    ],
+)
+def test_launch_errors_say_what_is_wrong(tmp_path, kw, message) -> None:
+    (tmp_path / "file").write_text("not a program")
+    fields = {"argv": [PY, "-c", "pass"]}
+    for key, value in kw.items():
+        if isinstance(value, str):
+            value = value.format(tmp=tmp_path)
+        elif isinstance(value, list):
+            value = [v.format(tmp=tmp_path) for v in value]
+        fields[key] = value
+    argv = fields.pop("argv")
+    with pytest.raises(LaunchError) as info:
+        ProcessLauncher().launch_job(site_job(argv, **fields))
+    assert message.format(tmp=tmp_path) in str(info.value)
+    assert "a\0b" not in str(info.value)
+
+
+def test_a_failure_reason_quotes_the_last_output_line_with_secrets_hidden(lines) -> None:
+    code = "print('token is s3cr3t'); raise SystemExit('ValueError: bad learning rate')"
+    handle = ProcessLauncher(sink=lines).launch_job(site_job([PY, "-c", code], env={"TOKEN": "s3cr3t"}))
+    handle.hide(["s3cr3t"])
+    assert handle.wait(timeout=30) is RC.EXECUTION_ERROR
+    assert handle.reason == "exit code 1; its last output: ValueError: bad learning rate"
+    handle = ProcessLauncher(sink=lines).launch_job(site_job([PY, "-c", "print('key s3cr3t'); raise SystemExit(2)"]))
+    handle.hide(["s3cr3t"])
+    assert handle.wait(timeout=30) is RC.EXECUTION_ERROR
+    assert handle.reason == "exit code 2; its last output: key ***"

@@ -350,3 +350,171 @@ def test_sigterm_while_the_launch_timeout_is_being_enforced(
     assert "site task was killed (SIGTERM)" in err
     assert wait(lambda: not alive(trainer_pid) and not alive(grandchild), 5)
     assert failure(output)["name"] == "ABORTED"
+
+
+# ---------------------------------------------------------------- nothing of a site job outlives it
+
+ESCAPER = """
+import os, subprocess, sys, time
+
+pids_file, mode = sys.argv[1], sys.argv[2]
+# A grandchild in a session of its own: out of the trainer's process group and session.
+setsid_child = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(1000)"])
+# A daemon: double fork, setsid, and an empty environment (no trace of the job left in it).
+r, w = os.pipe()
+first = os.fork()
+if first == 0:
+    if os.fork() == 0:
+        os.setsid()
+        os.write(w, str(os.getpid()).encode())
+        os.execve("/bin/sleep", ["sleep", "1000"], {})
+    os._exit(0)
+os.waitpid(first, 0)
+daemon = int(os.read(r, 32))
+with open(pids_file + ".tmp", "w") as fh:
+    fh.write(f"{os.getpid()} {setsid_child.pid} {daemon}")
+os.rename(pids_file + ".tmp", pids_file)
+if mode == "fail":
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(1000)
+import flare_airflow.client as flare
+
+model = flare.receive()
+flare.send(flare.FLModel(params=model.params, meta={"num_samples": 1}))
+"""
+
+PARENT = """
+import os, subprocess, sys, time
+runner = subprocess.Popen([sys.executable, "-m", "flare_airflow.launchers.site_runner"])
+print(runner.pid, flush=True)
+time.sleep(1000)
+"""
+
+
+@pytest.mark.parametrize("end", ["success", "failure", "launch-timeout", "sigterm-runner", "sigkill-parent"])
+def test_no_descendant_outlives_the_site_job(
+    end, write_script, tmp_path, global_model, output, alive, wait, kill_on_exit
+) -> None:
+    script = write_script("escaper.py", ESCAPER)
+    pids = tmp_path / "pids"
+    mode = {"success": "ok", "failure": "fail"}.get(end, "hang")
+    site_run = make_run(
+        script, global_model, output, str(pids), mode, launch_timeout=1.0 if end == "launch-timeout" else None
+    )
+    parent = None
+    if end == "sigkill-parent":
+        env = {k: v for k, v in os.environ.items() if k != SPEC_ENV} | {SPEC_ENV: site_run.to_json()}
+        parent = subprocess.Popen([PY, write_script("parent.py", PARENT)], env=env, stdout=subprocess.PIPE, text=True)
+        kill_on_exit(parent.pid)
+        runner_pid = int(parent.stdout.readline())
+    else:
+        proc = runner(site_run)
+        runner_pid = proc.pid
+    kill_on_exit(runner_pid)
+    assert wait(pids.exists, 30), "the trainer did not start"
+    family = [int(x) for x in pids.read_text().split()]
+    for pid in family:
+        kill_on_exit(pid)
+    if end == "sigterm-runner":
+        os.kill(runner_pid, signal.SIGTERM)
+    elif end == "sigkill-parent":
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        parent.stdout.close()
+    if parent is None:
+        _, err = proc.communicate(timeout=60)
+        expected = {"success": 0, "failure": int(RC.EXECUTION_ERROR), "launch-timeout": int(RC.ABORTED)}
+        assert proc.returncode == expected.get(end, 128 + signal.SIGTERM), err
+    assert wait(lambda: not alive(runner_pid), 30), "the runner outlived the task process that owned it"
+    survivors = [pid for pid in family if alive(pid)]
+    assert survivors == [], f"trainer, setsid grandchild, daemon = {family}; still running: {survivors}"
+    if end == "success":
+        assert output.exists()
+    else:
+        assert not output.exists() and failure_path(output).exists()
+
+
+# ---------------------------------------------------------------- checks before the trainer starts
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("remove", "does not exist; re-run the task that published it"),
+        ("remove-record", "has no record global.json (never completed)"),
+        ("flip-a-byte", "does not match its record"),
+        ("truncate", "does not match its record"),
+        ("record-not-json", "its record global.json is corrupted (JSONDecodeError)"),
+    ],
+)
+def test_an_unusable_global_model_stops_the_job_before_the_trainer_starts(
+    damage, message, trainer, global_model, output, tmp_path, lines
+) -> None:
+    record = record_path(global_model)
+    if damage == "remove":
+        global_model.unlink()
+    elif damage == "remove-record":
+        record.unlink()
+    elif damage == "flip-a-byte":
+        data = bytearray(global_model.read_bytes())
+        data[-1] ^= 0xFF
+        global_model.write_bytes(bytes(data))
+    elif damage == "truncate":
+        global_model.write_bytes(global_model.read_bytes()[:-4])
+    else:
+        record.write_text("{not json")
+    started = tmp_path / "started"
+    rc, reason = run(trainer, global_model, output, lines, "fail", "0", argv=[PY, "-c", f"open({str(started)!r}, 'w')"])
+    assert rc is RC.INFRASTRUCTURE_ERROR
+    assert message in reason and "site site-1 round 1: the input global model" in reason
+    assert not started.exists(), "the trainer must not start on an unusable global model"
+    assert failure(output)["name"] == "INFRASTRUCTURE_ERROR"
+    assert not output.exists()
+
+
+SECRET_TRAINER = """
+import hashlib, os, sys
+import flare_airflow.client as flare
+model = flare.receive()
+print("runner spec or secrets visible:", any(k.startswith("FLARE_SITE_") for k in os.environ), flush=True)
+digest = hashlib.sha256(os.environ["API_TOKEN"].encode()).hexdigest()
+metrics = {"token_sha_prefix": int(digest[:8], 16)}
+flare.send(flare.FLModel(params=model.params, meta={"num_samples": 1}, metrics=metrics))
+"""
+
+
+def test_secrets_reach_the_trainer_environment_only(write_script, global_model, output) -> None:
+    import hashlib
+
+    from flare_airflow.launchers.site_runner import SECRETS_ENV
+
+    canary = "canary-" + os.urandom(8).hex()
+    site_run = make_run(write_script("secret.py", SECRET_TRAINER), global_model, output)
+    assert canary not in site_run.to_json()
+    env = {k: v for k, v in os.environ.items() if k != SPEC_ENV} | {
+        SPEC_ENV: site_run.to_json(),
+        SECRETS_ENV: json.dumps({"API_TOKEN": canary}),
+    }
+    proc = subprocess.Popen(
+        [PY, "-m", "flare_airflow.launchers.site_runner"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    summary = json.loads(out.decode().strip().splitlines()[-1].removeprefix(SUMMARY_PREFIX))
+    assert summary["metrics"]["token_sha_prefix"] == int(hashlib.sha256(canary.encode()).hexdigest()[:8], 16)
+    assert b"runner spec or secrets visible: False" in out
+    assert canary.encode() not in out + err
+
+
+def test_a_failure_reason_never_repeats_a_secret(write_script, global_model, output, lines) -> None:
+    script = write_script("leak.py", "import os, sys\nprint('token:', os.environ['API_TOKEN'])\nsys.exit(2)\n")
+    rc, reason = run_site(
+        make_run(script, global_model, output),
+        ProcessLauncher(sink=lines),
+        handle_signals=False,
+        secrets={"API_TOKEN": "hunter2-canary"},
+    )
+    assert rc is RC.EXECUTION_ERROR
+    assert reason == "trainer failed: exit code 2; its last output: token: ***"
+    assert "hunter2-canary" not in failure_path(output).read_text()
