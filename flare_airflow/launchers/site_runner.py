@@ -290,8 +290,14 @@ def run_site(
         if on_launch is not None:
             on_launch(handle)
         # The update check needs numpy: load it now, while the trainer starts on the other core,
-        # not before the launch (the two start-ups would add up: ~50 ms per site job).
-        importlib.import_module("flare_airflow.core.aggregation")
+        # not before the launch (the two start-ups would add up: ~50 ms per site job). A signal
+        # waits until the import is done: raised inside numpy's C import it became an ImportError.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if signals else None
+        try:
+            importlib.import_module("flare_airflow.core.aggregation")
+        finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         rc = handle.wait()
     except _Killed as killed:
         if handle is not None:
