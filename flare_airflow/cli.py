@@ -12,26 +12,36 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import json
 import os
+import re
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from flare_airflow.core.config import load_job
+from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.report import format_table
 from flare_airflow.core.store import path_from_uri
 
 OK_STATES = {"success", "skipped"}
+MAX_REPORT_BYTES = 64 * 1024 * 1024
+
+
+class CLIError(FlareAirflowError):
+    """A command's input (a file, an option) is unusable; the message says which and why."""
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    """Refuse what a run would refuse: the job file, its initial model and its store's backend."""
     try:
         job = load_job(args.job)
+        load_initial_model(job)
+        check_store_backend(job)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -102,27 +112,79 @@ def _print_states(state: dict[str, Any]) -> None:
         print(f"  {group:>10}: {', '.join(items)}")
 
 
+def open_log(path: str | None, dag_id: str) -> tuple[int, str]:
+    """Create the run's log file and return its descriptor and path; never follows a symlink.
+
+    ``path`` (``--log``) is opened with ``O_NOFOLLOW``. By default the log is a new file with an
+    unpredictable name (``mkstemp``: exclusive create, mode 0600) under
+    ``$AIRFLOW_HOME/logs/flare-airflow/``, or in the temp directory if that cannot be created.
+    """
+    if path:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(path, flags, 0o600), path
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CLIError(
+                    f"--log {path}: is a symbolic link; refusing to write through it (give another path)"
+                ) from None
+            raise CLIError(f"--log {path}: cannot create the log file ({exc.strerror})") from None
+    prefix = f"run-{re.sub(r'[^A-Za-z0-9_.-]+', '_', dag_id)[:100]}-{time.strftime('%Y%m%dT%H%M%S')}-"
+    home = os.path.expanduser(os.environ.get("AIRFLOW_HOME", "~/airflow"))
+    logs = os.path.join(home, "logs", "flare-airflow")
+    try:
+        os.makedirs(logs, mode=0o700, exist_ok=True)
+        return tempfile.mkstemp(prefix=prefix, suffix=".log", dir=logs)
+    except OSError:
+        return tempfile.mkstemp(prefix=f"flare-airflow-{prefix}", suffix=".log")
+
+
 @contextlib.contextmanager
-def _output_to(path: str) -> Iterator[None]:
+def _output_to(log_fd: int) -> Iterator[None]:
     """Send this process's stdout and stderr (file descriptors 1 and 2, so also the task
-    subprocesses Airflow starts) to ``path``; restore them afterwards."""
+    subprocesses Airflow starts) to the open file ``log_fd``; restore them afterwards."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
+    # Python-level writers too, in case sys.stdout/sys.stderr are not descriptors 1 and 2 (an
+    # embedding caller, pytest): a traceback printed here belongs in the log, never on the terminal.
+    streams = sys.stdout, sys.stderr
+    log = os.fdopen(os.dup(log_fd), "w", buffering=1)
     try:
-        with open(path, "w") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            try:
-                yield
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        sys.stdout = sys.stderr = log
+        try:
+            yield
+        finally:
+            log.flush()
     finally:
+        sys.stdout, sys.stderr = streams
+        log.close()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in saved:
             os.close(fd)
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): ", re.MULTILINE)
+
+
+def exception_text(stacktrace: str) -> str:
+    """The exception and its (possibly multi-line) message at the end of a formatted traceback."""
+    found = list(_EXCEPTION_LINE.finditer(stacktrace))
+    if not found:
+        return "\n".join(stacktrace.strip().splitlines()[-5:])
+    last = found[-1]
+    return f"{last.group(1)}: {stacktrace[last.end() :].strip()}"
+
+
+def dag_import_errors(dagfile: str | None) -> dict[str, str]:
+    """Parse the DAG file (or the dags folder) again and return each file's import error."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=os.path.abspath(dagfile) if dagfile else None)  # None: the dags folder
+    return {path: exception_text(text) for path, text in sorted(bag.import_errors.items())}
 
 
 def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = None) -> tuple[int, str]:
@@ -153,14 +215,22 @@ def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = Non
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    log_path = args.log or os.path.join(tempfile.gettempdir(), f"flare-airflow-{args.dag_id}-{int(time.time())}.log")
+    log_fd, log_path = open_log(args.log, args.dag_id)
+    try:
+        return _run(args, log_fd, log_path)
+    finally:
+        os.close(log_fd)
+
+
+def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
     print(
         f"running {args.dag_id} through Airflow (airflow dags test); task logs: {log_path}",
         file=sys.stderr if args.json else sys.stdout,
         flush=True,
     )
     started = time.monotonic()
-    with _output_to(log_path):
+    import_errors: dict[str, str] = {}
+    with _output_to(log_fd):
         try:
             before = latest_run_key(args.dag_id)
         except Exception as exc:  # no metadata database yet, or an unreadable one; traceback to the log
@@ -169,6 +239,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         else:
             unreadable = ""
             returncode, error = dags_test(args.dag_id, dagfile=args.dagfile, conf=args.conf)
+            if "could not be found" in error:
+                # Airflow names no reason; a DAG file that failed to import (e.g. a job's ConfigError) has one.
+                import_errors = dag_import_errors(args.dagfile)
     if unreadable:
         print(
             f"error: cannot read Airflow's metadata database ({unreadable}); create it with `airflow db migrate` "
@@ -177,6 +250,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         return 1
     elapsed = time.monotonic() - started
+    if import_errors:
+        print(f"error: DAG {args.dag_id!r} was not loaded; DAG files that failed to import:", file=sys.stderr)
+        for path, text in import_errors.items():
+            print(f"  {path}:\n    " + text.replace("\n", "\n    "), file=sys.stderr)
+        print(f"(Airflow's output: {log_path})", file=sys.stderr)
+        return 1
     try:
         state = run_state(args.dag_id, newer_than=before)
     except FlareAirflowError as exc:
@@ -205,10 +284,51 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_row(row: Any, index: int, where: str) -> None:
+    if not isinstance(row, Mapping):
+        raise CLIError(f"{where}: rounds[{index}] must be an object, got {type(row).__name__}")
+    missing = [k for k in ("round", "sites_valid", "sites_total") if k not in row]
+    if missing:
+        raise CLIError(f"{where}: rounds[{index}] lacks {', '.join(missing)}; is this a metrics.json of flare-airflow?")
+    for key in ("evaluation", "rejected"):
+        if not isinstance(row.get(key, {}), Mapping):
+            raise CLIError(f"{where}: rounds[{index}].{key} must be an object, got {type(row[key]).__name__}")
+
+
+def read_report(metrics_uri: str) -> list[dict[str, Any]]:
+    """The rounds of a run's ``metrics.json`` (written by the publish task), checked for shape."""
+    where = metrics_uri
+    try:
+        with path_from_uri(metrics_uri).open("rb") as fh:
+            raw = fh.read(MAX_REPORT_BYTES + 1)
+    except FlareAirflowError as exc:
+        raise CLIError(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CLIError(
+            f"{where}: cannot read it ({reason}); give the metrics.json of a run "
+            "(<store>/<job>/<run>/final/metrics.json, printed by `flare-airflow run`)"
+        ) from None
+    if len(raw) > MAX_REPORT_BYTES:
+        raise CLIError(f"{where}: larger than {MAX_REPORT_BYTES // 2**20} MiB; not a metrics.json of flare-airflow")
+    if not raw.strip():
+        raise CLIError(f"{where}: the file is empty; the run that wrote it may have been interrupted")
+    try:
+        report = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CLIError(f"{where}: not JSON ({str(exc)[:120]}); give a run's metrics.json") from None
+    if not isinstance(report, Mapping) or not isinstance(report.get("rounds"), list):
+        got = type(report).__name__ if not isinstance(report, Mapping) else f"keys {', '.join(map(str, report))[:80]}"
+        raise CLIError(
+            f"{where}: not a metrics.json of flare-airflow (expected an object with a 'rounds' list; got {got})"
+        )
+    for index, row in enumerate(report["rounds"]):
+        _check_row(row, index, where)
+    return list(report["rounds"])
+
+
 def _print_report(metrics_uri: str) -> None:
-    with path_from_uri(metrics_uri).open("r") as fh:
-        report = json.load(fh)
-    print(format_table(report["rounds"]))
+    print(format_table(read_report(metrics_uri)))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -265,7 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the pools do not match")
     p.set_defaults(func=_cmd_pools_sync)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except FlareAirflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def console() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -9,7 +11,7 @@ from typing import Any
 
 from airflow.sdk import ObjectStoragePath
 
-from flare_airflow.core.config import JobConfig
+from flare_airflow.core.config import MAX_FORM_INT, JobConfig, short_repr
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.store import ModelStore
 
@@ -43,24 +45,78 @@ class RunParams:
     hparams: dict[str, Any]
 
 
+RUN_PARAMS = ("rounds", "min_clients", "warm_start")
+
+
+def allowed_run_keys(job: JobConfig) -> list[str]:
+    """The trigger conf keys a run of ``job`` understands."""
+    return [*RUN_PARAMS, *(HPARAM_PREFIX + key for key in job.trainer.hparams)]
+
+
+def _suggest(key: str, allowed: list[str]) -> str | None:
+    if HPARAM_PREFIX + key in allowed:  # a hyper-parameter given without the form's prefix
+        return HPARAM_PREFIX + key
+    close = difflib.get_close_matches(key, allowed, 1)
+    return close[0] if close else None
+
+
+def _integer(value: Any, name: str, low: int, high: int, why: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RunParamsError(f"{name} must be an integer in {low}..{high} ({why}), got {short_repr(value)}")
+    if not low <= value <= high:
+        raise RunParamsError(f"{name}={short_repr(value)} is outside {low}..{high} ({why})")
+    return value
+
+
+def _hparam(key: str, default: Any, value: Any) -> Any:
+    """A form value for a hyper-parameter: the type of the job's default, finite."""
+    name = HPARAM_PREFIX + key
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+        kind = "true or false"
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_FORM_INT
+        kind = "an integer"
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        kind = "a finite number"
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str) and "\0" not in value
+        kind = "a string"
+    if not ok:
+        raise RunParamsError(f"{name} must be {kind} like the job's default {default!r}, got {short_repr(value)}")
+    return value
+
+
 def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
+    """The run's form values, checked: unknown keys (a typo such as ``round``) are refused.
+
+    The trigger conf (``dag_run.conf``) may hold only this job's run parameters and the DAG's own
+    params (for a TaskGroup inside a DAG of your own); values must have the form's types.
+    """
     params: Mapping[str, Any] = context.get("params") or {}
-    rounds = int(params.get("rounds", job.rounds))
-    min_clients = int(params.get("min_clients", job.min_clients))
-    if not 1 <= rounds <= job.rounds:
-        raise RunParamsError(f"rounds={rounds} is outside 1..{job.rounds} (the job's configured maximum)")
-    if not 1 <= min_clients <= len(job.sites):
-        raise RunParamsError(f"min_clients={min_clients} is outside 1..{len(job.sites)} (the job's number of sites)")
-    hparams = dict(job.trainer.hparams)
-    for key in job.trainer.hparams:
-        if HPARAM_PREFIX + key in params:
-            hparams[key] = params[HPARAM_PREFIX + key]
-    return RunParams(
-        rounds=rounds,
-        min_clients=min_clients,
-        warm_start=bool(params.get("warm_start", job.warm_start)),
-        hparams=hparams,
+    conf = getattr(context.get("dag_run"), "conf", None) or {}
+    if not isinstance(conf, Mapping):
+        raise RunParamsError(f"the trigger conf must be a JSON object, got {short_repr(conf)}")
+    allowed = allowed_run_keys(job)
+    declared = set(getattr(context.get("dag"), "params", None) or {})
+    unknown = [str(k) for k in conf if k not in allowed and k not in declared]
+    if unknown:
+        named = [f"{k!r} (did you mean {m!r}?)" if (m := _suggest(k, allowed)) else repr(k) for k in unknown]
+        raise RunParamsError(f"unknown run parameter(s) {', '.join(named)[:300]}; allowed: {', '.join(allowed)}")
+    rounds = _integer(params.get("rounds", job.rounds), "rounds", 1, job.rounds, "the job's configured maximum")
+    min_clients = _integer(
+        params.get("min_clients", job.min_clients), "min_clients", 1, len(job.sites), "the job's number of sites"
     )
+    warm_start = params.get("warm_start", job.warm_start)
+    if not isinstance(warm_start, bool):
+        raise RunParamsError(f"warm_start must be true or false, got {short_repr(warm_start)}")
+    hparams = dict(job.trainer.hparams)
+    for key, default in job.trainer.hparams.items():
+        if HPARAM_PREFIX + key in params:
+            hparams[key] = _hparam(key, default, params[HPARAM_PREFIX + key])
+    return RunParams(rounds=rounds, min_clients=min_clients, warm_start=warm_start, hparams=hparams)
 
 
 def run_id_of(context: Mapping[str, Any]) -> str:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from flare_airflow.core.config import JobConfig
-from flare_airflow.core.errors import FlareAirflowError
-from flare_airflow.core.model import FLModel, all_finite, atomic_write, parse_safetensors, read_artifact, write_artifact
+from flare_airflow.core.config import JobConfig, load_initial_model
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.model import FLModel, Params, all_finite, atomic_write, read_artifact, write_artifact
 from flare_airflow.core.report import format_table, round_row
+from flare_airflow.core.store import ModelStore
 from flare_airflow.hooks.pools import PoolError, blocking, live_pools_from_api, problems, required_pools
 from flare_airflow.operators.common import RunParamsError, run_id_of, run_params, store_for
 
@@ -59,21 +61,23 @@ class PrepareRunOperator(BaseOperator):
         if params.warm_start:
             pointer = store.latest_pointer(self.job.job)
             if pointer.exists():
-                with pointer.open("r") as fh:
-                    latest = json.loads(fh.read())
-                path = store.resolve_uri(latest["model_uri"])
-                model_params, record = read_artifact(path)
-                if record.sha256 != latest["sha256"]:
-                    raise AirflowFailException(f"warm start: {path} changed since run {latest['run_id']} published it")
-                source = f"warm start from run {latest['run_id']} ({latest['model_uri']})"
+                try:
+                    model_params, source = _warm_start(store, pointer)
+                except FlareAirflowError as exc:
+                    raise AirflowFailException(
+                        f"warm start: {exc}; to start from initial_model instead, trigger with warm_start off "
+                        f"or delete {pointer}"
+                    ) from None
             else:
                 self.log.warning(
                     "warm_start is on but job %s has no successful run yet; starting from initial_model", self.job.job
                 )
         if model_params is None:
-            path = self.job.initial_model_path()
-            model_params = parse_safetensors(path.read_bytes(), str(path))
-            source = f"initial model {path}"
+            try:
+                model_params = load_initial_model(self.job)
+            except ConfigError as exc:
+                raise AirflowFailException(str(exc)) from None
+            source = f"initial model {self.job.initial_model_path()}"
         bad = all_finite(model_params)
         if bad is not None:
             raise AirflowFailException(f"{source}: tensor {bad!r} has NaN or infinite values")
@@ -88,6 +92,40 @@ class PrepareRunOperator(BaseOperator):
             "min_clients": params.min_clients,
             "hparams": params.hparams,
         }
+
+
+_POINTER_KEYS = {"run_id": str, "model_uri": str, "sha256": str, "round": int}
+
+
+def parse_latest_pointer(data: bytes, where: str) -> dict[str, Any]:
+    """The job's ``latest.json`` (written by :class:`PublishOperator`), checked key by key."""
+    try:
+        latest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FlareAirflowError(f"{where} is not valid JSON ({str(exc)[:100]})") from None
+    if not isinstance(latest, dict):
+        raise FlareAirflowError(f"{where} must hold a JSON object, got {type(latest).__name__}")
+    for key, kind in _POINTER_KEYS.items():
+        value = latest.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise FlareAirflowError(
+                f"{where}: {key!r} is {'missing' if key not in latest else 'not a ' + kind.__name__} "
+                f"(expected keys: {', '.join(_POINTER_KEYS)})"
+            )
+    if not re.fullmatch(r"[0-9a-f]{64}", latest["sha256"]):
+        raise FlareAirflowError(f"{where}: 'sha256' is not 64 hex digits")
+    return latest
+
+
+def _warm_start(store: ModelStore, pointer: Any) -> tuple[Params, str]:
+    """The final model of the job's last successful run, verified against the pointer's sha256."""
+    with pointer.open("rb") as fh:
+        latest = parse_latest_pointer(fh.read(1 << 20), str(pointer))
+    path = store.resolve_uri(latest["model_uri"])
+    model_params, record = read_artifact(path)
+    if record.sha256 != latest["sha256"]:
+        raise FlareAirflowError(f"{path} changed since run {latest['run_id']} published it")
+    return model_params, f"warm start from run {latest['run_id']} ({latest['model_uri']})"
 
 
 def _pool_problems(job: JobConfig) -> tuple[list[str], list[str]]:

@@ -5,16 +5,20 @@ Run in a fresh interpreter: pytest's own capture replaces ``sys.stdout``, the co
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = """
 import os, subprocess, sys
 from flare_airflow.cli import _output_to
 print("before", flush=True)
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 try:
-    with _output_to(sys.argv[1]):
+    with _output_to(fd):
         print("from python")
         os.write(2, b"from fd 2\\n")
         # A child inherits the redirected descriptors, as Airflow's task subprocesses do.
@@ -46,3 +50,41 @@ def test_output_is_restored_when_the_body_raises(tmp_path: pathlib.Path) -> None
     assert (tmp_path / "run.log").read_text().splitlines() == ["from python", "from fd 2", "from a child"]
     assert out.stdout.splitlines() == ["before", "raised", "after"]
     assert out.stderr == "stderr is back\n"
+
+
+def test_the_default_log_is_private_and_unpredictable(tmp_path: pathlib.Path, monkeypatch) -> None:
+    from flare_airflow.cli import open_log
+
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    fds = [open_log(None, "flare_demo") for _ in range(2)]
+    try:
+        path1, path2 = (path for _, path in fds)
+        assert path1 != path2
+        assert pathlib.Path(path1).parent == tmp_path / "logs" / "flare-airflow"
+        assert pathlib.Path(path1).name.startswith("run-flare_demo-")
+        assert pathlib.Path(path1).stat().st_mode & 0o777 == 0o600
+    finally:
+        for fd, _ in fds:
+            os.close(fd)
+
+
+def test_a_symlink_planted_at_the_log_path_is_not_followed(tmp_path: pathlib.Path) -> None:
+    from flare_airflow.cli import CLIError, open_log
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    planted = tmp_path / "run.log"
+    planted.symlink_to(victim)
+    with pytest.raises(CLIError, match="is a symbolic link; refusing to write through it"):
+        open_log(str(planted), "flare_demo")
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_dag_file_import_error_is_reduced_to_the_exception_and_its_message() -> None:
+    from flare_airflow.cli import exception_text
+
+    trace = (
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    build_dag(...)\n'
+        "flare_airflow.core.errors.ConfigError: invalid job configuration:\n  job.yaml: rounds: must be an integer\n"
+    )
+    assert exception_text(trace) == "ConfigError: invalid job configuration:\n  job.yaml: rounds: must be an integer"

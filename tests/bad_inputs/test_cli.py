@@ -1,0 +1,256 @@
+"""Bad command lines and bad files given to ``flare-airflow``: an error line, a non-zero exit, no traceback.
+
+The commands run in this process (``flare_airflow.cli.main``), as the console script runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from flare_airflow.cli import main
+from tests.bad_inputs.cases import Case, assert_clear
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+INITIAL_MODEL = REPO / "examples" / "digits" / "initial_model.safetensors"
+JOB = """\
+job: demo
+rounds: 3
+min_clients: 1
+initial_model: init.safetensors
+trainer: {script: train.py}
+sites: {site-1: {}, site-2: {}}
+"""
+ROW = {"round": 1, "sites_valid": 2, "sites_total": 2}
+
+
+@dataclass(frozen=True)
+class Bad:
+    argv: list[str]  # "{dir}" stands for the test's directory
+    files: dict[str, bytes | str | None]  # name -> content; None: a directory; "->x": a symlink to x
+    code: int = 2
+
+
+CASES: list[Case] = []
+INPUTS: dict[str, Bad] = {}
+
+
+def case(
+    id: str, bad_input: str, error: str, argv: list[str], files: dict[str, Any] | None = None, code: int = 2
+) -> None:
+    CASES.append(Case(id, "cli", bad_input, error))
+    INPUTS[id] = Bad(argv, files or {}, code)
+
+
+case(
+    "validate-missing-file",
+    "flare-airflow validate on a file that does not exist",
+    "cannot read the job file (No such file or directory)",
+    ["validate", "{dir}/nope.yaml"],
+)
+case(
+    "validate-directory",
+    "flare-airflow validate on a directory",
+    "is a directory; give the job's YAML file",
+    ["validate", "{dir}/jobs"],
+    {"jobs": None},
+)
+case(
+    "validate-binary-file",
+    "flare-airflow validate on a binary file",
+    "not a text file (byte 1 is not UTF-8)",
+    ["validate", "{dir}/job.yaml"],
+    {"job.yaml": b"\x00\xff\xfe"},
+)
+case(
+    "validate-config-error",
+    "flare-airflow validate; rounds: true",
+    "rounds: must be an integer, got true",
+    ["validate", "{dir}/job.yaml"],
+    {"job.yaml": JOB.replace("rounds: 3", "rounds: true")},
+)
+case(
+    "validate-initial-model-pickle",
+    "flare-airflow validate; the initial model is a pickle",
+    "this is a pickle/torch.save payload",
+    ["validate", "{dir}/job.yaml"],
+    {"job.yaml": JOB, "init.safetensors": b"\x80\x04K\x01."},
+)
+case(
+    "validate-initial-model-nan",
+    "flare-airflow validate; the initial model holds NaN",
+    "has NaN or infinite values",
+    ["validate", "{dir}/job.yaml"],
+    {"job.yaml": JOB, "init.safetensors": "nan-model"},
+)
+case(
+    "validate-bad-schedule",
+    "flare-airflow validate; schedule: 'daily'",
+    "schedule 'daily' is not a cron expression",
+    ["validate", "{dir}/job.yaml"],
+    {"job.yaml": JOB + "schedule: daily\n"},
+)
+case(
+    "validate-no-argument",
+    "flare-airflow validate with no job file",
+    "the following arguments are required: job",
+    ["validate"],
+)
+case("unknown-command", "flare-airflow valdate (typo)", "invalid choice: 'valdate'", ["valdate", "job.yaml"])
+case(
+    "report-missing-file",
+    "flare-airflow report on a file that does not exist",
+    "cannot read it (No such file or directory); give the metrics.json of a run",
+    ["report", "{dir}/metrics.json"],
+)
+case(
+    "report-directory",
+    "flare-airflow report on a directory",
+    "cannot read it (Is a directory)",
+    ["report", "{dir}/final"],
+    {"final": None},
+)
+case(
+    "report-empty-file",
+    "flare-airflow report on an empty file",
+    "the file is empty",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": ""},
+)
+case(
+    "report-not-json",
+    "flare-airflow report on a YAML file",
+    "not JSON (Expecting value",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": "rounds: []\n"},
+)
+case(
+    "report-binary",
+    "flare-airflow report on a binary file",
+    "not JSON (",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": b"\x89PNG\xff"},
+)
+case(
+    "report-json-list",
+    "flare-airflow report on a JSON list",
+    "not a metrics.json of flare-airflow (expected an object with a 'rounds' list; got list)",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": "[1, 2]"},
+)
+case(
+    "report-wrong-object",
+    "flare-airflow report on another JSON object (latest.json)",
+    "expected an object with a 'rounds' list; got keys run_id, model_uri",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": json.dumps({"run_id": "r", "model_uri": "m"})},
+)
+case(
+    "report-row-missing-keys",
+    "flare-airflow report; a round lacks sites_valid",
+    "rounds[0] lacks sites_valid, sites_total",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": json.dumps({"rounds": [{"round": 1}]})},
+)
+case(
+    "report-row-not-object",
+    "flare-airflow report; a round is a number",
+    "rounds[1] must be an object, got int",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": json.dumps({"rounds": [ROW, 7]})},
+)
+case(
+    "report-evaluation-not-object",
+    "flare-airflow report; a round's evaluation is a list",
+    "rounds[0].evaluation must be an object, got list",
+    ["report", "{dir}/metrics.json"],
+    {"metrics.json": json.dumps({"rounds": [{**ROW, "evaluation": [0.9]}]})},
+)
+case(
+    "run-log-symlink",
+    "flare-airflow run --log at a symlink planted by another user",
+    "is a symbolic link; refusing to write through it",
+    ["run", "flare_demo", "--log", "{dir}/run.log"],
+    {"victim": "precious\n", "run.log": "->victim"},
+)
+case(
+    "run-log-missing-directory",
+    "flare-airflow run --log in a directory that does not exist",
+    "cannot create the log file (No such file or directory)",
+    ["run", "flare_demo", "--log", "{dir}/no/run.log"],
+)
+case(
+    "run-log-directory",
+    "flare-airflow run --log naming a directory",
+    "cannot create the log file (Is a directory)",
+    ["run", "flare_demo", "--log", "{dir}/logs"],
+    {"logs": None},
+)
+case(
+    "pools-sync-bad-job",
+    "flare-airflow pools sync on an invalid job",
+    "sites: a job needs at least one site",
+    ["pools", "sync", "{dir}/job.yaml"],
+    {"job.yaml": JOB.replace("sites: {site-1: {}, site-2: {}}", "sites: []")},
+)
+case(
+    "run-dag-with-config-error",
+    "flare-airflow run of a DAG whose job file is invalid (was: 'Dag could not be found')",
+    "ConfigError: invalid job configuration:",
+    ["run", "flare_broken", "--dagfile", "{dir}/broken_dag.py", "--log", "{dir}/run.log"],
+    {
+        "job.yaml": JOB.replace("min_clients: 1", "min_clients: false"),
+        "broken_dag.py": "from flare_airflow.builder import build_dag\n\n"
+        "dag = build_dag(__file__.rsplit('/', 1)[0] + '/job.yaml', dag_id='flare_broken')\n",
+    },
+    code=1,
+)
+
+
+def _nan_model() -> bytes:
+    import numpy as np
+    from safetensors.numpy import save
+
+    return save({"w": np.array([1.0, np.nan], dtype=np.float32)})
+
+
+def build(tmp: pathlib.Path, bad: Bad) -> list[str]:
+    (tmp / "train.py").write_text("print('training')\n")
+    (tmp / "init.safetensors").write_bytes(INITIAL_MODEL.read_bytes())
+    for name, content in bad.files.items():
+        path = tmp / name
+        if content is None:
+            path.mkdir()
+        elif content == "nan-model":
+            path.write_bytes(_nan_model())
+        elif isinstance(content, str) and content.startswith("->"):
+            path.symlink_to(tmp / content[2:])
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    return [a.replace("{dir}", str(tmp)) for a in bad.argv]
+
+
+@pytest.mark.parametrize("bad_case", CASES, ids=lambda c: c.id)
+def test_bad_command_line_gets_a_clear_error(bad_case: Case, tmp_path: pathlib.Path, capsys, monkeypatch) -> None:
+    bad = INPUTS[bad_case.id]
+    argv = build(tmp_path, bad)
+    if "--dagfile" in argv:  # Airflow parses DAG files only inside its dags folder
+        import airflow.settings
+
+        monkeypatch.setenv("AIRFLOW__CORE__DAGS_FOLDER", str(tmp_path))
+        monkeypatch.setattr(airflow.settings, "DAGS_FOLDER", str(tmp_path))
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == bad.code, f"{bad_case.id}: exit {code}\n{out}\n{err}"
+    assert_clear(bad_case, err)
+    if (tmp_path / "victim").exists():
+        assert (tmp_path / "victim").read_text() == "precious\n"
