@@ -479,7 +479,6 @@ def _toleration(item: Any, index: int) -> dict[str, Any]:
 
 
 _SYSTEM_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease")
-_MAX_SECONDS = 30 * 24 * 3600
 # The image reference grammar of the OCI distribution spec (github.com/distribution/reference).
 _IMAGE_DOMAIN = re.compile(
     r"^(localhost|(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*)(?::[0-9]+)?$"
@@ -581,9 +580,9 @@ class KubernetesLaunchSpec(_Strict):
     @field_validator("pending_timeout", "startup_timeout", "poll_interval", mode="before")
     @classmethod
     def _seconds(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) or (isinstance(value, int | float) and not 0 < value <= _MAX_SECONDS):
+        if isinstance(value, bool) or (isinstance(value, int | float) and not 0 < value <= MAX_SECONDS):
             raise ValueError(
-                f"{info.field_name} must be a number of seconds > 0 and <= {_MAX_SECONDS} (30 days), got {value!r}"
+                f"{info.field_name} must be a number of seconds > 0 and <= {int(MAX_SECONDS)} (366 days), got {value!r}"
             )
         return value
 

@@ -507,7 +507,7 @@ case(
 case(
     "k8s-pending-timeout-bool",
     "`pending_timeout: true`",
-    "pending_timeout must be a number of seconds > 0 and <= 2592000 (30 days), got True",
+    "pending_timeout must be a number of seconds > 0 and <= 31622400 (366 days), got True",
     k8s={"pending_timeout": True},
 )
 case(
@@ -519,7 +519,7 @@ case(
 case(
     "k8s-poll-interval-huge",
     "`poll_interval: 1e12`",
-    "poll_interval must be a number of seconds > 0 and <= 2592000 (30 days), got 1000000000000.0",
+    "poll_interval must be a number of seconds > 0 and <= 31622400 (366 days), got 1000000000000.0",
     k8s={"poll_interval": 1e12},
 )
 
