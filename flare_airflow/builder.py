@@ -88,9 +88,19 @@ def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
     aggregates = []
     for r in range(1, job.rounds + 1):
         with TaskGroup(group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then FedAvg"):
-            sites = [site_task(job, site, r, task_id=site, doc_md=f"Site `{site}`, round {r}.") for site in job.sites]
+            sites = [
+                site_task(
+                    job, site, r, task_id=site, global_task_id=previous.task_id, doc_md=f"Site `{site}`, round {r}."
+                )
+                for site in job.sites
+            ]
             aggregate = AggregateOperator(
-                task_id=AGGREGATE_TASK, job=job, round_num=r, doc_md=f"FedAvg of round {r}; evaluation."
+                task_id=AGGREGATE_TASK,
+                job=job,
+                round_num=r,
+                site_task_ids={site: task.task_id for site, task in zip(job.sites, sites, strict=True)},
+                global_task_id=previous.task_id,
+                doc_md=f"FedAvg of round {r}; evaluation.",
             )
             sites >> aggregate
         previous >> sites

@@ -214,7 +214,8 @@ class FedAvg:
                     info = np.iinfo(ref.dtype)
                     if m.size and (m.min() < info.min or m.max() > info.max):
                         raise self._not_finite(name, f"its mean leaves the range of {ref.dtype}")
-                flat[s:e] = m
+                with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+                    flat[s:e] = m
                 if ref.dtype.kind in "fc" and not np.isfinite(flat[s:e]).all():
                     # float64 sums of finite updates are finite; the cast back (float16, float32) or a
                     # DIFF added to the global model can still overflow.
@@ -294,6 +295,8 @@ def fedavg_from_store(
             return {}, record, exc.reason
         except FlareAirflowError as exc:
             return {}, record, str(exc)
+        except OSError as exc:  # the site's file vanished or cannot be read: that site does not count
+            return {}, record, f"{path}: cannot read the update ({exc.strerror or type(exc).__name__})"
         return params, record, None
 
     def one(index: int, site: str, path: WritablePath | None, failure: str | None) -> None:

@@ -3,17 +3,18 @@
 Needs only numpy and safetensors, so it runs in a site image without Airflow. Whatever launched
 the script (a local process, a pod, a SLURM job) passes the same environment variables:
 
-=====================  ===========================================================
-``FLARE_JOB``          job name
-``FLARE_RUN_ID``       Airflow run id
-``FLARE_SITE``         this site's name
-``FLARE_ROUND``        current round (1-based)
-``FLARE_TOTAL_ROUNDS`` rounds in this run
-``FLARE_TASK``         ``train`` or ``evaluate``
-``FLARE_GLOBAL_MODEL`` path or URI of the global model to start from
-``FLARE_OUTPUT``       path or URI where ``send()`` writes the update
-``FLARE_HPARAMS``      JSON object of trainer hyper-parameters
-=====================  ===========================================================
+=========================  ===========================================================
+``FLARE_JOB``              job name
+``FLARE_RUN_ID``           Airflow run id
+``FLARE_SITE``             this site's name
+``FLARE_ROUND``            current round (1-based)
+``FLARE_TOTAL_ROUNDS``     rounds in this run
+``FLARE_TASK``             ``train`` or ``evaluate``
+``FLARE_GLOBAL_MODEL``     path or URI of the global model to start from
+``FLARE_OUTPUT``           path or URI where ``send()`` writes the update
+``FLARE_HPARAMS``          JSON object of trainer hyper-parameters
+``FLARE_GLOBAL_SHA256``    (optional) sha256 the global model must have; ``receive()`` checks it
+=========================  ===========================================================
 
 Example::
 
@@ -139,6 +140,12 @@ def receive() -> FLModel:
         params, record = read_artifact(path)
     except FlareAirflowError as exc:
         raise ClientAPIError(f"cannot read the global model: {exc}") from exc
+    expected = os.environ.get("FLARE_GLOBAL_SHA256")
+    if expected and record.sha256 != expected:
+        raise ClientAPIError(
+            f"the global model {path} is not the one this round was given (sha256 {record.sha256[:12]}…, "
+            f"expected {expected[:12]}…): it was replaced after it was published; re-run the round"
+        )
     model = FLModel(
         params=params,
         params_type=ParamsType.FULL,

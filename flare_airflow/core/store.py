@@ -3,7 +3,8 @@
 Layout under the store root (one root per deployment)::
 
     <job>/<run>/round-0001/global.safetensors (+ .json)     global model after round 1
-    <job>/<run>/round-0001/sites/<site>.safetensors          that site's update for round 1
+    <job>/<run>/round-0001/sites/<site>.safetensors          that site's accepted update for round 1
+    <job>/<run>/round-0001/staging/<site>/try-<n>/           where try n of its trainer wrote
     <job>/<run>/round-0000/global.safetensors                the initial (or warm-start) model
     <job>/<run>/final/...                                    published outputs of a successful run
     <job>/latest.json                                        pointer to the last successful run
@@ -128,6 +129,12 @@ class ModelStore:
 
     def site_update(self, job: str, run_id: str, round_num: int, site: str) -> WritablePath:
         return self.round_dir(job, run_id, round_num) / "sites" / f"{safe_component(site, 'site')}.safetensors"
+
+    def staging(self, job: str, run_id: str, round_num: int, site: str, try_number: int) -> WritablePath:
+        """Where one try of a site job's trainer writes (``FLARE_OUTPUT``); the site task publishes
+        the update at :meth:`site_update` only once it passed every check."""
+        site_dir = self.round_dir(job, run_id, round_num) / "staging" / safe_component(site, "site")
+        return site_dir / f"try-{int(try_number)}" / "update.safetensors"
 
     def evaluation(self, job: str, run_id: str, round_num: int) -> WritablePath:
         return self.round_dir(job, run_id, round_num) / "evaluation.safetensors"

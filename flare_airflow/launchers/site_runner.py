@@ -64,6 +64,7 @@ class SiteRun:
     task: str
     argv: list[str]
     global_model: str
+    # Where an accepted update is published (read by the aggregation, named in the XCom summary).
     output: str
     env: dict[str, str] = field(default_factory=dict)
     hparams: dict[str, Any] = field(default_factory=dict)
@@ -76,6 +77,11 @@ class SiteRun:
     gpu_capacity: int | None = None
     mem_per_gpu_gib: float | None = None
     gpu_wait_timeout: float = 600.0
+    # Where the trainer writes (FLARE_OUTPUT): this try's own directory, never the published
+    # update. None: the trainer writes ``output`` itself (the server's evaluation task).
+    staging: str | None = None
+    # sha256 of the input global model as its producer recorded it (FLARE_GLOBAL_SHA256).
+    global_sha256: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,10 +101,12 @@ class SiteRun:
                 "FLARE_TOTAL_ROUNDS": str(self.total_rounds),
                 "FLARE_TASK": self.task,
                 "FLARE_GLOBAL_MODEL": self.global_model,
-                "FLARE_OUTPUT": self.output,
+                "FLARE_OUTPUT": self.staging or self.output,
                 "FLARE_HPARAMS": json.dumps(self.hparams),
             }
         )
+        if self.global_sha256:
+            env["FLARE_GLOBAL_SHA256"] = self.global_sha256
         return SiteJob(
             job=self.job,
             run_id=self.run_id,
@@ -198,19 +206,29 @@ def read_failure(output: WritablePath) -> str | None:
 
 
 def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
-    """Verify what the trainer sent; raise ``FlareAirflowError`` with the reason if it is unusable."""
+    """Verify what the trainer sent and publish it at ``output``; raise ``FlareAirflowError`` with
+    the reason if it is unusable.
+
+    The trainer wrote into its try's staging directory (``run.staging``); only an update that
+    passed every check is moved to ``output``, so a failed, killed or late trainer never leaves a
+    published update, and it cannot overwrite one either.
+    """
     from flare_airflow.core.aggregation import validate_update
     from flare_airflow.core.model import read_artifact, read_record
 
-    if not record_path(output).exists():
+    sent = path_from_uri(run.staging) if run.staging else output
+    if not record_path(sent).exists():
         raise FlareAirflowError(
             f"the trainer exited successfully but sent no {'update' if run.task == 'train' else 'result'} "
             "(did it call flare.send()?)"
         )
-    params, record = read_artifact(output)
+    params, record = read_artifact(sent)
     if run.task == "train":
         # The global model's record has every tensor's dtype and shape: no need to read its weights.
         validate_update(run.site, read_record(path_from_uri(run.global_model)).tensors, params)
+    del params
+    if run.staging:
+        publish(sent, output)
     return {
         "site": run.site,
         "round": run.round,
@@ -221,6 +239,22 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
         "params_type": record.params_type.value,
         "metrics": record.metrics,
     }
+
+
+def publish(staged: WritablePath, output: WritablePath) -> None:
+    """Move a checked update from its staging directory to its published place, record last.
+
+    A rename on a local store; a copy then a delete elsewhere (object stores cannot rename).
+    """
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for src, dst in ((staged, output), (record_path(staged), record_path(output))):
+        if hasattr(src, "replace") and getattr(src, "protocol", "file") in ("file", "local", ""):
+            src.replace(dst)
+        else:
+            with src.open("rb") as fi, dst.open("wb") as fo:
+                while piece := fi.read(1 << 22):
+                    fo.write(piece)
+            src.unlink()
 
 
 def run_site(

@@ -17,7 +17,7 @@ from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
 from flare_airflow.operators.common import run_id_of, run_params, store_for
-from flare_airflow.operators.site import trainer_argv
+from flare_airflow.operators.site import produced_sha256, trainer_argv
 
 SERVER_SITE = "server"
 
@@ -37,11 +37,21 @@ class AggregateOperator(BaseOperator):
 
     ui_color = "#fde0c5"
 
-    def __init__(self, *, job: JobConfig, round_num: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        round_num: int,
+        site_task_ids: dict[str, str] | None = None,
+        global_task_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("trigger_rule", "all_done")
         super().__init__(**kwargs)
         self.job = job
         self.round_num = round_num
+        self.site_task_ids = dict(site_task_ids or {})
+        self.global_task_id = global_task_id
         self._handle: ProcessJobHandle | None = None
 
     def _track(self, handle: ProcessJobHandle) -> None:
@@ -63,18 +73,37 @@ class AggregateOperator(BaseOperator):
             raise AirflowSkipException(
                 f"round {r} not aggregated: round {r - 1} produced no global model (see the failed task before it)"
             )
-        global_params, _ = read_artifact(global_in)
+        try:
+            global_params, global_record = read_artifact(global_in)
+        except FlareAirflowError as exc:
+            raise AirflowFailException(f"round {r}: the input global model is unusable: {exc}") from None
+        expected = produced_sha256(context, self.global_task_id)
+        if expected is not None and global_record.sha256 != expected:
+            raise AirflowFailException(
+                f"round {r}: the input global model {global_in} was replaced after round {r - 1} published it "
+                f"(sha256 {global_record.sha256[:12]}…, published {expected[:12]}…); clear round {r - 1} to rebuild it"
+            )
+        accepted = self._accepted(context)
         updates: list[tuple[str, WritablePath | None, str | None]] = []
         for site in sorted(job.sites):
             path = store.site_update(job.job, run_id, r, site)
-            if record_path(path).exists():
+            if accepted is not None and site not in accepted:
+                # Only what the site task itself accepted counts: a failed task's trainer may have
+                # written a file (late, or before failing), and it must not count.
+                reason = read_failure(path) or "no accepted update: the site task failed, was skipped or never ran"
+                updates.append((site, None, reason))
+            elif record_path(path).exists():
                 updates.append((site, path, None))
             else:
                 reason = read_failure(path) or "no update: the site task failed before its trainer ran, or never ran"
                 updates.append((site, None, reason))
         try:
             outcome = fedavg_from_store(
-                global_params, updates, min_clients=params.min_clients, site_weights=job.site_weights()
+                global_params,
+                updates,
+                min_clients=params.min_clients,
+                site_weights=job.site_weights(),
+                accepted_sha256=accepted,
             )
         except QuorumNotReached as exc:
             raise AirflowFailException(f"round {r} failed: {exc}") from None
@@ -108,6 +137,18 @@ class AggregateOperator(BaseOperator):
             r, len(outcome.accepted), len(job.sites), summary["accepted"], outcome.metrics, summary["evaluation"],
         )  # fmt: skip
         return summary
+
+    def _accepted(self, context: Context) -> dict[str, str] | None:
+        """Site -> sha256 of the update each site task accepted (its XCom); None without task ids."""
+        if not self.site_task_ids:
+            return None
+        ti = context["ti"]
+        accepted: dict[str, str] = {}
+        for site, task_id in self.site_task_ids.items():
+            summary = ti.xcom_pull(task_ids=task_id)
+            if isinstance(summary, dict) and summary.get("sha256"):
+                accepted[site] = str(summary["sha256"])
+        return accepted
 
     def _evaluate(
         self, context: Context, store: ModelStore, rounds: int, hparams: dict[str, Any], global_uri: str

@@ -35,6 +35,7 @@ class SitePodOperator(KubernetesPodOperator):
     :param job: the validated job.
     :param site: the site (its launcher is ``k8s``).
     :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
+    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
 
     Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
     """
@@ -42,7 +43,9 @@ class SitePodOperator(KubernetesPodOperator):
     ui_color = "#c7e9c0"
     template_fields = ()
 
-    def __init__(self, *, job: JobConfig, site: str, round_num: int, **kwargs: Any) -> None:
+    def __init__(
+        self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
+    ) -> None:
         spec = job.sites[site].launcher_spec.k8s
         problem = unreachable_store(spec, str(store_for(job).root))
         if problem is not None:
@@ -69,11 +72,14 @@ class SitePodOperator(KubernetesPodOperator):
         self.job = job
         self.site = site
         self.round_num = round_num
+        self.global_task_id = global_task_id
         self._run: SiteRun | None = None
 
     def _site_run(self, context: Context) -> SiteRun:
         if self._run is None:
-            self._run = make_site_run(self.job, self.site, self.round_num, context, argv=[])
+            self._run = make_site_run(
+                self.job, self.site, self.round_num, context, argv=[], global_task_id=self.global_task_id
+            )
         return self._run
 
     def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> Any:
@@ -95,6 +101,8 @@ class SitePodOperator(KubernetesPodOperator):
         skip_beyond_rounds(context, self.job, self.round_num)
         run = self._site_run(context)
         clear_outputs(path_from_uri(run.output))
+        if run.staging:
+            path_from_uri(run.staging).parent.mkdir(parents=True, exist_ok=True)
         return super().execute(context)
 
     def _deadline(self, context: Context | None) -> float | None:

@@ -18,10 +18,18 @@ from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
-from flare_airflow.core.config import JobConfig
+from flare_airflow.core.config import AirflowSecretRef, JobConfig
 from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.launchers.site_runner import SPEC_ENV, SUMMARY_PREFIX, SiteRun, read_failure
+from flare_airflow.launchers.site_runner import (
+    SECRETS_ENV,
+    SPEC_ENV,
+    SUMMARY_PREFIX,
+    SiteRun,
+    read_failure,
+    write_failure,
+)
 from flare_airflow.operators.common import run_id_of, run_params, store_for
 
 
@@ -39,6 +47,49 @@ def _summary(output: str) -> dict[str, Any] | None:
 def trainer_argv(job: JobConfig) -> list[str]:
     command = job.trainer.command or [sys.executable]
     return [*command, str(job.script_path()), *job.trainer.args]
+
+
+def _secret_value(ref: AirflowSecretRef) -> str:
+    from airflow.sdk import Connection, Variable
+
+    if ref.variable is not None:
+        return str(Variable.get(ref.variable))
+    conn = Connection.get(str(ref.conn_id))
+    if ref.field == "uri":
+        value = conn.get_uri()
+    elif ref.field.startswith("extra."):
+        value = conn.extra_dejson.get(ref.field.removeprefix("extra."))
+    else:
+        value = getattr(conn, ref.field)
+    if value is None or value == "":
+        raise LookupError(f"the connection has no {ref.field}")
+    return str(value)
+
+
+def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
+    """The site's ``launcher_spec.process.secret_env``, resolved on this worker and masked in logs.
+
+    Raises :class:`SiteJobFailed` naming the site, the variable and the reference it could not
+    resolve. The values go to the site runner in its environment (never argv, XCom or the store).
+    """
+    from airflow.sdk.log import mask_secret
+
+    values: dict[str, str] = {}
+    for name, ref in job.sites[site].launcher_spec.process.secret_env.items():
+        try:
+            value = _secret_value(ref)
+        except Exception as exc:  # the Task SDK raises several types for "not found"
+            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            where = (
+                f"AIRFLOW_VAR_{ref.variable.upper()}" if ref.variable else f"AIRFLOW_CONN_{str(ref.conn_id).upper()}"
+            )
+            raise SiteJobFailed(
+                f"site {site!r}: secret_env {name} could not be resolved from {ref.describe()}: {detail}; "
+                f"create it in Airflow (UI, CLI, a secrets backend or {where}) on the workers that run this site"
+            ) from None
+        mask_secret(value, name)
+        values[name] = value
+    return values
 
 
 def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> None:
@@ -63,11 +114,35 @@ def skip_beyond_rounds(context: Context, job: JobConfig, round_num: int) -> None
         )
 
 
-def make_site_run(job: JobConfig, site: str, round_num: int, context: Context, *, argv: list[str]) -> SiteRun:
-    """The site job of (run, round, site): identity, Client API paths, hyper-parameters, devices."""
+def produced_sha256(context: Context, task_id: str | None) -> str | None:
+    """The sha256 that task ``task_id`` (prepare or a round's aggregation) recorded in its XCom."""
+    ti: Any = context.get("ti")
+    if task_id is None or not hasattr(ti, "xcom_pull"):
+        return None
+    summary = ti.xcom_pull(task_ids=task_id)
+    sha256 = summary.get("sha256") if isinstance(summary, dict) else None
+    return str(sha256) if sha256 else None
+
+
+def make_site_run(
+    job: JobConfig,
+    site: str,
+    round_num: int,
+    context: Context,
+    *,
+    argv: list[str],
+    global_task_id: str | None = None,
+) -> SiteRun:
+    """The site job of (run, round, site): identity, Client API paths, hyper-parameters, devices.
+
+    The trainer writes into this try's staging directory; the update is published at the site's
+    place in the store only once it passed every check (see ``check_result``). ``global_task_id``
+    names the task whose XCom holds the input global model's sha256 (the trainer verifies it).
+    """
     params = run_params(context, job)
     store = store_for(job)
     run_id = run_id_of(context)
+    try_number = int(getattr(context.get("ti"), "try_number", None) or 1)
     spec = job.sites[site]
     process = spec.launcher_spec.process
     manager = spec.resource_manager
@@ -82,6 +157,8 @@ def make_site_run(job: JobConfig, site: str, round_num: int, context: Context, *
         argv=argv,
         global_model=str(store.global_model(job.job, run_id, round_num - 1)),
         output=str(store.site_update(job.job, run_id, round_num, site)),
+        staging=str(store.staging(job.job, run_id, round_num, site, try_number)),
+        global_sha256=produced_sha256(context, global_task_id),
         env=dict(process.env) if local else {},
         hparams=params.hparams,
         cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
@@ -100,14 +177,18 @@ class SiteTrainOperator(BashOperator):
     :param job: the validated job.
     :param site: the site's name (a key of ``job.sites``).
     :param round_num: the round, 1-based. Rounds beyond the run's ``rounds`` parameter are skipped.
+    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
 
     Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
     """
 
     ui_color = "#d9f0d3"
     template_fields = ()
+    _secrets_json = ""
 
-    def __init__(self, *, job: JobConfig, site: str, round_num: int, **kwargs: Any) -> None:
+    def __init__(
+        self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
+    ) -> None:
         site_task_defaults(job, site, kwargs)
         super().__init__(
             bash_command=f"exec {shlex.quote(sys.executable)} -m flare_airflow.launchers.site_runner",
@@ -120,20 +201,37 @@ class SiteTrainOperator(BashOperator):
         self.job = job
         self.site = site
         self.round_num = round_num
+        self.global_task_id = global_task_id
         self._spec_json = ""
 
     def site_run(self, context: Context) -> SiteRun:
-        return make_site_run(self.job, self.site, self.round_num, context, argv=trainer_argv(self.job))
+        return make_site_run(
+            self.job,
+            self.site,
+            self.round_num,
+            context,
+            argv=trainer_argv(self.job),
+            global_task_id=self.global_task_id,
+        )
 
     def get_env(self, context: Context) -> dict[str, str]:
         env = super().get_env(context)
         env[SPEC_ENV] = self._spec_json
+        if self._secrets_json:
+            env[SECRETS_ENV] = self._secrets_json
         return env
 
     def execute(self, context: Context) -> Any:
         skip_beyond_rounds(context, self.job, self.round_num)
         run = self.site_run(context)
         self._spec_json = run.to_json()
+        if self.job.sites[self.site].launcher == "process":
+            try:
+                secrets = resolve_secret_env(self.job, self.site)
+            except SiteJobFailed as exc:
+                write_failure(path_from_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
+                raise
+            self._secrets_json = json.dumps(secrets) if secrets else ""
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
         try:
             return super().execute(context)
