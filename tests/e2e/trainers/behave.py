@@ -2,6 +2,8 @@
 
     behave.py [--fail SITE]... [--nan SITE]... [--shape SITE]... [--dtype SITE]...
               [--pickle SITE]... [--silent SITE]... [--hang SITE]... [--pidfile DIR] [--echo-args FILE]
+              [--send-then-fail SITE]... [--send-twice SITE]... [--nan-metric SITE]...
+              [--clobber-output-late SITE]... [--diff-all VALUE]
 
 Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number.
 """
@@ -22,8 +24,10 @@ import flare_airflow.client as flare
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    for flag in ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang"):
-        p.add_argument(f"--{flag}", action="append", default=[])
+    flags = ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang", "send_then_fail", "send_twice", "nan_metric")
+    for flag in (*flags, "clobber_output_late"):
+        p.add_argument(f"--{flag.replace('_', '-')}", action="append", default=[])
+    p.add_argument("--diff-all", type=float)
     p.add_argument("--fail-evaluate", action="store_true")
     p.add_argument("--pidfile-dir")
     p.add_argument("--echo-args")
@@ -60,7 +64,24 @@ def main() -> int:
     if site in args.dtype:
         params["w"] = params["w"].astype(np.float64)
     number = int(site.rsplit("-", 1)[1])
-    flare.send(flare.FLModel(params=params, metrics={"train_loss": float(number)}, meta={"num_samples": number}))
+    if args.diff_all is not None:
+        diff = {k: np.full_like(v, args.diff_all) for k, v in model.params.items()}
+        flare.send(flare.FLModel(params=diff, params_type=flare.ParamsType.DIFF, meta={"num_samples": number}))
+        return 0
+    metrics = {"train_loss": float("nan") if site in args.nan_metric else float(number)}
+    flare.send(flare.FLModel(params=params, metrics=metrics, meta={"num_samples": number}))
+    if site in args.send_then_fail:
+        print(f"{site}: sent, now failing on purpose", flush=True)
+        return 5
+    if site in args.send_twice:
+        flare.send(flare.FLModel(params=params, meta={"num_samples": number}))
+    if site in args.clobber_output_late:
+        # A trainer that leaves a child behind which rewrites its output after the job ended.
+        out = os.environ["FLARE_OUTPUT"].removeprefix("file://")
+        code = f"import time, shutil; time.sleep(2); open({out!r}, 'wb').write(b'late garbage')"
+        import subprocess
+
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     if site in args.pickle:
         # Overwrite the update with a pickle payload and a record that matches it.
         out = os.environ["FLARE_OUTPUT"].removeprefix("file://")
