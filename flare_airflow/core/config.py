@@ -143,11 +143,83 @@ def _quantity_bytes(number: str, suffix: str) -> float:
     return float(number) * _QUANTITY_SUFFIXES[suffix]
 
 
+CONNECTION_FIELDS = ("password", "login", "host", "schema", "port", "uri")
+
+
+class AirflowSecretRef(_Strict):
+    """A secret of a process site: a field of an Airflow connection, or an Airflow variable.
+
+    Resolved on the worker when the site job starts, masked in task logs, and passed to the
+    trainer's environment only -- the value never appears in a job, argv, XCom or the store.
+    (The process sites' counterpart of the Kubernetes ``SecretRef``.)
+    """
+
+    conn_id: str | None = Field(None, description="Airflow connection id")
+    field: str = Field(
+        "password", description="connection field: password, login, host, schema, port, uri or extra.<key>"
+    )
+    variable: str | None = Field(None, description="Airflow variable key (instead of conn_id)")
+
+    @field_validator("conn_id", "variable")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or any(c.isspace() or c == "\0" for c in value)):
+            raise ValueError(f"{value!r} must be a non-empty Airflow connection id or variable key without spaces")
+        return value
+
+    @field_validator("field")
+    @classmethod
+    def _field(cls, value: str) -> str:
+        if value not in CONNECTION_FIELDS and not (value.startswith("extra.") and len(value) > len("extra.")):
+            raise ValueError(f"field {value!r} is not one of {', '.join(CONNECTION_FIELDS)} or extra.<key>")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AirflowSecretRef:
+        _exactly_one("a secret reference", conn_id=self.conn_id, variable=self.variable)
+        if self.variable is not None and "field" in self.model_fields_set:
+            raise ValueError("field applies to conn_id only (a variable has one value)")
+        return self
+
+    def describe(self) -> str:
+        return f"Airflow variable {self.variable!r}" if self.variable else f"connection {self.conn_id!r} {self.field}"
+
+
 class ProcessLaunchSpec(_Strict):
     """Site policy for local-process site jobs."""
 
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the trainer")
+    secret_env: dict[str, AirflowSecretRef] = Field(
+        default_factory=dict,
+        description="environment from Airflow: NAME: {conn_id: <id>, field: password} or {variable: <key>}",
+    )
     cwd: str | None = Field(None, description="working directory of the trainer")
+
+    @field_validator("secret_env", mode="before")
+    @classmethod
+    def _secret_references(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for name, ref in value.items():
+                if not isinstance(ref, Mapping | AirflowSecretRef):
+                    raise ValueError(
+                        f"secret_env.{name} must be a reference {{conn_id: <connection>, field: <field>}} or "
+                        "{variable: <key>}, never the value itself (values stay in Airflow connections/variables)"
+                    )
+        return value
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, value: dict[str, AirflowSecretRef]) -> dict[str, AirflowSecretRef]:
+        for name in value:
+            _env_name(name, "secret_env", reserved=RESERVED_PROCESS_ENV_PREFIXES)
+        return value
+
+    @model_validator(mode="after")
+    def _env_or_secret(self) -> ProcessLaunchSpec:
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"{', '.join(both)} set in both env and secret_env; keep one")
+        return self
 
     @field_validator("env")
     @classmethod
