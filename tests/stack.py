@@ -104,6 +104,10 @@ class AirflowStack:
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url,
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
+            # The workers' and the triggerer's log servers default to 8793/8794: another stack (or
+            # a leftover of one) on the machine would hold them.
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__API__BASE_URL": self.base,
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
