@@ -939,6 +939,7 @@ class KubernetesLauncher(JobLauncherSpec):
     def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> KubernetesJobHandle:
         try_number = int((fl_ctx or {}).get("try_number", self.try_number))
         pod = build_pod(job_meta, self.spec, self.resources, store_root=self.store_root, try_number=try_number)
+        self._make_output_dir(job_meta)
         try:
             created = self.core.create_namespaced_pod(self.spec.namespace, pod, _request_timeout=_REQUEST_TIMEOUT)
         except ApiException as exc:
@@ -949,3 +950,11 @@ class KubernetesLauncher(JobLauncherSpec):
                 f"{job_meta.label}: {what}: {pod.metadata.namespace}/{pod.metadata.name}: {_api_message(exc)}"
             ) from exc
         return KubernetesJobHandle(self, job_meta, created)
+
+    def _make_output_dir(self, job: SiteJob) -> None:
+        # The kubelet creates a missing subPath directory owned by root, where the trainer (UID 1000)
+        # could not write its update: create it first, as the store's owner.
+        output = job.env.get("FLARE_OUTPUT")
+        path = _local_path(output) if output is not None and self.spec.store_mount is not None else None
+        if path is not None:
+            os.makedirs(posixpath.dirname(path), exist_ok=True)

@@ -1006,3 +1006,17 @@ def test_host_paths_outside_the_allow_list_are_refused(monkeypatch: pytest.Monke
         image="x", store_mount={"pvc": "store"}, volumes=[{"name": "s", "mount_path": "/s", "empty_dir": True}]
     )
     build_pod(site_job(), pvc, ResourceSpec(), store_root=STORE)
+
+
+def test_the_launcher_creates_the_output_directory_before_the_pod(tmp_path) -> None:
+    # Otherwise the kubelet creates the subPath directory owned by root, unwritable for UID 1000.
+    root = tmp_path / "store"
+    job = _staging_job()
+    env = {k: v.replace(STORE, str(root)) for k, v in job.env.items()}
+    fake = FakeCore()
+    ln = launcher(fake, store_mount={"pvc": "store"})
+    ln.store_root = str(root)
+    ln.launch_job(site_job(env=env))
+    assert (root / "digits/run/round-0003/staging/site-1/try-2").is_dir()
+    assert not (root / "digits/run/round-0002").exists(), "the input is the Airflow side's to write"
+    assert fake.calls == ["create"]
