@@ -333,7 +333,8 @@ def _absolute_path(value: str, what: str) -> str:
     return path
 
 
-def _within(path: str, top: str) -> bool:
+def path_within(path: str, top: str) -> bool:
+    """Whether ``path`` is ``top`` or lies under it (both normalised absolute paths)."""
     return top == "/" or path == top or path.startswith(top + "/")
 
 
@@ -391,7 +392,7 @@ def _system_dir(path: str, system: tuple[str, ...]) -> str | None:
         return "/"
     if _LIB_DIR.match(path):
         return "/" + path.split("/")[1]
-    return next((top for top in system if _within(path, top) or _within(top, path)), None)
+    return next((top for top in system if path_within(path, top) or path_within(top, path)), None)
 
 
 def _host_path(value: str, what: str) -> str:
@@ -762,7 +763,7 @@ class KubernetesLaunchSpec(_Strict):
             for vol in self.volumes:
                 # The pod sees only its round's input (read-only) and its own output of the store;
                 # a volume over, under or of the store would hand it the rest.
-                if _within(vol.mount_path, store.mount_path) or _within(store.mount_path, vol.mount_path):
+                if path_within(vol.mount_path, store.mount_path) or path_within(store.mount_path, vol.mount_path):
                     raise ValueError(
                         f"volume {vol.name!r}: mount_path {vol.mount_path} overlaps store_mount.mount_path "
                         f"{store.mount_path}; mount it elsewhere"
@@ -770,7 +771,7 @@ class KubernetesLaunchSpec(_Strict):
                 if (vol.pvc is not None and vol.pvc == store.pvc) or (
                     vol.host_path is not None
                     and store.host_path is not None
-                    and (_within(vol.host_path, store.host_path) or _within(store.host_path, vol.host_path))
+                    and (path_within(vol.host_path, store.host_path) or path_within(store.host_path, vol.host_path))
                 ):
                     raise ValueError(
                         f"volume {vol.name!r} mounts the model store (or part of it) again; the pod gets the store "

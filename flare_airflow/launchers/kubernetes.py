@@ -70,6 +70,7 @@ from flare_airflow.core.config import (
     KubernetesLaunchSpec,
     ResourceSpec,
     TrainerSpec,
+    path_within,
 )
 from flare_airflow.core.spec import JobHandleSpec, JobLauncherSpec, JobReturnCode, JobState, LineSink, SiteJob
 from flare_airflow.launchers.process import LaunchError, map_exit
@@ -313,7 +314,7 @@ def _check_host_paths(site_job: SiteJob, spec: KubernetesLaunchSpec) -> None:
     if spec.store_mount is not None and spec.store_mount.host_path is not None:
         used.insert(0, ("store_mount", spec.store_mount.host_path))
     for what, path in used:
-        if not any(top == "/" or path == top or path.startswith(top + "/") for top in allowed):
+        if not any(path_within(path, top) for top in allowed):
             where = ", ".join(allowed) or "none"
             raise LaunchError(
                 f"{site_job.label}: launcher_spec.k8s {what}: host_path {path} is not under a host path this site "
