@@ -352,6 +352,12 @@ def run_site(
         write_failure(output, rc, reason)
         return rc, reason
     try:
+        try:
+            check_global_model(run)
+        except GlobalModelUnusable as exc:
+            # A process trainer can write wherever its user can: its update was made from a model
+            # that others will no longer find intact.
+            raise FlareAirflowError(f"the trainer changed or removed its input global model: {exc}") from None
         return JobReturnCode.SUCCESS, check_result(run, output)
     except FlareAirflowError as exc:
         clear_outputs(output)

@@ -1,0 +1,133 @@
+"""Bad-input battery, category "site_env": what a site's host or its admin got wrong.
+
+Each case runs the site runner (``run_site``, real processes) or the site task's secret
+resolution against a broken environment and checks the user is told what, where and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from flare_airflow.core.model import FLModel, write_artifact
+from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.store import record_path
+from flare_airflow.launchers.process import ProcessLauncher
+from flare_airflow.launchers.site_runner import SiteRun, failure_path, run_site
+from tests.bad_inputs.cases import Case, assert_clear
+
+PY = sys.executable
+OK = (
+    "import flare_airflow.client as flare\nm = flare.receive()\n"
+    "flare.send(flare.FLModel(params=m.params, meta={'num_samples': 1}))\n"
+)
+
+CASES = [
+    Case("site-cwd-missing", "site_env", "launcher_spec.process.cwd does not exist on the host",
+         "the working directory '{tmp}/nowhere' does not exist on this host; "
+         "create it or change the site's launcher_spec.process.cwd"),
+    Case("site-cwd-is-a-file", "site_env", "cwd names a file", "is not a directory"),
+    Case("site-interpreter-missing", "site_env", "trainer.command names an interpreter that is not installed",
+         "cannot start '/opt/no-python/bin/python3': no such file"),
+    Case("site-interpreter-not-on-path", "site_env", "trainer.command ['python9'] is not on PATH",
+         "cannot start 'python9': the program was not found on PATH"),
+    Case("site-interpreter-not-executable", "site_env", "trainer.command names a file without execute permission",
+         "not an executable file"),
+    Case("site-interpreter-is-a-directory", "site_env", "trainer.command names a directory", "not an executable file"),
+    Case("site-script-missing", "site_env", "trainer.script does not exist on the site's host",
+         "No such file or directory"),
+    Case("site-env-nul-value", "site_env", "an env value with a NUL byte (set in Python, past validation)",
+         "the value of environment variable 'TOKEN' contains a NUL byte"),
+    Case("site-env-bad-name", "site_env", "a process env name with '='",
+         "'A=B' cannot be an environment variable name"),
+    Case("site-gpu-lock-dir-is-a-file", "site_env", "FLARE_GPU_LOCK_DIR names a file",
+         "exists but is not a directory; remove it or the lock directory must be a directory writable"),
+    Case("site-gpu-lock-dir-not-writable", "site_env", "FLARE_GPU_LOCK_DIR is not writable (/proc/sys)",
+         "the GPU lock directory /proc/sys is not writable by this user"),
+    Case("site-gpu-lock-dir-uncreatable", "site_env", "FLARE_GPU_LOCK_DIR lies under a file",
+         "cannot create the GPU lock directory"),
+    Case("site-gpus-more-than-host", "site_env", "the job asks for 4 GPUs, the host has 2",
+         "asks for 4 GPU(s) but this host has only 2"),
+    Case("site-global-model-missing", "site_env", "the round's input global model was removed from the store",
+         "does not exist; re-run the task that published it"),
+    Case("site-global-model-corrupted", "site_env", "the input global model's bytes changed after publication",
+         "does not match its record"),
+    Case("site-global-record-missing", "site_env", "the input global model's record (global.json) is missing",
+         "has no record global.json (never completed)"),
+    Case("site-global-record-corrupted", "site_env", "the input global model's record is not JSON",
+         "its record global.json is corrupted (JSONDecodeError)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_site_env_case(case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    global_model = store / "round-0000" / "global.safetensors"
+    write_artifact(global_model, FLModel(params={"w": np.ones(3, np.float32)}))
+    script = tmp_path / "trainer.py"
+    script.write_text(OK)
+    (tmp_path / "file").write_text("")
+    (tmp_path / "noexec").write_text("#!/bin/sh\n")
+    output = store / "round-0001" / "sites" / "site-1.safetensors"
+    fields: dict[str, object] = {
+        "job": "demo", "run_id": "r", "round": 1, "total_rounds": 1, "site": "site-1", "task": "train",
+        "argv": [PY, str(script)], "global_model": str(global_model), "output": str(output),
+        "staging": str(store / "round-0001" / "staging" / "site-1" / "try-1" / "update.safetensors"),
+        "shutdown_timeout": 2.0,
+    }  # fmt: skip
+    gpu = {"assign_gpus": True, "num_gpus": 1, "gpu_capacity": 2, "gpu_wait_timeout": 1.0}
+    match case.id:
+        case "site-cwd-missing":
+            fields["cwd"] = str(tmp_path / "nowhere")
+        case "site-cwd-is-a-file":
+            fields["cwd"] = str(tmp_path / "file")
+        case "site-interpreter-missing":
+            fields["argv"] = ["/opt/no-python/bin/python3", str(script)]
+        case "site-interpreter-not-on-path":
+            fields["argv"] = ["python9", str(script)]
+        case "site-interpreter-not-executable":
+            fields["argv"] = [str(tmp_path / "noexec"), str(script)]
+        case "site-interpreter-is-a-directory":
+            fields["argv"] = [str(tmp_path), str(script)]
+        case "site-script-missing":
+            fields["argv"] = [PY, str(tmp_path / "missing_train.py")]
+        case "site-env-nul-value":
+            fields["env"] = {"TOKEN": "abc\0def"}
+        case "site-env-bad-name":
+            fields["env"] = {"A=B": "x"}
+        case "site-gpu-lock-dir-is-a-file":
+            monkeypatch.setenv("FLARE_GPU_LOCK_DIR", str(tmp_path / "file"))
+            fields.update(gpu)
+        case "site-gpu-lock-dir-not-writable":
+            monkeypatch.setenv("FLARE_GPU_LOCK_DIR", "/proc/sys")
+            fields.update(gpu)
+        case "site-gpu-lock-dir-uncreatable":
+            monkeypatch.setenv("FLARE_GPU_LOCK_DIR", str(tmp_path / "file" / "locks"))
+            fields.update(gpu)
+        case "site-gpus-more-than-host":
+            monkeypatch.setenv("FLARE_GPU_LOCK_DIR", str(tmp_path / "locks"))
+            fields.update(gpu, num_gpus=4)
+        case "site-global-model-missing":
+            global_model.unlink()
+        case "site-global-model-corrupted":
+            global_model.write_bytes(global_model.read_bytes()[:-1] + b"\x7f")
+        case "site-global-record-missing":
+            record_path(global_model).unlink()
+        case "site-global-record-corrupted":
+            record_path(global_model).write_text("{")
+    lines: list[str] = []
+    try:
+        rc, result = run_site(SiteRun(**fields), ProcessLauncher(sink=lines.append), handle_signals=False)  # type: ignore[arg-type]
+    except OSError as exc:
+        pytest.fail(f"{case.id}: {type(exc).__name__} escaped the site runner: {exc}")
+    assert rc is not JobReturnCode.SUCCESS, f"{case.id}: accepted: {result}"
+    assert isinstance(result, str)
+    message = result + "\n" + "\n".join(lines[-5:])
+    assert_clear(Case(case.id, case.category, case.bad_input, case.error.format(tmp=tmp_path)), message)
+    assert "abc\0def" not in message
+    assert not output.exists() and failure_path(output).exists()
+    assert json.loads(failure_path(output).read_text())["reason"] == result
