@@ -661,10 +661,10 @@ class KubernetesLaunchSpec(_Strict):
 
     @field_validator("kubernetes_conn_id", "config_file", "cluster_context", "trainer_script")
     @classmethod
-    def _non_empty(cls, value: str | None) -> str | None:
+    def _non_empty(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None and not value.strip():
             raise ValueError("must not be empty (leave it out for the default)")
-        return value
+        return None if value is None else _no_nul(value, str(info.field_name))
 
     @field_validator("image_pull_secrets")
     @classmethod
@@ -713,8 +713,9 @@ class KubernetesLaunchSpec(_Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
+        for name, item in value.items():
             _env_name(name, "env")
+            _no_nul(item, f"env.{name}")
         return value
 
     @field_validator("secret_env", mode="before")

@@ -231,6 +231,12 @@ case(
     k8s={"env": {"OMP_NUM_THREADS": 4}},
 )
 case(
+    "k8s-env-value-nul",
+    '`env: {MODE: "a\\0b"}` (a NUL character)',
+    "env.MODE contains a NUL character",
+    k8s={"env": {"MODE": "a\0b"}},
+)
+case(
     "k8s-secret-value-inline",
     "`secret_env: {HF_TOKEN: hf_abc123}` (the value itself)",
     "secret_env.HF_TOKEN must be a reference {secret: <Secret name>, key: <key>}, never the value itself",
@@ -535,6 +541,12 @@ case(
     "`trainer_command: []`",
     "must not be empty (leave it out for the default ['python'])",
     k8s={"trainer_command": []},
+)
+case(
+    "k8s-trainer-script-nul",
+    '`trainer_script: "/opt/t.py\\0x"` (a NUL character)',
+    "trainer_script contains a NUL character",
+    k8s={"trainer_script": "/opt/t.py\0x"},
 )
 case(
     "k8s-trainer-script-blank",
