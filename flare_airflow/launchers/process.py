@@ -229,6 +229,7 @@ class ProcessJobHandle(JobHandleSpec):
         handshake: Path | None,
         mark: str | None = None,
         adopt_orphans: bool = False,
+        hidden: Iterable[str] = (),
     ) -> None:
         self.job = job
         self.proc = proc
@@ -241,7 +242,7 @@ class ProcessJobHandle(JobHandleSpec):
         self._reason = ""
         self._lock = threading.Lock()
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self._hidden: set[str] = set()
+        self._hidden: set[str] = {v for v in hidden if v}
         self._reader = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
         self._reader.start()
 
@@ -250,13 +251,16 @@ class ProcessJobHandle(JobHandleSpec):
             return
         for line in stream:
             text = line.rstrip("\n")
+            for value in self._hidden:  # a trainer that prints a secret: the log shows ***
+                text = text.replace(value, "***")
             if text.strip():
                 self._tail.append(text)
             self._sink(text)
         stream.close()
 
     def hide(self, values: Iterable[str]) -> None:
-        """Never repeat these strings (secrets in the trainer's environment) in :attr:`reason`."""
+        """Never repeat these strings (secrets in the trainer's environment) in its output lines
+        from now on or in :attr:`reason` (pass them to the launcher to cover the first lines too)."""
         self._hidden.update(v for v in values if v)
 
     def last_output(self) -> str:
@@ -483,12 +487,20 @@ class ProcessLauncher(JobLauncherSpec):
         become a child subreaper and count every other descendant of this process as the job's,
         so that a daemon that left the job's session and scrubbed its environment still ends
         with the job.
+    :param hidden: strings (secret values) replaced by ``***`` in every output line and reason.
     """
 
-    def __init__(self, sink: LineSink | None = None, prefix_lines: bool = True, adopt_orphans: bool = False) -> None:
+    def __init__(
+        self,
+        sink: LineSink | None = None,
+        prefix_lines: bool = True,
+        adopt_orphans: bool = False,
+        hidden: Iterable[str] = (),
+    ) -> None:
         self.sink = sink or _default_sink
         self.prefix_lines = prefix_lines
         self.adopt_orphans = adopt_orphans and become_subreaper()
+        self.hidden = tuple(v for v in hidden if v)
 
     def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> ProcessJobHandle:
         if not job_meta.argv:
@@ -531,4 +543,4 @@ class ProcessLauncher(JobLauncherSpec):
                 handshake.unlink(missing_ok=True)
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise LaunchError(f"{job_meta.label}: cannot start {job_meta.argv[0]!r}: {detail}") from exc
-        return ProcessJobHandle(job_meta, proc, emit, handshake, mark, self.adopt_orphans)
+        return ProcessJobHandle(job_meta, proc, emit, handshake, mark, self.adopt_orphans, self.hidden)

@@ -150,10 +150,15 @@ def check_global_model(run: SiteRun) -> None:
         with record.open("rb") as fh:
             raw = json.loads(fh.read(1_000_000))
         expected, size = str(raw["sha256"]), int(raw["size"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise GlobalModelUnusable(
             f"{where}: its record {record.name} is corrupted ({type(exc).__name__}); {rerun}"
         ) from None
+    if run.global_sha256 and expected != run.global_sha256:
+        raise GlobalModelUnusable(
+            f"{where} is not the one its producer published (its record says sha256 {expected[:12]}…, the "
+            f"producer's XCom {run.global_sha256[:12]}…): it was replaced; {rerun}"
+        )
     digest = hashlib.sha256()
     got = 0
     with path.open("rb") as fh:
@@ -190,19 +195,27 @@ def clear_outputs(output: WritablePath) -> None:
 
 
 def write_failure(output: WritablePath, rc: JobReturnCode, reason: str) -> None:
+    """Leave the reason for the aggregation; best effort: a full or read-only store must not hide
+    the reason, which also goes to this task's log and error."""
     path = failure_path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        fh.write(json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as fh:
+            fh.write(json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}))
+    except OSError as exc:
+        print(f"cannot write the failure record {path} ({exc.strerror or exc}): {reason}", file=sys.stderr, flush=True)
 
 
 def read_failure(output: WritablePath) -> str | None:
     path = failure_path(output)
     if not path.exists():
         return None
-    with path.open("r") as fh:
-        data = json.loads(fh.read())
-    return f"{data.get('reason', 'failed')} [{data.get('name', '?')}]"
+    try:
+        with path.open("r") as fh:
+            data = json.loads(fh.read(1 << 16))
+        return f"{str(data.get('reason', 'failed'))[:2000]} [{data.get('name', '?')}]"
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        return f"the site's failure record {path} is unreadable ({type(exc).__name__})"
 
 
 def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
@@ -274,8 +287,12 @@ def run_site(
     to the trainer's environment only, and never repeated in a failure reason.
     """
     output = path_from_uri(run.output)
-    clear_outputs(output)
-    launcher = launcher or ProcessLauncher(adopt_orphans=handle_signals)
+    try:
+        clear_outputs(output)
+    except OSError as exc:
+        reason = f"cannot prepare {output.parent} in the model store: {exc.strerror or exc}; check the store"
+        return JobReturnCode.INFRASTRUCTURE_ERROR, reason
+    launcher = launcher or ProcessLauncher(adopt_orphans=handle_signals, hidden=(secrets or {}).values())
     job = run.site_job()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
 

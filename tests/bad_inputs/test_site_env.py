@@ -60,6 +60,11 @@ CASES = [
          "has no record global.json (never completed)"),
     Case("site-global-record-corrupted", "site_env", "the input global model's record is not JSON",
          "its record global.json is corrupted (JSONDecodeError)"),
+    Case("site-global-model-replaced", "site_env",
+         "the input global model and its record were replaced by another valid model after publication",
+         "is not the one its producer published"),
+    Case("site-store-round-dir-is-a-file", "site_env", "the round's directory in the store is a file",
+         "in the model store: Not a directory; check the store"),
 ]  # fmt: skip
 
 
@@ -119,6 +124,10 @@ def test_site_env_case(case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.M
             record_path(global_model).unlink()
         case "site-global-record-corrupted":
             record_path(global_model).write_text("{")
+        case "site-global-model-replaced":
+            fields["global_sha256"] = "0" * 64
+        case "site-store-round-dir-is-a-file":
+            (store / "round-0001").write_text("")
     lines: list[str] = []
     try:
         rc, result = run_site(SiteRun(**fields), ProcessLauncher(sink=lines.append), handle_signals=False)  # type: ignore[arg-type]
@@ -129,5 +138,27 @@ def test_site_env_case(case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.M
     message = result + "\n" + "\n".join(lines[-5:])
     assert_clear(Case(case.id, case.category, case.bad_input, case.error.format(tmp=tmp_path)), message)
     assert "abc\0def" not in message
+    if case.id == "site-store-round-dir-is-a-file":
+        return  # nowhere to leave a failure record: the reason travels in the task's error
     assert not output.exists() and failure_path(output).exists()
     assert json.loads(failure_path(output).read_text())["reason"] == result
+
+
+def test_a_trainer_printing_its_secret_shows_stars_in_every_line(tmp_path: pathlib.Path) -> None:
+    store = tmp_path / "store"
+    global_model = store / "round-0000" / "global.safetensors"
+    write_artifact(global_model, FLModel(params={"w": np.ones(3, np.float32)}))
+    script = tmp_path / "leaky.py"
+    script.write_text("import os, sys\nprint('first line:', os.environ['API_TOKEN'], flush=True)\nsys.exit(3)\n")
+    run = SiteRun(
+        job="demo", run_id="r", round=1, total_rounds=1, site="site-1", task="train",
+        argv=[PY, str(script)], global_model=str(global_model),
+        output=str(store / "round-0001" / "sites" / "site-1.safetensors"), shutdown_timeout=2.0,
+    )  # fmt: skip
+    lines: list[str] = []
+    canary = "canary-6f1d0c"
+    launcher = ProcessLauncher(sink=lines.append, hidden=[canary])
+    rc, result = run_site(run, launcher, handle_signals=False, secrets={"API_TOKEN": canary})
+    assert rc is JobReturnCode.EXECUTION_ERROR
+    assert any("first line: ***" in line for line in lines), lines
+    assert canary not in "\n".join(lines) + str(result)
