@@ -323,25 +323,30 @@ def _check_host_paths(site_job: SiteJob, spec: KubernetesLaunchSpec) -> None:
             )
 
 
-def _store_dirs(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) -> dict[str, bool]:
-    """The store directories the pod needs, relative to the store root, each with whether it is read-only:
-    the directory holding ``FLARE_GLOBAL_MODEL`` (read-only) and the one holding ``FLARE_OUTPUT``."""
+def _store_paths(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) -> dict[str, bool]:
+    """The store paths the pod needs, relative to the store root, each with whether it is read-only:
+    the input global model's tensors file and record (read-only: not the directory, which also
+    holds the previous round's site updates) and the directory holding ``FLARE_OUTPUT``."""
     if spec.store_mount is None or store_root is None:
         return {}
-    dirs: dict[str, bool] = {}
-    for name, read_only in (("FLARE_GLOBAL_MODEL", True), ("FLARE_OUTPUT", False)):
-        value = site_job.env.get(name)
-        if value is None:
-            continue
-        relative = store_path_in_pod(value, store_root, "/").lstrip("/")
-        directory = posixpath.dirname(relative)
-        # One directory holding both stays writable: the output must be written.
-        dirs[directory] = dirs.get(directory, True) and read_only
-    return dirs
+    paths: dict[str, bool] = {}
+    model = site_job.env.get("FLARE_GLOBAL_MODEL")
+    if model is not None:
+        relative = store_path_in_pod(model, store_root, "/").lstrip("/")
+        paths[relative] = True
+        paths[relative.removesuffix(".safetensors") + ".json"] = True
+    output = site_job.env.get("FLARE_OUTPUT")
+    if output is not None:
+        directory = posixpath.dirname(store_path_in_pod(output, store_root, "/").lstrip("/"))
+        # A directory that also holds the input stays writable: the output must be written.
+        for path in [p for p in paths if p.startswith(directory + "/")]:
+            del paths[path]
+        paths[directory] = False
+    return paths
 
 
 def _volumes(
-    spec: KubernetesLaunchSpec, store_dirs: Mapping[str, bool]
+    spec: KubernetesLaunchSpec, store_paths: Mapping[str, bool]
 ) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
     volumes: list[k8s.V1Volume] = []
     mounts: list[k8s.V1VolumeMount] = []
@@ -364,13 +369,13 @@ def _volumes(
     add(SCRATCH_VOLUME, None, None)
     mount(SCRATCH_VOLUME, SCRATCH_PATH, False)
     store = spec.store_mount
-    if store is not None and store_dirs:
+    if store is not None and store_paths:
         add(STORE_VOLUME, store.pvc, store.host_path)
-        # Each directory at its usual place under mount_path (so FLARE_* paths are as without
+        # Each path at its usual place under mount_path (so FLARE_* paths are as without
         # subPaths), a parent before anything mounted inside it.
-        for directory in sorted(store_dirs, key=len):
-            mount_path = posixpath.join(store.mount_path, directory).rstrip("/") or "/"
-            mount(STORE_VOLUME, mount_path, store_dirs[directory], directory)
+        for path in sorted(store_paths, key=len):
+            mount_path = posixpath.join(store.mount_path, path).rstrip("/") or "/"
+            mount(STORE_VOLUME, mount_path, store_paths[path], path)
     for vol in spec.volumes:
         add(vol.name, vol.pvc, vol.host_path)
         mount(vol.name, vol.mount_path, vol.read_only)
@@ -406,7 +411,7 @@ def build_pod(
     labels = {**spec.labels, **pod_labels(site_job.job, site_job.run_id, site_job.round, site_job.site, try_number)}
     annotations = {**spec.annotations, RUN_ID_ANNOTATION: site_job.run_id}
     env = _env(site_job, spec, store_root)
-    volumes, mounts = _volumes(spec, _store_dirs(site_job, spec, store_root))
+    volumes, mounts = _volumes(spec, _store_paths(site_job, spec, store_root))
     container = k8s.V1Container(
         name=CONTAINER_NAME,
         image=spec.image,

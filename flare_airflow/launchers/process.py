@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobHandleSpec, JobLauncherSpec, JobReturnCode, JobState, LineSink, SiteJob
 
 _POLL_INTERVAL = 0.05
@@ -46,7 +47,7 @@ _PASSTHROUGH_CODES = {
 }
 
 
-class LaunchError(RuntimeError):
+class LaunchError(FlareAirflowError, RuntimeError):
     """The process could not be started (missing executable, bad cwd, ...)."""
 
 

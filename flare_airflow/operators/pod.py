@@ -16,6 +16,7 @@ from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk import Context
+from airflow.sdk.bases.xcom import BaseXCom
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 
 from flare_airflow.core.config import JobConfig
@@ -86,13 +87,18 @@ class SitePodOperator(KubernetesPodOperator):
         if context is None:
             raise FlareAirflowError("a site pod is built for one task instance: a context is needed")
         store = store_for(self.job)
-        pod = job_pod(
-            self.job,
-            self.site,
-            self._site_run(context).site_job(),
-            store_root=str(store.root),
-            try_number=int(context["ti"].try_number or 1),
-        )
+        run = self._site_run(context)
+        try:
+            pod = job_pod(
+                self.job,
+                self.site,
+                run.site_job(),
+                store_root=str(store.root),
+                try_number=int(context["ti"].try_number or 1),
+            )
+        except FlareAirflowError as exc:  # site policy refused the pod (host paths, store): no pod exists
+            write_failure(path_from_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
+            raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {exc} [CONFIG_ERROR]") from None
         # The operator's own identifying labels too, so that Airflow's tooling finds the pod.
         pod.metadata.labels.update(self._get_ti_pod_labels(context))
         return pod
@@ -200,8 +206,12 @@ class SitePodOperator(KubernetesPodOperator):
             write_failure(output, rc, reason)
             raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {reason} [{rc.name}]") from None
         try:
-            return check_result(run, output)
+            summary = check_result(run, output)
         except FlareAirflowError as exc:
             clear_outputs(output)
             write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
             raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {exc}") from None
+        # do_xcom_push is the stock operator's sidecar switch (off): push the summary ourselves, as
+        # the aggregation counts exactly the updates whose site task returned one.
+        context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=summary)
+        return summary

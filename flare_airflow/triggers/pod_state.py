@@ -222,15 +222,15 @@ class PodStateTrigger(BaseTrigger):
         the list), ends the trigger with an ``error`` event so that the operator can clean up.
         """
         try:
-            async for event in self._watch():
-                yield event
-                return
+            event = await self._watch()
         except Exception as exc:  # an error event lets the operator delete the pod; a raise would not
             self.log.exception("watching pod %s/%s failed", self.pod_namespace, self.pod_name)
-            self._fired = True
-            yield self._error_event(f"watching the pod failed: {type(exc).__name__}: {exc}")
+            event = self._error_event(f"watching the pod failed: {type(exc).__name__}: {exc}")
+        self._fired = True
+        yield event
 
-    async def _watch(self) -> AsyncIterator[TriggerEvent]:
+    async def _watch(self) -> TriggerEvent:
+        """The pod's first decisive event (its API connection is closed when this returns)."""
         from kubernetes_asyncio import client, watch
         from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -250,15 +250,11 @@ class PodStateTrigger(BaseTrigger):
                         version = listed.metadata.resource_version
                     status = self._status(pod)
                     if status.done:
-                        self._fired = True
-                        yield self._event(status, pod)
-                        return
+                        return self._event(status, pod)
                     left = self._seconds_left()
                     if left is not None and left <= 0:
                         await self._delete(core)
-                        self._fired = True
-                        yield self._deadline_event()
-                        return
+                        return self._deadline_event()
                     wait = self._watch_seconds(pod)
                     # The provider's API client gives every request a 60 s total timeout unless the
                     # call names its own: a watch states how long it may stay silent instead.
@@ -287,9 +283,7 @@ class PodStateTrigger(BaseTrigger):
                         pod = None if item["type"] == "DELETED" else obj
                         status = self._status(pod)
                         if status.done:
-                            self._fired = True
-                            yield self._event(status, pod)
-                            return
+                            return self._event(status, pod)
                     failures = 0  # the server ended the watch (timeoutSeconds): check deadlines, go on
                 except ApiException as exc:
                     if exc.status == 410:  # the resourceVersion was compacted away: list again

@@ -600,7 +600,7 @@ class _PodRun:
         return True
 
     def _set_final_phase(self) -> None:
-        failed = any(c.state["terminated"].get("exitCode", 1) != 0 for c in self.containers)
+        failed = any(c.state.get("terminated", {}).get("exitCode", 1) != 0 for c in self.containers)
         self.phase = "Failed" if failed else "Succeeded"
 
     # ---------------------------------------------------------------- deletion
@@ -1252,7 +1252,8 @@ class NodeAgent:
                 if os.path.isabs(sub_path) or ".." in sub_path.split("/"):
                     raise _ConfigError(f'subPath "{sub_path}" must be a relative path without ".."')
                 local = os.path.join(local, sub_path)
-                os.makedirs(local, exist_ok=True)  # as a kubelet creates a missing subPath
+                if not os.path.exists(local):  # a file subPath is mounted as it is
+                    os.makedirs(local, exist_ok=True)  # as a kubelet creates a missing subPath
             mounts[m["mountPath"]] = local
         mm = MountMap(mounts)
         command = list(spec.get("command") or self.image_entrypoints.get(spec.get("image", ""), []))

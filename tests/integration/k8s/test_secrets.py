@@ -131,13 +131,15 @@ def test_a_secret_canary_reaches_the_trainer_and_nothing_else(
     assert env[VARIABLE] == {"name": VARIABLE, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": KEY}}}
     assert canary not in json.dumps(pod)
     # The pod the API accepted is the hardened one: read-only root, and of the store only the
-    # input's directory (read-only) and the output's (read-write).
+    # input global model's two files (read-only) and this try's staging directory (read-write).
     container = pod["spec"]["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     store_mounts = [m for m in container["volumeMounts"] if m["name"] == "flare-store"]
-    assert len(store_mounts) == 2, store_mounts
-    assert store_mounts[0]["subPath"].endswith("/round-0000") and store_mounts[0]["readOnly"] is True
-    assert "/round-0001/" in store_mounts[1]["subPath"] + "/" and not store_mounts[1].get("readOnly")
+    assert len(store_mounts) == 3, store_mounts
+    inputs = [m["subPath"].rsplit("/", 2)[-2:] for m in store_mounts if m.get("readOnly")]
+    assert sorted(inputs) == [["round-0000", "global.json"], ["round-0000", "global.safetensors"]]
+    (output,) = [m for m in store_mounts if not m.get("readOnly")]
+    assert "/round-0001/staging/site-1/" in output["subPath"]
     assert canary not in json.dumps(pod_to_dict(op.pod))
     # No process's argv on the machine held it while the trainer ran.
     assert seen["argv_count"] > 10 and seen["argv_with_it"] == {}

@@ -221,14 +221,20 @@ def test_identity_env_and_policy_fields() -> None:
         {"name": "flare-scratch", "mountPath": "/tmp"},
         {
             "name": "flare-store",
-            "mountPath": "/mnt/store/digits/run/round-0002",
-            "subPath": "digits/run/round-0002",
+            "mountPath": "/mnt/store/digits/run/round-0003/sites",
+            "subPath": "digits/run/round-0003/sites",
+        },
+        {
+            "name": "flare-store",
+            "mountPath": "/mnt/store/digits/run/round-0002/global.json",
+            "subPath": "digits/run/round-0002/global.json",
             "readOnly": True,
         },
         {
             "name": "flare-store",
-            "mountPath": "/mnt/store/digits/run/round-0003/sites",
-            "subPath": "digits/run/round-0003/sites",
+            "mountPath": "/mnt/store/digits/run/round-0002/global.safetensors",
+            "subPath": "digits/run/round-0002/global.safetensors",
+            "readOnly": True,
         },
     ]
     assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
@@ -260,14 +266,20 @@ def test_volumes_are_mounted_as_declared() -> None:
         {"name": "flare-scratch", "mountPath": "/tmp"},
         {
             "name": "flare-store",
-            "mountPath": "/flare-store/digits/run/round-0002",
-            "subPath": "digits/run/round-0002",
+            "mountPath": "/flare-store/digits/run/round-0003/sites",
+            "subPath": "digits/run/round-0003/sites",
+        },
+        {
+            "name": "flare-store",
+            "mountPath": "/flare-store/digits/run/round-0002/global.json",
+            "subPath": "digits/run/round-0002/global.json",
             "readOnly": True,
         },
         {
             "name": "flare-store",
-            "mountPath": "/flare-store/digits/run/round-0003/sites",
-            "subPath": "digits/run/round-0003/sites",
+            "mountPath": "/flare-store/digits/run/round-0002/global.safetensors",
+            "subPath": "digits/run/round-0002/global.safetensors",
+            "readOnly": True,
         },
         {"name": "data", "mountPath": "/data", "readOnly": True},
         {"name": "reference", "mountPath": "/reference"},
@@ -902,11 +914,19 @@ def test_the_pod_mounts_its_input_read_only_and_only_its_own_output_read_write(m
     kubernetes_validate.validate(pod, SCHEMA_VERSION, strict=True)
     base = mount_path.rstrip("/")
     store = [m for m in _mounts(pod) if m["name"] == "flare-store"]
+    # The input global model's two files (not its directory, which holds the previous round's
+    # site updates), read-only; this try's own staging directory, read-write.
     assert store == [
         {
             "name": "flare-store",
-            "mountPath": f"{base}/digits/run/round-0002",
-            "subPath": "digits/run/round-0002",
+            "mountPath": f"{base}/digits/run/round-0002/global.json",
+            "subPath": "digits/run/round-0002/global.json",
+            "readOnly": True,
+        },
+        {
+            "name": "flare-store",
+            "mountPath": f"{base}/digits/run/round-0002/global.safetensors",
+            "subPath": "digits/run/round-0002/global.safetensors",
             "readOnly": True,
         },
         {
@@ -919,8 +939,8 @@ def test_the_pod_mounts_its_input_read_only_and_only_its_own_output_read_write(m
     env = _env_values(pod)
     assert env["FLARE_GLOBAL_MODEL"] == f"{base}/digits/run/round-0002/global.safetensors"
     assert env["FLARE_OUTPUT"] == f"{base}/digits/run/round-0003/staging/site-1/try-2/update.safetensors"
-    assert str(env["FLARE_GLOBAL_MODEL"]).startswith(store[0]["mountPath"] + "/")
-    assert str(env["FLARE_OUTPUT"]).startswith(store[1]["mountPath"] + "/")
+    assert env["FLARE_GLOBAL_MODEL"] == store[1]["mountPath"]
+    assert str(env["FLARE_OUTPUT"]).startswith(store[2]["mountPath"] + "/")
     # No mount reaches the store root, another round or another site.
     assert all(m["subPath"].startswith("digits/run/round-000") for m in store)
 
@@ -935,7 +955,7 @@ def test_store_mount_edge_cases() -> None:
         if m["name"] == "flare-store"
     ]
     assert store == [{"name": "flare-store", "mountPath": "/flare-store/r", "subPath": "r"}]
-    # Files at the store root: the root is what they need (no subPath).
+    # Files at the store root: each file on its own.
     top = site_job(env={"FLARE_GLOBAL_MODEL": f"{STORE}/g.st", "FLARE_OUTPUT": f"{STORE}/a/o.st"})
     store = [
         m
@@ -943,8 +963,9 @@ def test_store_mount_edge_cases() -> None:
         if m["name"] == "flare-store"
     ]
     assert store == [
-        {"name": "flare-store", "mountPath": "/flare-store", "readOnly": True},
         {"name": "flare-store", "mountPath": "/flare-store/a", "subPath": "a"},
+        {"name": "flare-store", "mountPath": "/flare-store/g.st", "subPath": "g.st", "readOnly": True},
+        {"name": "flare-store", "mountPath": "/flare-store/g.st.json", "subPath": "g.st.json", "readOnly": True},
     ]
     # No store variables: no part of the store is mounted at all.
     none = site_job(env={"FLARE_SITE": "site-1"})
