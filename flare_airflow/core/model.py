@@ -7,6 +7,7 @@ artifact without a record is incomplete and is never read.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
@@ -215,15 +216,21 @@ def atomic_write(path: WritablePath, data: bytes) -> None:
             fh.write(data)
         return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        if hasattr(fh, "fileno"):
-            try:
-                fh.flush()
-                os.fsync(fh.fileno())
-            except (OSError, ValueError):
-                pass
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            if hasattr(fh, "fileno"):
+                try:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                except (OSError, ValueError):
+                    pass
+        tmp.replace(path)
+    except BaseException:
+        # A full or read-only store: leave no half-written temporary behind.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def check_metrics(metrics: Mapping[str, Any], where: str) -> dict[str, float]:

@@ -11,20 +11,26 @@ checksum, and match the global model's names, shapes and dtypes with finite valu
 Its last line of output is a JSON summary (the task's XCom); its exit code is the job's
 ``JobReturnCode``. Nothing of the job outlives the runner: it is a child subreaper (orphaned
 descendants of the trainer are reparented to it) and ends every remaining descendant when the
-trainer ends, however it ends; it gets SIGTERM when the task process that started it dies.
-A failed job leaves a failure record next to the update, read by the
-aggregation task to say why the site did not count.
+trainer ends, however it ends; it gets SIGTERM when the task process that started it dies,
+and stops the same way when any process named in ``FLARE_SITE_OWNERS`` (the task process and
+its supervisor) ends. An update is published only while no later try of the same site job has
+started (:func:`claim_try`, :func:`publish_current_try`). A failed job leaves a failure record
+next to the update, read by the aggregation task to say why the site did not count.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import json
 import os
+import pathlib
 import signal
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -50,6 +56,13 @@ SPEC_ENV = "FLARE_SITE_JOB_SPEC"
 # Resolved secret_env values for the trainer, kept out of the SiteRun (which may be logged).
 SECRETS_ENV = "FLARE_SITE_SECRETS"
 SUMMARY_PREFIX = "FLARE_RESULT "
+# "pid:start_time pid:start_time": processes whose end ends the site job (the task process and its
+# supervisor); PR_SET_PDEATHSIG reaches only the direct parent.
+OWNERS_ENV = "FLARE_SITE_OWNERS"
+_OWNER_POLL_SECONDS = 0.5
+# A local file (outside the store) where the runner leaves its failure reason for the site task:
+# it gets there even when the store is full or read-only and the failure record cannot be written.
+RESULT_FILE_ENV = "FLARE_SITE_RESULT_FILE"
 
 
 @dataclass
@@ -118,6 +131,45 @@ class SiteRun:
             launch_timeout=self.launch_timeout,
             shutdown_timeout=self.shutdown_timeout,
         )
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a reused pid apart), or ``None``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def owners_value(pids: Sequence[int]) -> str:
+    """The ``FLARE_SITE_OWNERS`` value naming ``pids`` (those still alive) with their start times."""
+    return " ".join(f"{pid}:{start}" for pid in pids if pid > 1 and (start := _start_time(pid)) is not None)
+
+
+def parse_owners(text: str) -> list[tuple[int, int]]:
+    owners = []
+    for item in text.split():
+        pid, _, start = item.partition(":")
+        if pid.isdigit() and start.isdigit():
+            owners.append((int(pid), int(start)))
+    return owners
+
+
+def _watch_owners(owners: Sequence[tuple[int, int]], stop: threading.Event) -> None:
+    """Send this process SIGTERM (the runner's own stop path) once any owner has ended."""
+    while not stop.wait(_OWNER_POLL_SECONDS):
+        for pid, start in owners:
+            if _start_time(pid) != start:
+                print(
+                    f"process {pid}, which owns this site job, ended: stopping the site job",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
 
 class _Killed(BaseException):
@@ -198,11 +250,15 @@ def write_failure(output: WritablePath, rc: JobReturnCode, reason: str) -> None:
     """Leave the reason for the aggregation; best effort: a full or read-only store must not hide
     the reason, which also goes to this task's log and error."""
     path = failure_path(output)
+    tmp = path.parent / f".{path.name}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as fh:
+        with tmp.open("w") as fh:  # then renamed: a full store leaves no empty record
             fh.write(json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}))
+        tmp.replace(path)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         print(f"cannot write the failure record {path} ({exc.strerror or exc}): {reason}", file=sys.stderr, flush=True)
 
 
@@ -241,7 +297,7 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
         validate_update(run.site, read_record(path_from_uri(run.global_model)).tensors, params)
     del params
     if run.staging:
-        publish(sent, output)
+        publish_current_try(sent, output)
     return {
         "site": run.site,
         "round": run.round,
@@ -252,6 +308,60 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
         "params_type": record.params_type.value,
         "metrics": record.metrics,
     }
+
+
+class Superseded(FlareAirflowError):
+    """A later try of the same site job has started: this try's update is not published."""
+
+
+def _try_number(path: Any) -> int | None:
+    name = str(getattr(path, "name", ""))
+    number = name.removeprefix("try-")
+    return int(number) if name.startswith("try-") and number.isdigit() else None
+
+
+@contextlib.contextmanager
+def _tries_locked(site_dir: Any) -> Iterator[None]:
+    """Serialise claims and publishes of one site job's tries (a local store: ``flock``; object
+    stores have no lock, there the later try's claim and clear come first and a race stays)."""
+    if not isinstance(site_dir, pathlib.Path):
+        yield
+        return
+    site_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(site_dir / ".tries.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def claim_try(staging: str) -> None:
+    """Mark this try as the site job's current one (its staging directory exists from now on):
+    a try with a lower number will no longer publish (:func:`publish_current_try`)."""
+    try_dir = path_from_uri(staging).parent
+    with _tries_locked(try_dir.parent):
+        try_dir.mkdir(parents=True, exist_ok=True)
+
+
+def later_try(try_dir: Any) -> int | None:
+    """The highest try number above ``try_dir``'s own among its site job's staging directories."""
+    mine = _try_number(try_dir)
+    if mine is None or not try_dir.parent.exists():
+        return None
+    return max((n for p in try_dir.parent.iterdir() if (n := _try_number(p)) is not None and n > mine), default=None)
+
+
+def publish_current_try(staged: WritablePath, output: WritablePath) -> None:
+    """:func:`publish` unless a later try of this site job has claimed its staging directory:
+    a killed try's runner that lived on never replaces the update of the try that followed it."""
+    with _tries_locked(staged.parent.parent):
+        later = later_try(staged.parent)
+        if later is not None:
+            raise Superseded(
+                f"{staged.parent.name} of this site job was superseded by try-{later}: its update is not published"
+            )
+        publish(staged, output)
 
 
 def publish(staged: WritablePath, output: WritablePath) -> None:
@@ -277,6 +387,7 @@ def run_site(
     handle_signals: bool = True,
     on_launch: Callable[[ProcessJobHandle], None] | None = None,
     secrets: Mapping[str, str] | None = None,
+    owners: Sequence[tuple[int, int]] = (),
 ) -> tuple[JobReturnCode, dict[str, Any] | str]:
     """Launch, wait, check. Returns the return code and the summary (or the failure reason).
 
@@ -284,10 +395,13 @@ def run_site(
     exit, the process becomes a child subreaper that ends every leftover descendant when the
     trainer ends, and the death of its parent (the task process) sends it SIGTERM. Callers inside
     a task process pass ``False`` and terminate via ``on_launch``'s handle. ``secrets`` are added
-    to the trainer's environment only, and never repeated in a failure reason.
+    to the trainer's environment only, and never repeated in a failure reason. With
+    ``handle_signals``, the end of any of ``owners`` (pid, start time) stops the job like SIGTERM.
     """
     output = path_from_uri(run.output)
     try:
+        if run.staging:
+            claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it
         clear_outputs(output)
     except OSError as exc:
         reason = f"cannot prepare {output.parent} in the model store: {exc.strerror or exc}; check the store"
@@ -307,6 +421,7 @@ def run_site(
     handle: ProcessJobHandle | None = None
     lease: GpuLease | None = None
     previous: dict[signal.Signals, Any] = {}
+    watch_done = threading.Event()
     try:
         # Handlers first: a kill that lands while the trainer is being started still stops it.
         for s in signals:
@@ -315,6 +430,8 @@ def run_site(
             become_subreaper()  # before the launch: orphans must never reach init
             if not die_with_parent(signal.SIGTERM) and os.getppid() == 1:
                 raise _Killed(signal.SIGTERM)  # the task process died before the runner got here
+            if owners:
+                threading.Thread(target=_watch_owners, args=(owners, watch_done), daemon=True).start()
         try:
             check_global_model(run)
         except GlobalModelUnusable as exc:
@@ -354,10 +471,12 @@ def run_site(
         if handle is not None:
             handle.terminate()
         reason = f"site task was killed ({signal.Signals(killed.signum).name}); trainer process group terminated"
-        write_failure(output, JobReturnCode.ABORTED, reason)
+        if not (run.staging and later_try(path_from_uri(run.staging).parent)):  # the record is the later try's
+            write_failure(output, JobReturnCode.ABORTED, reason)
         print(reason, file=sys.stderr, flush=True)
         sys.exit(128 + killed.signum)
     finally:
+        watch_done.set()
         if handle_signals:
             end_orphans(run.shutdown_timeout)
         if lease is not None:
@@ -376,6 +495,8 @@ def run_site(
             # that others will no longer find intact.
             raise FlareAirflowError(f"the trainer changed or removed its input global model: {exc}") from None
         return JobReturnCode.SUCCESS, check_result(run, output)
+    except Superseded as exc:  # the published update and failure record are the later try's
+        return JobReturnCode.ABORTED, str(exc)
     except FlareAirflowError as exc:
         clear_outputs(output)
         write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
@@ -390,11 +511,18 @@ def main() -> int:
     run = SiteRun.from_json(text)
     secrets = json.loads(os.environ.pop(SECRETS_ENV, "") or "{}")
     print(f"site job {run.job}/{run.site} round {run.round}/{run.total_rounds} ({run.task}): {run.argv}", flush=True)
-    rc, result = run_site(run, secrets=secrets)
+    rc, result = run_site(run, secrets=secrets, owners=parse_owners(os.environ.get(OWNERS_ENV, "")))
     if rc is JobReturnCode.SUCCESS:
         print(SUMMARY_PREFIX + json.dumps(result, sort_keys=True), flush=True)
         return 0
     print(f"site {run.site} round {run.round} FAILED [{rc.name}]: {result}", file=sys.stderr, flush=True)
+    result_file = os.environ.get(RESULT_FILE_ENV)
+    if result_file:
+        try:
+            with open(result_file, "w") as fh:
+                fh.write(json.dumps({"return_code": int(rc), "name": rc.name, "reason": str(result)}))
+        except OSError as exc:
+            print(f"cannot write {result_file}: {exc}", file=sys.stderr, flush=True)
     return int(rc) or 1
 
 

@@ -16,8 +16,8 @@ from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
-from flare_airflow.operators.common import run_id_of, run_params, store_for
-from flare_airflow.operators.site import produced_sha256, trainer_argv
+from flare_airflow.operators.common import FINISHED_STATES, run_id_of, run_params, store_for, task_states
+from flare_airflow.operators.site import FAILURE_XCOM_KEY, produced_sha256, trainer_argv
 
 SERVER_SITE = "server"
 
@@ -83,6 +83,7 @@ class AggregateOperator(BaseOperator):
                 f"round {r}: the input global model {global_in} was replaced after round {r - 1} published it "
                 f"(sha256 {global_record.sha256[:12]}…, published {expected[:12]}…); clear round {r - 1} to rebuild it"
             )
+        self._check_sites_done(context, params.rounds)
         accepted = self._accepted(context)
         updates: list[tuple[str, WritablePath | None, str | None]] = []
         for site in sorted(job.sites):
@@ -90,7 +91,11 @@ class AggregateOperator(BaseOperator):
             if accepted is not None and site not in accepted:
                 # Only what the site task itself accepted counts: a failed task's trainer may have
                 # written a file (late, or before failing), and it must not count.
-                reason = read_failure(path) or "no accepted update: the site task failed, was skipped or never ran"
+                reason = (
+                    self._task_failure(context, site)
+                    or read_failure(path)
+                    or "no accepted update: the site task failed, was skipped or never ran"
+                )
                 updates.append((site, None, reason))
             elif record_path(path).exists():
                 updates.append((site, path, None))
@@ -110,20 +115,29 @@ class AggregateOperator(BaseOperator):
         for site, reason in sorted(outcome.rejected.items()):
             self.log.warning("round %d: site %s does not count: %s", r, site, reason)
         global_out = store.global_model(job.job, run_id, r)
-        record = write_artifact(
-            global_out,
-            FLModel(
-                params=outcome.params,
-                metrics=outcome.metrics,
-                meta={"round": r, "sites": sorted(outcome.accepted), "num_samples_total": outcome.num_samples},
-            ),
-        )
+        try:
+            record = write_artifact(
+                global_out,
+                FLModel(
+                    params=outcome.params,
+                    metrics=outcome.metrics,
+                    meta={"round": r, "sites": sorted(outcome.accepted), "num_samples_total": outcome.num_samples},
+                ),
+            )
+        except OSError as exc:
+            raise AirflowFailException(
+                f"round {r}: cannot write the global model {global_out}: {exc.strerror or exc}. The model store "
+                "is full or not writable: fix it, then resume the run from this round"
+            ) from None
         del global_params, outcome.params
         summary: dict[str, Any] = {
             "round": r,
             "global_uri": str(global_out),
             "sha256": record.sha256,
             "accepted": sorted(outcome.accepted),
+            # The update each site task vouched for when this round was aggregated: publish checks
+            # that no site task was re-run (or failed) afterwards, which would make this model stale.
+            "site_sha256": dict(sorted(accepted.items())) if accepted is not None else None,
             "rejected": outcome.rejected,
             "num_samples": outcome.num_samples,
             "metrics": outcome.metrics,
@@ -138,6 +152,36 @@ class AggregateOperator(BaseOperator):
         )  # fmt: skip
         return summary
 
+    def _check_sites_done(self, context: Context, rounds: int) -> None:
+        """Refuse to aggregate fewer sites than the round could count.
+
+        Every site task of the round must have finished and have run: a site task that is still
+        to run (cleared on its own, or a Clear/Mark that reached this task but not its sites) or
+        that was skipped in a requested round (``Mark run as failed`` skips tasks that had not
+        started) would otherwise be left out of the round without a word.
+        """
+        states = task_states(context, list(self.site_task_ids.values()))
+        if not states:
+            return
+        r = self.round_num
+        site_of = {task_id: site for site, task_id in self.site_task_ids.items()}
+        waiting = {site_of[t]: s or "cleared" for t, s in states.items() if s not in FINISHED_STATES}
+        skipped = sorted(site_of[t] for t, s in states.items() if s == "skipped")
+        fix = (
+            f"clear round {r}'s site tasks together with this task and everything downstream "
+            f"('Only failed' off), or run `flare-airflow resume {context['ti'].dag_id} {run_id_of(context)} "
+            f"--from-round {r}`"
+        )
+        if waiting:
+            found = ", ".join(f"{site} ({state})" for site, state in sorted(waiting.items()))
+            raise AirflowFailException(f"round {r} not aggregated: site task(s) {found} have not finished; {fix}")
+        if skipped:
+            raise AirflowFailException(
+                f"round {r} not aggregated: site task(s) {', '.join(skipped)} were skipped and never ran, though "
+                f"this run asked for {rounds} rounds (e.g. 'Mark run as failed' skips tasks that had not started); "
+                f"{fix}"
+            )
+
     def _accepted(self, context: Context) -> dict[str, str] | None:
         """Site -> sha256 of the update each site task accepted (its XCom); None without task ids."""
         if not self.site_task_ids:
@@ -149,6 +193,14 @@ class AggregateOperator(BaseOperator):
             if isinstance(summary, dict) and summary.get("sha256"):
                 accepted[site] = str(summary["sha256"])
         return accepted
+
+    def _task_failure(self, context: Context, site: str) -> str | None:
+        """The reason a site task put in XCom when it failed (the store may not have taken it)."""
+        task_id = self.site_task_ids.get(site)
+        if task_id is None:
+            return None
+        reason = context["ti"].xcom_pull(task_ids=task_id, key=FAILURE_XCOM_KEY)
+        return str(reason) if reason else None
 
     def _evaluate(
         self, context: Context, store: ModelStore, rounds: int, hparams: dict[str, Any], global_uri: str

@@ -26,7 +26,7 @@ from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.kubernetes import CONTAINER_NAME, job_pod, unreachable_store
 from flare_airflow.launchers.site_runner import SiteRun, check_result, clear_outputs, write_failure
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.site import SiteJobFailed, make_site_run, site_task_defaults, skip_beyond_rounds
+from flare_airflow.operators.site import check_site_task_may_run, make_site_run, site_failed, site_task_defaults
 from flare_airflow.triggers.pod_state import PodStateTrigger
 
 
@@ -98,13 +98,13 @@ class SitePodOperator(KubernetesPodOperator):
             )
         except FlareAirflowError as exc:  # site policy refused the pod (host paths, store): no pod exists
             write_failure(path_from_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
-            raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {exc} [CONFIG_ERROR]") from None
+            raise site_failed(context, self.site, self.round_num, f"{exc} [CONFIG_ERROR]") from None
         # The operator's own identifying labels too, so that Airflow's tooling finds the pod.
         pod.metadata.labels.update(self._get_ti_pod_labels(context))
         return pod
 
     def execute(self, context: Context) -> Any:
-        skip_beyond_rounds(context, self.job, self.round_num)
+        check_site_task_may_run(context, self.job, self.site, self.round_num)
         run = self._site_run(context)
         clear_outputs(path_from_uri(run.output))
         if run.staging:
@@ -204,13 +204,13 @@ class SitePodOperator(KubernetesPodOperator):
                 reason = f"pod succeeded but its result could not be collected: {exc}"
             rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
             write_failure(output, rc, reason)
-            raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {reason} [{rc.name}]") from None
+            raise site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]") from None
         try:
             summary = check_result(run, output)
         except FlareAirflowError as exc:
             clear_outputs(output)
             write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
-            raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {exc}") from None
+            raise site_failed(context, self.site, self.round_num, str(exc)) from None
         # do_xcom_push is the stock operator's sidecar switch (off): push the summary ourselves, as
         # the aggregation counts exactly the updates whose site task returned one.
         context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=summary)

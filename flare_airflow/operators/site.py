@@ -8,33 +8,63 @@ own process group, and forwards Airflow's SIGTERM to it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import sys
+import tempfile
 from datetime import timedelta
 from typing import Any
 
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import Context
-from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from flare_airflow.core.config import AirflowSecretRef, JobConfig
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.site_runner import (
+    OWNERS_ENV,
+    RESULT_FILE_ENV,
     SECRETS_ENV,
     SPEC_ENV,
     SUMMARY_PREFIX,
     SiteRun,
+    owners_value,
     read_failure,
     write_failure,
 )
-from flare_airflow.operators.common import run_id_of, run_params, store_for
+from flare_airflow.operators.common import FINISHED_STATES, run_id_of, run_params, store_for, task_states
 
 
 class SiteJobFailed(FlareAirflowError, AirflowException):
     """A site's trainer failed or sent an unusable update."""
+
+
+FAILURE_XCOM_KEY = "failure"
+
+
+def site_failed(context: Context, site: str, round_num: int, reason: str) -> SiteJobFailed:
+    """The error that fails a site task; its reason also goes to XCom (key ``failure``), which the
+    aggregation reads when the store could not take the failure record (full, read-only)."""
+    ti: Any = context.get("ti")
+    if hasattr(ti, "xcom_push"):
+        with contextlib.suppress(Exception):  # the reason is in the error returned anyway
+            ti.xcom_push(key=FAILURE_XCOM_KEY, value=reason[:4000])
+    return SiteJobFailed(f"site {site!r} round {round_num} failed: {reason}")
+
+
+def _runner_reason(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            data = json.loads(fh.read(1 << 16) or "null")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "reason" not in data:
+        return None
+    return f"{data['reason']} [{data.get('name', '?')}]"
 
 
 def _summary(output: str) -> dict[str, Any] | None:
@@ -114,6 +144,28 @@ def skip_beyond_rounds(context: Context, job: JobConfig, round_num: int) -> None
         )
 
 
+def check_site_task_may_run(context: Context, job: JobConfig, site: str, round_num: int) -> None:
+    """Skip a round beyond the run's ``rounds``; refuse a site task whose round was already aggregated.
+
+    A site task cleared on its own (e.g. 'Clear' with 'Only failed' after the round's aggregation
+    ran or was skipped) would train, succeed and never count: its aggregation is not run again.
+    It fails instead, before its trainer starts, saying what to clear.
+    """
+    skip_beyond_rounds(context, job, round_num)
+    task: Any = context.get("task")
+    downstream = sorted(getattr(task, "downstream_task_ids", None) or ())
+    done = {t: s for t, s in task_states(context, downstream).items() if s in FINISHED_STATES}
+    if done:
+        task_id, state = sorted(done.items())[0]
+        ti: Any = context["ti"]
+        raise AirflowFailException(
+            f"site {site!r} round {round_num} not run: the round's aggregation {task_id} already finished ({state}) "
+            f"and was not cleared with this task, so this site's update could never count. Clear {task_id} too, "
+            f"with 'Downstream' on and 'Only failed' off, or run `flare-airflow resume {ti.dag_id} "
+            f"{run_id_of(context)} --from-round {round_num}`"
+        )
+
+
 def produced_sha256(context: Context, task_id: str | None) -> str | None:
     """The sha256 that task ``task_id`` (prepare or a round's aggregation) recorded in its XCom."""
     ti: Any = context.get("ti")
@@ -185,6 +237,7 @@ class SiteTrainOperator(BashOperator):
     ui_color = "#d9f0d3"
     template_fields = ()
     _secrets_json = ""
+    _result_file = ""
 
     def __init__(
         self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
@@ -217,12 +270,16 @@ class SiteTrainOperator(BashOperator):
     def get_env(self, context: Context) -> dict[str, str]:
         env = super().get_env(context)
         env[SPEC_ENV] = self._spec_json
+        # This task process and its supervisor: the site job ends when either does (a killed
+        # supervisor leaves the task process running, and the kernel tells the runner only of its parent).
+        env[OWNERS_ENV] = owners_value([os.getpid(), os.getppid()])
+        env[RESULT_FILE_ENV] = self._result_file
         if self._secrets_json:
             env[SECRETS_ENV] = self._secrets_json
         return env
 
     def execute(self, context: Context) -> Any:
-        skip_beyond_rounds(context, self.job, self.round_num)
+        check_site_task_may_run(context, self.job, self.site, self.round_num)
         run = self.site_run(context)
         self._spec_json = run.to_json()
         if self.job.sites[self.site].launcher == "process":
@@ -230,13 +287,18 @@ class SiteTrainOperator(BashOperator):
                 secrets = resolve_secret_env(self.job, self.site)
             except SiteJobFailed as exc:
                 write_failure(path_from_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
-                raise
+                raise site_failed(context, self.site, self.round_num, str(exc)) from None
             self._secrets_json = json.dumps(secrets) if secrets else ""
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
+        fd, self._result_file = tempfile.mkstemp(prefix="flare-site-result-")
+        os.close(fd)
         try:
             return super().execute(context)
         except AirflowException as exc:
             if isinstance(exc, AirflowSkipException):
                 raise
-            reason = read_failure(path_from_uri(run.output)) or str(exc)
-            raise SiteJobFailed(f"site {self.site!r} round {self.round_num} failed: {reason}") from None
+            reason = _runner_reason(self._result_file) or read_failure(path_from_uri(run.output)) or str(exc)
+            raise site_failed(context, self.site, self.round_num, reason) from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self._result_file)

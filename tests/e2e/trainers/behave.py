@@ -3,7 +3,8 @@
     behave.py [--fail SITE]... [--nan SITE]... [--shape SITE]... [--dtype SITE]...
               [--pickle SITE]... [--silent SITE]... [--hang SITE]... [--pidfile DIR] [--echo-args FILE]
               [--send-then-fail SITE]... [--send-twice SITE]... [--nan-metric SITE]...
-              [--clobber-output-late SITE]... [--diff-all VALUE]
+              [--clobber-output-late SITE]... [--diff-all VALUE] [--fill-store SITE]...
+              [--fail-in-round SITE:ROUND]... [--until-file PATH]
 
 Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number.
 """
@@ -25,9 +26,12 @@ import flare_airflow.client as flare
 def main() -> int:
     p = argparse.ArgumentParser()
     flags = ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang", "send_then_fail", "send_twice", "nan_metric")
-    for flag in (*flags, "clobber_output_late"):
+    for flag in (*flags, "clobber_output_late", "fill_store"):
         p.add_argument(f"--{flag.replace('_', '-')}", action="append", default=[])
     p.add_argument("--diff-all", type=float)
+    # --fail-in-round SITE:ROUND fails that site's job in that round, while --until-file (if given) does not exist.
+    p.add_argument("--fail-in-round", action="append", default=[])
+    p.add_argument("--until-file")
     p.add_argument("--fail-evaluate", action="store_true")
     p.add_argument("--pidfile-dir")
     p.add_argument("--echo-args")
@@ -42,6 +46,21 @@ def main() -> int:
     if site in args.hang:
         print(f"{site}: hanging", flush=True)
         time.sleep(600)
+    if site in args.fill_store:
+        # Fill the store's filesystem (a small tmpfs in the test), then try to send.
+        filler = os.path.join(os.path.dirname(os.environ["FLARE_OUTPUT"].removeprefix("file://")), "filler")
+        os.makedirs(os.path.dirname(filler), exist_ok=True)
+        try:
+            with open(filler, "wb") as fh:
+                while True:
+                    fh.write(b"\0" * 65536)
+        except OSError as exc:
+            print(f"{site}: store filled ({exc.strerror})", flush=True)
+    if f"{site}:{os.environ['FLARE_ROUND']}" in args.fail_in_round and not (
+        args.until_file and os.path.exists(args.until_file)
+    ):
+        print(f"{site}: failing in round {os.environ['FLARE_ROUND']} on purpose", flush=True)
+        return 3
     if site in args.fail:
         print(f"{site}: failing on purpose", flush=True)
         return 3
