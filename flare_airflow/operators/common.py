@@ -121,3 +121,22 @@ def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
 
 def run_id_of(context: Mapping[str, Any]) -> str:
     return str(context["run_id"])
+
+
+# A task in one of these states will not run again unless someone clears it.
+FINISHED_STATES = frozenset({"success", "failed", "upstream_failed", "skipped", "removed"})
+
+
+def task_states(context: Mapping[str, Any], task_ids: list[str]) -> dict[str, str | None]:
+    """This run's current state of each of ``task_ids`` (None: cleared or not scheduled yet).
+
+    Read through the Task SDK (tasks cannot use the ORM); an empty answer where the SDK has no
+    such call (a task run outside Airflow).
+    """
+    ti: Any = context.get("ti")
+    get = getattr(ti, "get_task_states", None)
+    if get is None or not task_ids:
+        return {}
+    by_run = get(dag_id=ti.dag_id, task_ids=list(task_ids), run_ids=[ti.run_id]) or {}
+    found = by_run.get(ti.run_id, {})
+    return {t: (None if (s := found.get(t)) is None else str(getattr(s, "value", s))) for t in task_ids}
