@@ -1,0 +1,144 @@
+"""Short messages: values cut to a readable length, pydantic errors turned into one line each.
+
+Every line names the source (file or ``<python>``), the field path and the site, then says what
+was wrong and what is allowed.
+"""
+
+from __future__ import annotations
+
+import reprlib
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+MAX_REPR = 80
+MAX_ERROR_LINES = 20
+MAX_ERROR_LINE = 400
+
+
+def short_repr(value: Any, limit: int = MAX_REPR) -> str:
+    """``repr(value)`` cut to ``limit`` characters: messages stay readable whatever the input."""
+    try:
+        text = reprlib_repr(value)
+    except Exception:  # an object whose repr fails is still named by its type
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clip(text: str, limit: int = MAX_REPR) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def reprlib_repr(value: Any) -> str:
+    # reprlib bounds the work on huge or deeply nested values (an alias bomb expands to 10**9 items).
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = MAX_REPR
+    r.maxlist = r.maxdict = r.maxtuple = r.maxset = 6
+    r.maxlevel = 3
+    return r.repr(value)
+
+
+def cap(line: str) -> str:
+    """One message line of at most ``MAX_ERROR_LINE`` characters."""
+    if len(line) <= MAX_ERROR_LINE:
+        return line
+    # keep the head (where and what) and the tail (what to do); cut the middle (a long value)
+    return line[: MAX_ERROR_LINE - 150] + " ... " + line[-145:]
+
+
+def _allowed_keys(root: type[BaseModel], root_keys: Sequence[str], loc: tuple[Any, ...]) -> list[str] | None:
+    """Walk the model types along ``loc`` to list the keys allowed where an unknown key appeared."""
+    current: Any = root
+    i = 0
+    while i < len(loc):
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(loc[i]))
+            if field is None:
+                return None
+            current = field.annotation
+            i += 1
+            continue
+        origin = typing.get_origin(current)
+        args = typing.get_args(current)
+        if origin in (typing.Union, types.UnionType):
+            models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if not models:
+                return None
+            current = models[0]
+        elif origin is dict:
+            current = args[1]
+            i += 1
+        elif origin is list:
+            current = args[0]
+            i += 1
+        else:
+            return None
+    if current is root:
+        return list(root_keys)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return None
+
+
+_TYPE_MESSAGES = {
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number (not .inf or .nan)",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "model_type": "must be a mapping of keys to values",
+    "model_attributes_type": "must be a mapping of keys to values",
+    "dict_type": "must be a mapping of keys to values",
+    "list_type": "must be a list",
+    "invalid_key": "keys must be strings",
+}
+
+
+def _message(err: Any, loc: tuple[Any, ...], root: type[BaseModel], root_keys: Sequence[str]) -> str:
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(root, root_keys, loc[:-1])
+        return f"unknown key {short_repr(loc[-1])}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
+    if kind == "missing":
+        return "required field is missing"
+    if kind in _TYPE_MESSAGES:
+        msg = _TYPE_MESSAGES[kind]
+        if isinstance(value, bool) and kind.startswith(("int", "float")):
+            return f"{msg}, got {str(value).lower()} (true/false is not a number)"
+        if kind == "string_type" and isinstance(value, int | float):
+            return f"{msg}, got the number {short_repr(value)} (quote it: '{value}')"
+        return f"{msg}, got {type(value).__name__} {short_repr(value)}"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if msg.startswith("Input should be "):
+        # pydantic's range and choice messages ("Input should be greater than 0") plus what was given
+        msg = "must be " + msg.removeprefix("Input should be ") + f", got {short_repr(value)}"
+    return msg
+
+
+def describe(exc: ValidationError, source: str, root: type[BaseModel], root_keys: Sequence[str]) -> str:
+    """The errors of validating ``root`` (whose top level accepts ``root_keys``) from ``source``."""
+    lines = []
+    errors = exc.errors()
+    for err in errors[:MAX_ERROR_LINES]:
+        loc = tuple(err["loc"])
+        msg = _message(err, loc, root, root_keys)
+        if not loc:
+            # raised before field validation (merging @default and NVFlare's blocks): names its block
+            lines.append(cap(f"{source}: {msg}"))
+            continue
+        field = ".".join(str(p) for p in loc)
+        where = f"{source}: {short_repr(field, 200) if len(field) > 200 else field}"
+        if len(loc) >= 2 and loc[0] == "sites":
+            where += f" (site {short_repr(loc[1])})"
+        lines.append(cap(f"{where}: {msg}"))
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more errors")
+    return "invalid job configuration:\n  " + "\n  ".join(lines)

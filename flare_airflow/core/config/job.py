@@ -1,0 +1,250 @@
+"""The job: its trainer, rounds, quorum, store and sites, and the checks across them.
+
+Build one with :func:`load_job` (a YAML file) or :func:`job_from_dict` (a Python mapping). Every
+error names the file, the field and the site, and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from flare_airflow.core.config.describe import cap, clip, describe, short_repr
+from flare_airflow.core.config.site import SiteSpec, merge_sites
+from flare_airflow.core.config.validators import DNS_LABEL, MAX_FORM_INT, MAX_SECONDS, Scalar, Strict, argv, no_nul
+from flare_airflow.core.config.yaml_loader import read_job_yaml
+from flare_airflow.core.errors import ConfigError
+
+_JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
+_HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+# Airflow's own schedule presets beyond cron's (airflow.sdk.definitions.dag._create_timetable).
+_SCHEDULE_PRESETS = ("@once", "@continuous")
+_CRON_PRESETS = {"@quarterly": "0 0 1 */3 *"}
+# Store URI schemes a run can use: the local file system and the object stores Airflow's
+# ObjectStoragePath reaches through fsspec (the backend package must be installed where tasks run).
+STORE_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs", "sftp")
+
+
+class TrainerSpec(Strict):
+    """The trainer: a script run as an exact argv ``command + [script] + args`` (never a shell)."""
+
+    script: str = Field(description="trainer script, relative to the job file")
+    args: list[str] = Field(default_factory=list, description="arguments, passed literally")
+    command: list[str] = Field(default_factory=list, description="command prefix; default: this Python")
+    hparams: dict[str, Scalar] = Field(default_factory=dict, description="hyper-parameters (UI form fields)")
+    launch_timeout: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="seconds for the trainer to call receive(); unlimited by default"
+    )
+    shutdown_timeout: float = Field(10.0, ge=0, le=3600, description="grace between SIGTERM and SIGKILL")
+    timeout: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="seconds a site job may run (execution timeout)"
+    )
+
+    @field_validator("args", "command", mode="before")
+    @classmethod
+    def _argv(cls, value: Any) -> Any:
+        return argv(value)
+
+    @field_validator("script")
+    @classmethod
+    def _script(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name the trainer script, e.g. 'train.py' (relative to the job file)")
+        return no_nul(value, "trainer.script")
+
+    @field_validator("hparams", mode="before")
+    @classmethod
+    def _hparams(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        for key, item in value.items():
+            if not isinstance(key, str) or not _HPARAM_KEY.match(key):
+                raise ValueError(
+                    f"hyper-parameter name {short_repr(key)} is not allowed: use letters, digits and '_', "
+                    "starting with a letter (it becomes the trigger form field hp_<name>)"
+                )
+            what = f"hyper-parameter {key!r}"
+            if isinstance(item, str):
+                no_nul(item, what)
+                continue
+            if isinstance(item, bool):
+                continue
+            if isinstance(item, int):
+                if abs(item) > MAX_FORM_INT:
+                    raise ValueError(f"{what} is {short_repr(item)}: integers must be within +-2**53 (the form's JSON)")
+            elif isinstance(item, float):
+                if not math.isfinite(item):
+                    raise ValueError(f"{what} is {item!r}: hyper-parameters must be finite numbers")
+            else:
+                raise ValueError(
+                    f"{what} must be a number, a string or true/false, got {type(item).__name__} "
+                    f"{short_repr(item)} (the trigger form has one field per hyper-parameter)"
+                )
+        return value
+
+
+class AggregatorSpec(Strict):
+    name: Literal["fedavg"] = "fedavg"
+
+
+class JobConfig(Strict):
+    """A federated job. Build it with :func:`load_job` (YAML) or :func:`job_from_dict` (Python)."""
+
+    job: str = Field(description="job name: lowercase letters, digits, '-' and '_'")
+    rounds: int = Field(ge=1, le=1000, description="maximum number of rounds (the UI form may ask for fewer)")
+    min_clients: int = Field(ge=1, description="valid updates needed for a round to count")
+    trainer: TrainerSpec
+    initial_model: str = Field(description="safetensors file with the initial global model")
+    store: str | None = Field(None, description="model store URI; default <AIRFLOW_HOME>/flare_store")
+    aggregator: AggregatorSpec = Field(default_factory=AggregatorSpec)
+    evaluate: bool = Field(True, description="evaluate each new global model with the trainer (task 'evaluate')")
+    schedule: str | None = Field(None, description="Airflow schedule for recurring runs")
+    warm_start: bool = Field(False, description="default of the run form's warm-start switch")
+    check_pools: bool = Field(True, description="check the sites' GPU pools when a run starts")
+    sites: dict[str, SiteSpec]
+    base_dir: str = Field(".", description="directory relative paths are resolved against")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_sites(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        data["sites"] = merge_sites(data.get("sites"), data.pop("resource_spec", None), data.pop("launcher_spec", None))
+        return data
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str | None) -> str | None:
+        if value is None or value in _SCHEDULE_PRESETS:
+            return value
+        no_nul(value, "schedule")
+        try:
+            # Airflow's own cron parser; imported here only (core does not import Airflow).
+            from croniter import croniter
+        except ImportError:  # pragma: no cover - croniter comes with Airflow
+            return value
+        try:
+            croniter(_CRON_PRESETS.get(value, value))
+        except Exception as exc:  # croniter's errors have no common base beyond ValueError/KeyError
+            raise ValueError(
+                f"schedule {short_repr(value)} is not a cron expression ({clip(str(exc), 120)}): use five "
+                "fields like '0 3 * * 1' (Mondays 03:00), a preset (@hourly, @daily, @weekly, @monthly, "
+                "@quarterly, @yearly, @once, @continuous), or leave it out for manual runs"
+            ) from None
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        no_nul(value, "store")
+        if not value.strip():
+            raise ValueError("must not be empty (leave it out for <AIRFLOW_HOME>/flare_store)")
+        if "://" not in value:
+            return value  # a local directory, relative to the job file
+        scheme, _, rest = value.partition("://")
+        if scheme not in STORE_SCHEMES:
+            raise ValueError(
+                f"store {short_repr(value)}: unknown scheme {short_repr(scheme)}; use a directory, file:///path, "
+                f"or an object store URI ({', '.join(s + '://' for s in STORE_SCHEMES if s != 'file')})"
+            )
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"store {short_repr(value)}: a file:// URI needs an absolute path (file:///data/store)")
+        if scheme != "file" and not rest.split("/")[0]:
+            raise ValueError(f"store {short_repr(value)}: name the bucket or host ({scheme}://<bucket>/<prefix>)")
+        return value
+
+    @field_validator("initial_model", "base_dir")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name a file (paths are relative to the job file)")
+        return no_nul(value, "path")
+
+    @field_validator("job")
+    @classmethod
+    def _job_name(cls, value: str) -> str:
+        if not _JOB_NAME.match(value) or len(value) > 50:
+            raise ValueError(
+                f"job name {value!r} is not allowed: use lowercase letters, digits, '-' and '_', "
+                "start and end with a letter or digit, at most 50 characters"
+            )
+        return value
+
+    @field_validator("sites")
+    @classmethod
+    def _site_names(cls, sites: dict[str, SiteSpec]) -> dict[str, SiteSpec]:
+        if not sites:
+            raise ValueError("a job needs at least one site")
+        for name in sites:
+            if not DNS_LABEL.match(name) or len(name) > 63:
+                raise ValueError(
+                    f"site name {name!r} cannot be a pod name: use lowercase letters, digits and '-', "
+                    "start and end with a letter or digit, at most 63 characters (RFC 1123)"
+                )
+        return sites
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobConfig:
+        if self.min_clients > len(self.sites):
+            raise ValueError(
+                f"min_clients is {self.min_clients} but the job has only {len(self.sites)} site(s) "
+                f"({', '.join(self.sites)}); lower min_clients or add sites"
+            )
+        if any(s.launcher == "process" for s in self.sites.values()) and not self.script_path().is_file():
+            raise ValueError(
+                f"trainer.script {self.trainer.script!r} does not exist (looked at {self.script_path()}); "
+                "paths are relative to the job file"
+            )
+        if not self.initial_model_path().is_file():
+            what = "is not a file" if self.initial_model_path().exists() else "does not exist"
+            raise ValueError(
+                f"initial_model {self.initial_model!r} {what} (looked at {self.initial_model_path()}); "
+                "give a safetensors file, relative to the job file"
+            )
+        return self
+
+    def resolve(self, relative: str) -> pathlib.Path:
+        path = pathlib.Path(relative).expanduser()
+        return path if path.is_absolute() else (pathlib.Path(self.base_dir) / path).resolve()
+
+    def script_path(self) -> pathlib.Path:
+        return self.resolve(self.trainer.script)
+
+    def initial_model_path(self) -> pathlib.Path:
+        return self.resolve(self.initial_model)
+
+    def site_weights(self) -> dict[str, float]:
+        return {name: site.weight for name, site in self.sites.items()}
+
+
+# NVFlare's top-level blocks are folded into the sites before validation, so they are no fields.
+TOP_LEVEL_KEYS = (*JobConfig.model_fields, "resource_spec", "launcher_spec")
+
+
+def job_from_dict(data: Mapping[str, Any], *, source: str = "<python>", base_dir: str | None = None) -> JobConfig:
+    """Validate a job given as a Python mapping (the same shape as the YAML file)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: a job must be a mapping of keys to values, got {type(data).__name__}")
+    payload = dict(data)
+    if base_dir is not None:
+        payload.setdefault("base_dir", base_dir)
+    try:
+        return JobConfig.model_validate(payload)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc, source, JobConfig, TOP_LEVEL_KEYS)) from None
+    except ValueError as exc:  # raised while merging sites, before field validation; names its block
+        raise ConfigError(f"invalid job configuration:\n  {cap(f'{source}: {exc}')}") from None
+
+
+def load_job(path: str | pathlib.Path) -> JobConfig:
+    """Load and validate a job YAML file; relative paths in it are relative to the file."""
+    path = pathlib.Path(path)
+    return job_from_dict(read_job_yaml(path), source=str(path), base_dir=str(path.parent.resolve()))

@@ -1,0 +1,105 @@
+"""Site policy of local-process sites (``launcher_spec.process``) and their Airflow secret references."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from flare_airflow.core.config.validators import (
+    RESERVED_ENV_PREFIX,
+    Strict,
+    env_or_secret,
+    env_values,
+    exactly_one,
+    no_nul,
+    secret_env_names,
+    secret_references,
+)
+
+# A process trainer inherits the worker's environment minus Airflow's own variables
+# (flare_airflow.launchers.process): a job may not put them back.
+RESERVED_PROCESS_ENV_PREFIXES = (RESERVED_ENV_PREFIX, "AIRFLOW", "_AIRFLOW")
+CONNECTION_FIELDS = ("password", "login", "host", "schema", "port", "uri")
+
+
+class AirflowSecretRef(Strict):
+    """A secret of a process site: a field of an Airflow connection, or an Airflow variable.
+
+    Resolved on the worker when the site job starts, masked in task logs, and passed to the
+    trainer's environment only -- the value never appears in a job, argv, XCom or the store.
+    (The process sites' counterpart of the Kubernetes ``SecretRef``.)
+    """
+
+    conn_id: str | None = Field(None, description="Airflow connection id")
+    field: str = Field(
+        "password", description="connection field: password, login, host, schema, port, uri or extra.<key>"
+    )
+    variable: str | None = Field(None, description="Airflow variable key (instead of conn_id)")
+
+    @field_validator("conn_id", "variable")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or any(c.isspace() or c == "\0" for c in value)):
+            raise ValueError(f"{value!r} must be a non-empty Airflow connection id or variable key without spaces")
+        return value
+
+    @field_validator("field")
+    @classmethod
+    def _field(cls, value: str) -> str:
+        if value not in CONNECTION_FIELDS and not (value.startswith("extra.") and len(value) > len("extra.")):
+            raise ValueError(f"field {value!r} is not one of {', '.join(CONNECTION_FIELDS)} or extra.<key>")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AirflowSecretRef:
+        exactly_one("a secret reference", conn_id=self.conn_id, variable=self.variable)
+        if self.variable is not None and "field" in self.model_fields_set:
+            raise ValueError("field applies to conn_id only (a variable has one value)")
+        return self
+
+    def describe(self) -> str:
+        return f"Airflow variable {self.variable!r}" if self.variable else f"connection {self.conn_id!r} {self.field}"
+
+
+class ProcessLaunchSpec(Strict):
+    """Site policy for local-process site jobs."""
+
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the trainer")
+    secret_env: dict[str, AirflowSecretRef] = Field(
+        default_factory=dict,
+        description="environment from Airflow: NAME: {conn_id: <id>, field: password} or {variable: <key>}",
+    )
+    cwd: str | None = Field(None, description="working directory of the trainer")
+
+    @field_validator("secret_env", mode="before")
+    @classmethod
+    def _secret_references(cls, value: Any) -> Any:
+        return secret_references(
+            value,
+            AirflowSecretRef,
+            "{conn_id: <connection>, field: <field>} or {variable: <key>}",
+            "Airflow connections/variables",
+        )
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, value: dict[str, AirflowSecretRef]) -> dict[str, AirflowSecretRef]:
+        return secret_env_names(value, RESERVED_PROCESS_ENV_PREFIXES)
+
+    @model_validator(mode="after")
+    def _env_or_secret(self) -> ProcessLaunchSpec:
+        env_or_secret(self.env, self.secret_env)
+        return self
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return env_values(value, RESERVED_PROCESS_ENV_PREFIXES)
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (leave it out to run in the job file's directory)")
+        return None if value is None else no_nul(value, "cwd")

@@ -1,0 +1,197 @@
+"""Sites: each site's spec, and the merge of ``@default`` and NVFlare's top-level blocks into it.
+
+Blocks merge shallowly, most specific last::
+
+    top-level launcher_spec.default  <  sites.@default  <  top-level launcher_spec.<site>  <  sites.<site>
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from flare_airflow.core.config.describe import clip, short_repr
+from flare_airflow.core.config.kubernetes import KubernetesLaunchSpec
+from flare_airflow.core.config.process import ProcessLaunchSpec
+from flare_airflow.core.config.resources import ResourceManagerSpec, ResourceSpec
+from flare_airflow.core.config.validators import MAX_SECONDS, MAX_WEIGHT, MIN_WEIGHT, Strict
+
+DEFAULT_SITE = "@default"
+NVFLARE_DEFAULT = "default"
+# The backends this version runs. NVFlare's job meta also names docker and slurm: a job that asks
+# for one of them is refused with the list below, never accepted and ignored.
+SUPPORTED_BACKENDS = ("process", "k8s")
+NVFLARE_BACKENDS = ("process", "k8s", "docker", "slurm")
+BACKEND_ALIASES = {"kubernetes": "k8s"}
+
+
+def _not_available(backend: str, what: str) -> ValueError:
+    return ValueError(
+        f"{what} {backend!r} is not available in this version of flare-airflow; "
+        f"supported: {', '.join(SUPPORTED_BACKENDS)}"
+    )
+
+
+class LauncherSpec(Strict):
+    """Per-backend launcher blocks. Only the block of the site's backend is used."""
+
+    process: ProcessLaunchSpec = Field(default_factory=ProcessLaunchSpec)
+    k8s: KubernetesLaunchSpec = Field(default_factory=KubernetesLaunchSpec)
+
+
+class SiteSpec(Strict):
+    """One site of a job, after ``@default`` has been merged in."""
+
+    launcher: Literal["process", "k8s"] = "process"
+    weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="multiplies num_samples in FedAvg")
+    retries: int = Field(0, ge=0, le=20)
+    retry_delay_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)
+    resource_spec: ResourceSpec = Field(default_factory=ResourceSpec)
+    resource_manager: ResourceManagerSpec | None = None
+    launcher_spec: LauncherSpec = Field(default_factory=LauncherSpec)
+
+    @field_validator("launcher", mode="before")
+    @classmethod
+    def _supported(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        value = BACKEND_ALIASES.get(value, value)
+        if value in NVFLARE_BACKENDS and value not in SUPPORTED_BACKENDS:
+            raise _not_available(value, "launcher")
+        return value
+
+    @model_validator(mode="after")
+    def _k8s_image(self) -> SiteSpec:
+        if self.launcher == "k8s" and self.launcher_spec.k8s.image is None:
+            raise ValueError(
+                "a Kubernetes site needs its trainer image: set launcher_spec.k8s.image "
+                "(e.g. registry.example.org/fl/trainer:1.0, built from docker/Dockerfile.trainer)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gpus_fit(self) -> SiteSpec:
+        wanted = self.resource_spec.num_of_gpus
+        manager = self.resource_manager
+        if wanted and manager is None:
+            raise ValueError(
+                f"a site job asks for {wanted} GPU(s) (resource_spec.num_of_gpus) but the site declares no "
+                "resource_manager: add resource_manager: {type: gpu, num_of_gpus: <the site's GPUs>}, "
+                "or {type: passthrough} if the backend enforces GPU limits itself"
+            )
+        if manager is not None and manager.type == "gpu":
+            if manager.num_of_gpus < 1:
+                raise ValueError("resource_manager.num_of_gpus must be >= 1 for type 'gpu' (the site's GPUs)")
+            if wanted > manager.num_of_gpus:
+                raise ValueError(
+                    f"a site job asks for {wanted} GPUs but the site has only {manager.num_of_gpus} "
+                    "(resource_manager.num_of_gpus): it could never run -- Airflow would wait for pool "
+                    "slots forever. Lower resource_spec.num_of_gpus or raise the site's capacity."
+                )
+        return self
+
+    def pool_name(self, site: str) -> str | None:
+        """The Airflow pool bounding this site's GPU jobs, or ``None`` (no GPUs asked, passthrough)."""
+        manager = self.resource_manager
+        if manager is None or manager.type != "gpu" or not self.resource_spec.num_of_gpus:
+            return None
+        if manager.pool:
+            return manager.pool
+        return f"flare_gpu_{site}" + (f"_{manager.gpu_class}" if manager.gpu_class else "")
+
+
+def _mapping(value: Any, where: str, what: str) -> Mapping[str, Any]:
+    """``value`` as a mapping (``None``: empty), or a ValueError naming ``where``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of {what}, got {type(value).__name__} {short_repr(value)}")
+    return value
+
+
+def _merge_block(*blocks: tuple[Any, str]) -> dict[str, Any]:
+    """Shallow merge of ``(block, where)`` pairs, later wins; every block must be a mapping."""
+    out: dict[str, Any] = {}
+    for block, where in blocks:
+        out.update(_mapping(block, where, "keys to values"))
+    return out
+
+
+def _backends(block: Any, where: str) -> dict[str, Any]:
+    out = {}
+    for key, value in _mapping(block, where, "backend -> settings (process, k8s, ...)").items():
+        backend = BACKEND_ALIASES.get(key, key) if isinstance(key, str) else key
+        if backend not in NVFLARE_BACKENDS:
+            raise ValueError(
+                f"{where}: unknown launcher backend {short_repr(key)}; "
+                f"allowed: {', '.join(NVFLARE_BACKENDS)}, kubernetes"
+            )
+        if backend not in SUPPORTED_BACKENDS:
+            raise ValueError(f"{where}.{backend}: {_not_available(backend, 'the backend')}")
+        out[backend] = value
+    return out
+
+
+def _site_names(sites: list[Any]) -> dict[str, Any]:
+    """NVFlare's short form ``sites: [site-1, site-2]``: every site with the defaults."""
+    out: dict[str, Any] = {}
+    for item in sites:
+        if not isinstance(item, str):
+            raise ValueError(f"sites: a list of sites holds site names, got {type(item).__name__} {short_repr(item)}")
+        if item in out:
+            raise ValueError(f"sites: site {item!r} is listed twice")
+        out[item] = None
+    return out
+
+
+def merge_sites(sites: Any, top_resources: Any, top_launchers: Any) -> Any:
+    """Fold ``@default`` and NVFlare's top-level ``resource_spec`` / ``launcher_spec`` into each site.
+
+    Raises ``ValueError`` naming the block (e.g. ``sites.@default``) when one is not a mapping.
+    """
+    if sites is None:
+        return sites
+    if isinstance(sites, list):
+        sites = _site_names(sites)
+    if not isinstance(sites, Mapping):
+        raise ValueError(
+            f"sites must be a mapping of site name -> settings (or a list of site names), "
+            f"got {type(sites).__name__} {short_repr(sites)}"
+        )
+    top_resources = _mapping(top_resources, "resource_spec", "site name -> resources")
+    top_launchers = _mapping(top_launchers, "launcher_spec", "site name -> launcher blocks")
+    default = _mapping(sites.get(DEFAULT_SITE), f"sites.{DEFAULT_SITE}", "settings every site shares")
+    names = [n for n in sites if n != DEFAULT_SITE]
+    for key, what in ((top_resources, "resource_spec"), (top_launchers, "launcher_spec")):
+        for name in key:
+            if name not in (DEFAULT_SITE, NVFLARE_DEFAULT) and name not in names:
+                known = clip(", ".join(map(str, names)), 200)
+                raise ValueError(f"{what} names site {short_repr(name)}, which is not in sites ({known})")
+    merged: dict[str, Any] = {}
+    for name in names:
+        own = _mapping(sites[name], f"sites.{name}", "settings (or empty for the defaults)")
+        site = {**default, **own}
+        site["resource_spec"] = _merge_block(
+            (top_resources.get(DEFAULT_SITE), f"resource_spec.{DEFAULT_SITE}"),
+            (top_resources.get(NVFLARE_DEFAULT), f"resource_spec.{NVFLARE_DEFAULT}"),
+            (default.get("resource_spec"), f"sites.{DEFAULT_SITE}.resource_spec"),
+            (top_resources.get(name), f"resource_spec.{name}"),
+            (own.get("resource_spec"), f"sites.{name}.resource_spec"),
+        )
+        layers = [
+            (_backends(top_launchers.get(NVFLARE_DEFAULT), "launcher_spec.default"), "launcher_spec.default"),
+            (_backends(default.get("launcher_spec"), "sites.@default.launcher_spec"), "sites.@default.launcher_spec"),
+            (_backends(top_launchers.get(name), f"launcher_spec.{name}"), f"launcher_spec.{name}"),
+            (_backends(own.get("launcher_spec"), f"sites.{name}.launcher_spec"), f"sites.{name}.launcher_spec"),
+        ]
+        site["launcher_spec"] = {
+            backend: _merge_block(
+                *((layer[backend], f"{where}.{backend}") for layer, where in layers if backend in layer)
+            )
+            for backend in SUPPORTED_BACKENDS
+            if any(backend in layer for layer, _ in layers)
+        }
+        merged[name] = site
+    return merged

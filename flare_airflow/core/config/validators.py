@@ -1,0 +1,155 @@
+"""The strict base model and the checks several specs share: names, argv, environment, secrets."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from flare_airflow.core.config.describe import short_repr
+
+# Upper bounds: beyond them a value is a typo, and some would overflow (timedelta, pool slots).
+MAX_SECONDS = 366 * 24 * 3600.0
+MAX_WEIGHT = 1e6
+MIN_WEIGHT = 1e-6
+# Integers the trigger form (JSON in a browser) carries exactly.
+MAX_FORM_INT = 2**53
+Scalar = int | float | str | bool
+# Names of the Client API's variables (and of what the launcher adds) belong to flare-airflow.
+RESERVED_ENV_PREFIX = "FLARE_"
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+class Strict(BaseModel):
+    # strict: no silent coercion (`rounds: true` is not 1, `evaluate: "no"` is not True);
+    # allow_inf_nan=False: `.inf` / `.nan` are no timeout, weight or CPU count.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def dns_label(value: str, what: str) -> str:
+    if not DNS_LABEL.match(value) or len(value) > 63:
+        raise ValueError(
+            f"{what} {value!r} is not an RFC 1123 label: use lowercase letters, digits and '-', "
+            "start and end with a letter or digit, at most 63 characters"
+        )
+    return value
+
+
+def dns_subdomain(value: str, what: str) -> str:
+    if not _DNS_SUBDOMAIN.match(value) or len(value) > 253:
+        raise ValueError(
+            f"{what} {value!r} is not a Kubernetes object name: use lowercase letters, digits, '-' and '.', "
+            "start and end with a letter or digit, at most 253 characters"
+        )
+    return value
+
+
+def qualified_name(value: str, what: str) -> str:
+    """A label or annotation key: ``[prefix/]name`` (prefix a DNS subdomain, name <= 63 characters)."""
+    prefix, _, name = value.rpartition("/")
+    ok = bool(name) and len(name) <= 63 and bool(_LABEL_VALUE.match(name))
+    if prefix:
+        ok = ok and len(prefix) <= 253 and bool(_DNS_SUBDOMAIN.match(prefix))
+    if not ok:
+        raise ValueError(
+            f"{what} {value!r} is not a valid key: an optional DNS prefix and '/', then at most 63 letters, "
+            "digits, '-', '_' or '.', starting and ending with a letter or digit (e.g. 'team' or 'example.org/team')"
+        )
+    return value
+
+
+def label_value(value: str, what: str) -> str:
+    """``value`` if Kubernetes accepts it as a label value, else a ValueError naming ``what``."""
+    if len(value) > 63 or not _LABEL_VALUE.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not a valid label value: at most 63 letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return value
+
+
+def no_nul(value: str, what: str) -> str:
+    # execve and the file system cut a string at NUL: what ran would differ from what was written.
+    if "\0" in value:
+        raise ValueError(f"{what} contains a NUL character (\\0), which no argument, path or variable may hold")
+    return value
+
+
+def argv(value: Any) -> Any:
+    """An exact argv: a list of strings (numbers are turned into strings), never one shell string."""
+    if isinstance(value, str):
+        raise ValueError("must be a list of arguments, not a string (arguments are never run through a shell)")
+    if isinstance(value, list | tuple):
+        out = []
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, str | int | float):
+                raise ValueError(f"argument {short_repr(item)} must be a string or a number")
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"argument {item!r} is not a finite number; quote it if you mean the text")
+            out.append(no_nul(str(item), f"argument {short_repr(item)}"))
+        return out
+    return value
+
+
+def env_name(name: str, what: str, reserved: tuple[str, ...] = (RESERVED_ENV_PREFIX,)) -> str:
+    if not _ENV_NAME.match(name):
+        raise ValueError(
+            f"{what}: {short_repr(name)} is not a valid environment variable name "
+            "(letters, digits, '_', '-', '.'; not starting with a digit; no '=')"
+        )
+    if name.startswith(reserved):
+        airflow = ", AIRFLOW* ones are Airflow's own" if len(reserved) > 1 else ""
+        raise ValueError(
+            f"{what}: {name!r} is reserved ({', '.join(p + '*' for p in reserved)}): FLARE_* variables are set by "
+            f"flare-airflow for the Client API{airflow}; choose another name"
+        )
+    return name
+
+
+def exactly_one(what: str, **sources: Any) -> None:
+    given = [name for name, value in sources.items() if value not in (None, False)]
+    if len(given) != 1:
+        found = f"got {', '.join(given)}" if given else "got none"
+        raise ValueError(f"{what} needs exactly one of {', '.join(sources)} ({found})")
+
+
+# A launcher block's ``env`` (plain values) and ``secret_env`` (references resolved at the site):
+# the process and Kubernetes blocks check them alike, with their own reserved names and references.
+
+
+def env_values(value: dict[str, str], reserved: tuple[str, ...]) -> dict[str, str]:
+    """A block's ``env``: valid, unreserved names; values without NUL."""
+    for name, item in value.items():
+        env_name(name, "env", reserved=reserved)
+        no_nul(item, f"env.{name}")
+    return value
+
+
+def secret_references(value: Any, reference: type[BaseModel], shape: str, home: str) -> Any:
+    """Before validation: every ``secret_env`` entry is a reference of ``shape``, never a value."""
+    if isinstance(value, Mapping):
+        for name, ref in value.items():
+            if not isinstance(ref, Mapping | reference):
+                raise ValueError(
+                    f"secret_env.{name} must be a reference {shape}, never the value itself (values stay in {home})"
+                )
+    return value
+
+
+def secret_env_names(value: dict[str, Any], reserved: tuple[str, ...]) -> dict[str, Any]:
+    for name in value:
+        env_name(name, "secret_env", reserved=reserved)
+    return value
+
+
+def env_or_secret(env: Mapping[str, Any], secret_env: Mapping[str, Any]) -> None:
+    both = sorted(set(env) & set(secret_env))
+    if both:
+        raise ValueError(f"{', '.join(both)} set in both env and secret_env; keep one")
