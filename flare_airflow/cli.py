@@ -1,4 +1,4 @@
-"""``flare-airflow``: validate jobs, run a federated DAG once and check every task, print reports.
+"""``flare-airflow``: validate jobs, run a federated DAG and check every task, resume a failed run, reports.
 
 ``flare-airflow run DAG_ID`` runs Airflow's own ``airflow dags test`` command (which exits 0 even
 when a task failed) in this process and then reads every task instance's final state from the
@@ -284,6 +284,83 @@ def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
     return 0
 
 
+def _cmd_resume(args: argparse.Namespace) -> int:
+    log_fd, log_path = open_log(args.log, args.dag_id)
+    try:
+        return _resume(args, log_fd, log_path)
+    finally:
+        os.close(log_fd)
+
+
+def _resume(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
+    """Clear what the run needs from its first incomplete round on, run it, print per-round verdicts."""
+    from airflow import settings
+    from airflow.configuration import write_default_airflow_configuration_if_needed
+    from airflow.models.dagrun import DagRun
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.utils.cli import get_bagged_dag
+    from sqlalchemy import select
+
+    from flare_airflow import resume
+
+    print(f"resuming {args.dag_id} run {args.run_id}; task logs: {log_path}", flush=True)
+    with _output_to(log_fd):
+        write_default_airflow_configuration_if_needed()
+        try:
+            dag = get_bagged_dag(None, args.dag_id, os.path.abspath(args.dagfile) if args.dagfile else None)
+        except Exception as exc:  # a DAG that is missing or does not parse: the traceback goes to the log
+            traceback.print_exc()
+            raise CLIError(f"DAG {args.dag_id!r} could not be loaded ({type(exc).__name__}); see {log_path}") from None
+    if settings.Session is None:
+        raise CLIError("Airflow's metadata database is not configured; check AIRFLOW_HOME")
+    session = settings.Session()
+    dag_run = session.scalars(select(DagRun).where(DagRun.dag_id == args.dag_id, DagRun.run_id == args.run_id)).first()
+    if dag_run is None:
+        raise CLIError(
+            f"DAG {args.dag_id!r} has no run {args.run_id!r} (list them: `airflow dags list-runs {args.dag_id}`)"
+        )
+    if str(dag_run.state) in ("running", "queued"):
+        raise CLIError(
+            f"run {args.run_id!r} is still {dag_run.state}; wait for it to end (or mark it failed), then resume"
+        )
+    plan = resume.make_plan(dag, args.run_id, args.from_round, session)
+    if plan.nothing_to_do and str(dag_run.state) == "success":
+        print(f"run {args.run_id}: all {plan.rounds_requested} requested round(s) done and published; nothing to do")
+        for line in resume.round_verdicts(dag, args.run_id, session):
+            print(f"  {line}")
+        return 0
+    kept = ", ".join(f"round {r} {sha[:12]}…" for r, sha in sorted(plan.kept.items())) or "nothing"
+    start = "the beginning (prepare did not complete)" if plan.from_round == 0 else f"round {plan.from_round}"
+    print(f"from {start} of {plan.rounds_requested}; keeping the verified global models of {kept}")
+    print(f"clearing {len(plan.clear)} task(s): {', '.join(plan.clear)}", flush=True)
+    use_scheduler = args.scheduler or (not args.in_process and resume.scheduler_alive(session))
+    scheduler_dag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+    started = time.monotonic()
+    with _output_to(log_fd):
+        resume.clear_tasks(scheduler_dag, args.run_id, plan.clear, session)
+        if not use_scheduler:
+            state = resume.run_in_process(dag, scheduler_dag, args.run_id, session)
+    if use_scheduler:
+        if args.no_wait:
+            print("cleared; the scheduler runs it (not waiting: --no-wait)")
+            return 0
+        print("cleared; a scheduler is running: waiting for it to finish the run", flush=True)
+        state = resume.wait_for_run(args.dag_id, args.run_id, timeout=args.timeout)
+    session.expire_all()
+    print(f"run {args.run_id}: {state} in {time.monotonic() - started:.1f}s")
+    for line in resume.round_verdicts(dag, args.run_id, session):
+        print(f"  {line}")
+    final = run_state(args.dag_id, args.run_id)
+    published = final.get("published") or {}
+    ok = state == "success" and published.get("round") == plan.rounds_requested
+    if not ok:
+        bad = {t: i["state"] for t, i in final["tasks"].items() if i["state"] not in OK_STATES}
+        print(f"FAILED: run state {state}, tasks not successful: {bad or 'none'}; see {log_path}", file=sys.stderr)
+        return 1
+    print(f"final model: {published['final_model']} (sha256 {published['sha256']})")
+    return 0
+
+
 def _check_row(row: Any, index: int, where: str) -> None:
     if not isinstance(row, Mapping):
         raise CLIError(f"{where}: rounds[{index}] must be an object, got {type(row).__name__}")
@@ -376,6 +453,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--log", help="where to write Airflow's output (default: a temp file)")
     p.add_argument("--json", action="store_true", help="print the run's final state as JSON")
     p.set_defaults(func=_cmd_run)
+    p = sub.add_parser(
+        "resume",
+        help="continue a failed run from its first incomplete round (keeps completed rounds' global models)",
+    )
+    p.add_argument("dag_id")
+    p.add_argument("run_id")
+    p.add_argument("--from-round", type=int, help="start from this round (default: the first that did not complete)")
+    p.add_argument("--dagfile", help="parse only this DAG file instead of the whole dags folder")
+    p.add_argument("--log", help="where to write Airflow's output (default: a temp file)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--scheduler", action="store_true", help="let the scheduler run it (default if one is alive)")
+    how.add_argument("--in-process", action="store_true", help="run the cleared tasks here, scheduler or not")
+    p.add_argument("--no-wait", action="store_true", help="with a scheduler: clear and return without waiting")
+    p.add_argument("--timeout", type=float, default=24 * 3600, help="with a scheduler: seconds to wait (default 1 day)")
+    p.set_defaults(func=_cmd_resume)
     p = sub.add_parser("report", help="print the per-round table of a run's metrics.json")
     p.add_argument("metrics", help="path or URI of metrics.json")
     p.set_defaults(func=_cmd_report)

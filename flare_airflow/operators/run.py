@@ -17,7 +17,15 @@ from flare_airflow.core.model import FLModel, Params, all_finite, atomic_write, 
 from flare_airflow.core.report import format_table, round_row
 from flare_airflow.core.store import ModelStore
 from flare_airflow.hooks.pools import PoolError, blocking, live_pools_from_api, problems, required_pools
-from flare_airflow.operators.common import RunParamsError, run_id_of, run_params, store_for
+from flare_airflow.operators.common import RunParamsError, run_id_of, run_params, store_for, task_states
+
+
+def _resume_hint(context: Context, round_num: int) -> str:
+    dag_id, run_id = context["ti"].dag_id, run_id_of(context)
+    return (
+        f"run `flare-airflow resume {dag_id} {run_id}` (or `--from-round {round_num}`), or in the UI clear "
+        f"round_{round_num} (its site tasks and global_model) with 'Downstream' on and 'Only failed' off"
+    )
 
 
 def final_model_asset(job: JobConfig) -> Asset:
@@ -189,18 +197,70 @@ class PublishOperator(BaseOperator):
         self.job = job
         self.aggregate_task_ids = list(aggregate_task_ids)
 
-    def execute(self, context: Context) -> dict[str, Any]:
+    def _requested_rounds(self, context: Context) -> list[dict[str, Any]]:
+        """The summaries of every round this run asked for, checked; refuses with what to clear or run.
+
+        Publishing is the run's verdict, and a Clear in the UI can leave any mix of states behind
+        (a skipped later round, a failed round re-run without its successors, a site re-run after
+        its round was aggregated). So the final model is published only when every requested
+        round's aggregation succeeded in this run, and each round's model was made of exactly the
+        updates its site tasks hold now.
+        """
         ti = context["ti"]
-        summaries = [s for s in (ti.xcom_pull(task_ids=t) for t in self.aggregate_task_ids) if s]
+        rounds = run_params(context, self.job).rounds
+        requested = self.aggregate_task_ids[:rounds]
+        states = task_states(context, requested)
+        summaries: list[dict[str, Any]] = []
+        for r, task_id in enumerate(requested, start=1):
+            summary = ti.xcom_pull(task_ids=task_id)
+            state = states.get(task_id, "success")
+            if state != "success" or not isinstance(summary, dict) or summary.get("round") != r:
+                got = f"is {state or 'cleared, not run again'}" if state != "success" else "left no summary"
+                raise AirflowFailException(
+                    f"round {r} produced no global model in this run (its aggregation task {task_id} {got}); "
+                    f"this run asked for {rounds} round(s), so publishing round {r - 1}'s model as final would be "
+                    f"wrong; nothing published: {_resume_hint(context, r)}"
+                )
+            self._check_sites_unchanged(context, task_id, summary)
+            summaries.append(summary)
         if not summaries:
-            raise AirflowFailException("no round completed in this run; nothing to publish")
+            raise AirflowFailException("this DAG has no rounds; nothing to publish")
+        return summaries
+
+    def _check_sites_unchanged(self, context: Context, aggregate_task_id: str, summary: dict[str, Any]) -> None:
+        """Refuse when a site task of the round ran again after the round was aggregated."""
+        r, counted = summary["round"], summary.get("site_sha256")
+        dag = getattr(self, "dag", None)
+        aggregate = dag.get_task(aggregate_task_id) if dag is not None else None
+        site_task_ids: dict[str, str] = dict(getattr(aggregate, "site_task_ids", None) or {})
+        if not isinstance(counted, dict) or not site_task_ids:
+            return  # a round aggregated without task ids (or by an older version): nothing to compare
+        ti = context["ti"]
+        now: dict[str, str] = {}
+        for site, task_id in site_task_ids.items():
+            update = ti.xcom_pull(task_ids=task_id)
+            if isinstance(update, dict) and update.get("sha256"):
+                now[site] = str(update["sha256"])
+        changed = sorted(s for s in set(now) | set(counted) if now.get(s) != counted.get(s))
+        if changed:
+            raise AirflowFailException(
+                f"round {r}'s global model is stale: site task(s) {', '.join(changed)} of round {r} ran again after "
+                f"the round was aggregated, so the model does not reflect their current outcome; nothing "
+                f"published: {_resume_hint(context, r)}"
+            )
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        summaries = self._requested_rounds(context)
         rows = [round_row(s, len(self.job.sites)) for s in summaries]
         last = summaries[-1]
         store = store_for(self.job)
         run_id = run_id_of(context)
         params, record = read_artifact(store.resolve_uri(last["global_uri"]))
         if record.sha256 != last["sha256"]:
-            raise FlareAirflowError(f"{last['global_uri']} changed after round {last['round']} wrote it")
+            raise AirflowFailException(
+                f"{last['global_uri']} changed after round {last['round']} wrote it (sha256 {record.sha256[:12]}…, "
+                f"recorded {str(last['sha256'])[:12]}…); nothing published: {_resume_hint(context, last['round'])}"
+            )
         final = store.final_dir(self.job.job, run_id)
         model_path = final / "model.safetensors"
         final_record = write_artifact(
