@@ -27,13 +27,13 @@ from flare_airflow.core.model import (
     FiniteScan,
     Params,
     ParamsType,
-    WritablePath,
     all_finite,
     check_num_samples,
     read_record,
     read_verified,
     tensor_spec,
 )
+from flare_airflow.core.store import WritablePath
 
 ACC_CHUNK = 1 << 16  # elements per multiply-add step: the float64 scratch (512 KiB) stays in the L2 cache
 _WORKERS = 2  # updates in flight in fedavg_from_store: peak memory is the float64 accumulator + two updates

@@ -17,13 +17,13 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import safetensors.numpy
 
 from flare_airflow.core.errors import ModelFormatError
-from flare_airflow.core.store import record_path
+from flare_airflow.core.store import WritablePath, record_path
 
 FORMAT = "flare-airflow/1"
 
@@ -63,26 +63,6 @@ class FLModel:
     current_round: int | None = None
     total_rounds: int | None = None
     site: str | None = None
-
-
-class WritablePath(Protocol):
-    """What the store needs of a path: ``pathlib.Path``, ``UPath`` or Airflow's ``ObjectStoragePath``."""
-
-    def __truediv__(self, other: str) -> WritablePath: ...
-
-    def open(self, mode: str = ...) -> Any: ...
-
-    def exists(self) -> bool: ...
-
-    def unlink(self, missing_ok: bool = ...) -> None: ...
-
-    def mkdir(self, parents: bool = ..., exist_ok: bool = ...) -> None: ...
-
-    @property
-    def parent(self) -> Any: ...
-
-    @property
-    def name(self) -> str: ...
 
 
 @dataclass(frozen=True)

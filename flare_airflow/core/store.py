@@ -19,16 +19,33 @@ import hashlib
 import os
 import pathlib
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from flare_airflow.core.errors import StoreError
 
-if TYPE_CHECKING:  # numpy-free at run time: the site runner starts the trainer before importing numpy
-    from flare_airflow.core.model import WritablePath
-
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASHED = re.compile(r"-[0-9a-f]{8}$")
+
+
+class WritablePath(Protocol):
+    """What the store needs of a path: ``pathlib.Path``, ``UPath`` or Airflow's ``ObjectStoragePath``."""
+
+    def __truediv__(self, other: str) -> WritablePath: ...
+
+    def open(self, mode: str = ...) -> Any: ...
+
+    def exists(self) -> bool: ...
+
+    def unlink(self, missing_ok: bool = ...) -> None: ...
+
+    def mkdir(self, parents: bool = ..., exist_ok: bool = ...) -> None: ...
+
+    @property
+    def parent(self) -> Any: ...
+
+    @property
+    def name(self) -> str: ...
 
 
 def record_path(tensors_path: WritablePath) -> WritablePath:
