@@ -414,7 +414,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_pools_sync(args: argparse.Namespace) -> int:
-    from flare_airflow.hooks.pools import required_pools, sync_pools
+    from flare_airflow.airflow_pools import sync_pools
+    from flare_airflow.core.pools import required_pools
 
     try:
         job = load_job(args.job)

@@ -25,9 +25,16 @@ def get_provider_info() -> dict[str, Any]:
                 "integration-name": "Federated learning",
                 "python-modules": [
                     "flare_airflow.operators.site",
+                    "flare_airflow.operators.pod",
                     "flare_airflow.operators.aggregate",
                     "flare_airflow.operators.run",
                 ],
+            }
+        ],
+        "triggers": [
+            {
+                "integration-name": "Federated learning",
+                "python-modules": ["flare_airflow.triggers.pod_state"],
             }
         ],
     }

@@ -11,12 +11,13 @@ from typing import Any
 from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from flare_airflow.airflow_pools import live_pools_from_api
 from flare_airflow.core.config import JobConfig, load_initial_model
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.model import FLModel, Params, all_finite, atomic_write, read_artifact, write_artifact
+from flare_airflow.core.pools import PoolError, blocking, problems, required_pools
 from flare_airflow.core.report import format_table, round_row
 from flare_airflow.core.store import ModelStore
-from flare_airflow.hooks.pools import PoolError, blocking, live_pools_from_api, problems, required_pools
 from flare_airflow.operators.common import RunParamsError, run_id_of, run_params, store_for, task_states
 
 

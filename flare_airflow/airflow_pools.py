@@ -1,90 +1,20 @@
-"""Airflow pools as the GPU resource manager: one pool per site (or site + GPU class).
+"""The job's GPU pools in a live Airflow: synced through the ORM, read through the REST API.
 
-A pool's slots are the site's GPUs; a site task takes ``pool_slots`` = the GPUs its job asks for,
-and pools count deferred tasks (``include_deferred``) so that a deferred job keeps its GPUs.
-
-Two checks keep Airflow from waiting forever (it only logs a warning when a pool is missing or
-smaller than a task's ``pool_slots``): job validation refuses a request larger than the site's
-declared GPUs, and the run's ``prepare`` task checks the live pools through Airflow's REST API.
+The plan (which pools, how many slots, what counts as a problem) is pure and lives in
+:mod:`flare_airflow.core.pools`; this module is the Airflow side only. Not a hook: it owns no
+connection type. ``sync_pools`` writes the metadata database where it is reachable (the
+``flare-airflow pools sync`` command, a deployment job, CI); ``live_pools_from_api`` is how a task,
+which may not use the ORM, reads the pools (the run's ``prepare`` task).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.pools import PoolError, problems, required_pools
 
 API_CONN_ID = "flare_airflow_api"
-
-
-class PoolError(FlareAirflowError):
-    """A pool a job needs is missing or too small."""
-
-
-@dataclass(frozen=True)
-class PoolRequirement:
-    name: str
-    slots: int  # the site's GPUs
-    largest_request: int  # the most GPUs one site job asks for
-    sites: tuple[str, ...]
-
-    @property
-    def description(self) -> str:
-        return f"GPUs of {', '.join(self.sites)} (flare-airflow; slots = GPUs)"
-
-
-def required_pools(job: JobConfig) -> dict[str, PoolRequirement]:
-    """The pools ``job`` needs, by name. Sites may share a pool (several sites on one GPU host)."""
-    pools: dict[str, PoolRequirement] = {}
-    for site, spec in job.sites.items():
-        name = spec.pool_name(site)
-        if name is None or spec.resource_manager is None:
-            continue
-        slots = spec.resource_manager.num_of_gpus
-        request = spec.resource_spec.num_of_gpus
-        known = pools.get(name)
-        if known is not None and known.slots != slots:
-            raise ConfigError(
-                f"sites {', '.join(known.sites)} and {site} share pool {name!r} but declare different "
-                f"GPU counts ({known.slots} vs {slots}); one pool has one size"
-            )
-        pools[name] = PoolRequirement(
-            name=name,
-            slots=slots,
-            largest_request=max(request, known.largest_request if known else 0),
-            sites=(*(known.sites if known else ()), site),
-        )
-    return pools
-
-
-def problems(required: dict[str, PoolRequirement], live: dict[str, dict[str, Any]]) -> list[str]:
-    """What is wrong with the live pools (``name -> {slots, include_deferred}``) for this job."""
-    found = []
-    for name, req in sorted(required.items()):
-        pool = live.get(name)
-        if pool is None:
-            found.append(
-                f"pool {name!r} (GPUs of {', '.join(req.sites)}) does not exist: Airflow would never run "
-                f"these site tasks. Create it with `flare-airflow pools sync JOB.yaml`."
-            )
-            continue
-        if int(pool["slots"]) < req.largest_request:
-            found.append(
-                f"pool {name!r} has {pool['slots']} slot(s) but a site job of {', '.join(req.sites)} asks for "
-                f"{req.largest_request} GPU(s): Airflow would wait forever. Run `flare-airflow pools sync JOB.yaml`."
-            )
-        elif int(pool["slots"]) != req.slots:
-            found.append(f"pool {name!r} has {pool['slots']} slot(s); the job declares {req.slots} GPU(s)")
-        if not pool.get("include_deferred", False):
-            found.append(f"pool {name!r} does not count deferred tasks (include_deferred is off)")
-    return found
-
-
-def blocking(messages: list[str]) -> list[str]:
-    """The problems that would make Airflow wait forever (the others are drift)."""
-    return [m for m in messages if "does not exist" in m or "wait forever" in m]
 
 
 def sync_pools(job: JobConfig, *, check: bool = False) -> tuple[list[str], list[str]]:

@@ -1,1 +1,0 @@
-"""Airflow-facing helpers that own a connection or the metadata database (pools)."""
