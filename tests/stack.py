@@ -216,3 +216,80 @@ class AirflowStack:
         for p in self.procs:  # anything left in the groups (task processes)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- processes of site jobs (kill drills)
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid from ``/proc/PID/stat``, or ``None`` once the process is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return None if fields[0] in (b"Z", b"X") else int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    return parent_of(pid) is not None
+
+
+def site_processes(marker: str) -> dict[int, dict[str, Any]]:
+    """Site runners and trainers (and anything a trainer started) whose environment mentions
+    ``marker`` (a store root or run id unique to a test): ``{pid: {kind, run_id, site, round, ppid}}``.
+
+    A site runner carries its site job in ``FLARE_SITE_JOB_SPEC``; a trainer and its descendants
+    carry ``FLARE_PROCESS_TREE`` and the Client API variables (``FLARE_RUN_ID``, ``FLARE_SITE``...).
+    """
+    found: dict[int, dict[str, Any]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        env = _environ(pid)
+        if not env:
+            continue
+        spec, tree = env.get("FLARE_SITE_JOB_SPEC"), env.get("FLARE_PROCESS_TREE")
+        if spec and marker in spec:
+            data = json.loads(spec)
+            info = {"kind": "runner", "run_id": data["run_id"], "site": data["site"], "round": data["round"]}
+        elif tree and any(marker in value for value in env.values()):
+            info = {
+                "kind": "trainer",
+                "run_id": env.get("FLARE_RUN_ID"),
+                "site": env.get("FLARE_SITE"),
+                "round": int(env.get("FLARE_ROUND", "0")),
+            }
+        else:
+            continue
+        ppid = parent_of(pid)
+        if ppid is not None:
+            found[pid] = {**info, "ppid": ppid}
+    return found
+
+
+def wait_gone(pids: list[int], timeout: float) -> float | None:
+    """Seconds until every one of ``pids`` has ended, or ``None`` if some still run after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if not any(alive(p) for p in pids):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+def kill9(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
