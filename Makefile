@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup system-deps demo test lint bench clean
+.PHONY: setup system-deps demo test unit lint bench clean
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -51,6 +51,12 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check flare_airflow tests dags examples benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# What a developer runs while editing: the unit tier (core, launchers, operators, triggers, builder,
+# provider info) and the bad-input battery; no PostgreSQL, Kubernetes or scheduler. Measured: 848
+# tests in 45 s wall on a shared 2-core machine. PYTEST_ARGS=--basetemp=DIR keeps its temp dirs apart.
+unit: $(VENV)/.installed
+	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/unit tests/bad_inputs
 
 test: setup system-deps lint
 	$(BIN)/pytest -q -p no:cacheprovider tests

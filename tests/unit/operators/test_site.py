@@ -1,0 +1,68 @@
+"""Site tasks: the arguments a site's spec gives them, and the site job they describe."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from flare_airflow.operators.common import store_for
+from flare_airflow.operators.site import SiteTrainOperator, make_site_run, site_task_defaults, trainer_argv
+from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
+
+GPU_SITE = {
+    "retries": 3,
+    "retry_delay_seconds": 42,
+    "resource_spec": {"num_of_gpus": 2},
+    "resource_manager": {"type": "gpu", "num_of_gpus": 4, "gpu_class": "a100"},
+}
+
+
+def test_site_task_defaults_come_from_the_site_spec(tmp_path) -> None:
+    job = make_job(tmp_path, sites={"site-1": GPU_SITE, "site-2": {}}, trainer={"script": "train.py", "timeout": 600})
+    gpu: dict = {}
+    site_task_defaults(job, "site-1", gpu)
+    assert gpu == {
+        "pool": "flare_gpu_site-1_a100",
+        "pool_slots": 2,
+        "retries": 3,
+        "retry_delay": timedelta(seconds=42),
+        "execution_timeout": timedelta(seconds=600),
+    }
+    plain: dict = {"retries": 9}
+    site_task_defaults(job, "site-2", plain)
+    assert "pool" not in plain and "pool_slots" not in plain
+    assert plain["retries"] == 9  # what the DAG author passed wins
+
+
+def test_make_site_run_stages_each_try_apart(tmp_path) -> None:
+    job = make_job(tmp_path)
+    store = store_for(job)  # the Airflow layer's store: ObjectStoragePath URIs
+    ti = FakeTI(try_number=3, xcoms={("prepare", "return_value"): {"sha256": "ab" * 32}})
+    run = make_site_run(job, "site-1", 1, context(ti), argv=trainer_argv(job), global_task_id="prepare")
+    assert (run.job, run.run_id, run.round, run.site, run.task) == ("unit", RUN_ID, 1, "site-1", "train")
+    assert run.global_model == str(store.global_model("unit", RUN_ID, 0))
+    assert run.output == str(store.site_update("unit", RUN_ID, 1, "site-1"))
+    assert run.staging == str(store.staging("unit", RUN_ID, 1, "site-1", 3))
+    assert run.staging.endswith("/staging/site-1/try-3/update.safetensors")
+    assert run.global_sha256 == "ab" * 32
+    assert run.total_rounds == 2
+
+
+def test_the_site_job_spec_carries_references_never_secret_values(tmp_path) -> None:
+    job = make_job(
+        tmp_path,
+        sites={
+            "site-1": {
+                "launcher_spec": {
+                    "process": {"env": {"MODE": "fast"}, "secret_env": {"API_TOKEN": {"variable": "token"}}}
+                }
+            },
+            "site-2": {},
+        },
+    )
+    task = SiteTrainOperator(task_id="site-1", job=job, site="site-1", round_num=1, global_task_id="prepare")
+    spec = json.loads(task.site_run(context(FakeTI())).to_json())
+    assert spec["env"] == {"MODE": "fast"}
+    assert "API_TOKEN" not in json.dumps(spec)
+    assert spec["argv"] == trainer_argv(job)
+    assert task.bash_command.endswith("-m flare_airflow.launchers.site_runner")

@@ -1,0 +1,85 @@
+"""build_dag: the task graph, trigger rules, pools and the XCom wiring between rounds, without a scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from flare_airflow.builder import AGGREGATE_TASK, build_dag
+from flare_airflow.operators.aggregate import AggregateOperator
+from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
+from flare_airflow.operators.site import SiteTrainOperator
+from tests.unit.airflow_layer import make_job
+
+GPU_SITE = {"resource_spec": {"num_of_gpus": 2}, "resource_manager": {"type": "gpu", "num_of_gpus": 4}}
+
+
+@pytest.fixture
+def dag(tmp_path):
+    job = make_job(
+        tmp_path,
+        sites={"site-1": GPU_SITE, "site-2": {}},
+        trainer={"script": "train.py", "hparams": {"lr": 0.1, "epochs": 2}},
+    )
+    return build_dag(job)
+
+
+def test_task_ids_and_classes(dag) -> None:
+    assert dag.dag_id == "flare_unit"
+    assert sorted(dag.task_dict) == [
+        "prepare",
+        "publish",
+        "round_1.global_model",
+        "round_1.site-1",
+        "round_1.site-2",
+        "round_2.global_model",
+        "round_2.site-1",
+        "round_2.site-2",
+    ]
+    assert isinstance(dag.task_dict["prepare"], PrepareRunOperator)
+    assert isinstance(dag.task_dict["publish"], PublishOperator)
+    assert isinstance(dag.task_dict["round_1.site-1"], SiteTrainOperator)
+    assert isinstance(dag.task_dict[f"round_2.{AGGREGATE_TASK}"], AggregateOperator)
+
+
+def test_dependencies_and_trigger_rules(dag) -> None:
+    t = dag.task_dict
+    assert t["prepare"].downstream_task_ids == {"round_1.site-1", "round_1.site-2"}
+    assert t["round_1.site-1"].downstream_task_ids == {"round_1.global_model"}
+    assert t["round_1.global_model"].downstream_task_ids == {"round_2.site-1", "round_2.site-2", "publish"}
+    assert t["round_2.global_model"].downstream_task_ids == {"publish"}
+    # The aggregation runs whatever its sites' outcome: a failed site does not count, it does not block.
+    assert t["round_1.global_model"].trigger_rule == "all_done"
+    assert t["round_1.site-1"].trigger_rule == "all_success"
+
+
+def test_gpu_sites_take_one_pool_slot_per_gpu(dag) -> None:
+    gpu, plain = dag.task_dict["round_1.site-1"], dag.task_dict["round_1.site-2"]
+    assert (gpu.pool, gpu.pool_slots) == ("flare_gpu_site-1", 2)
+    assert (plain.pool, plain.pool_slots) == ("default_pool", 1)
+
+
+def test_global_model_wiring(dag) -> None:
+    t = dag.task_dict
+    assert t["round_1.site-1"].global_task_id == "prepare"
+    assert t["round_2.site-2"].global_task_id == "round_1.global_model"
+    assert t["round_1.global_model"].global_task_id == "prepare"
+    assert t["round_2.global_model"].global_task_id == "round_1.global_model"
+    assert t["round_2.global_model"].site_task_ids == {"site-1": "round_2.site-1", "site-2": "round_2.site-2"}
+    assert t["publish"].aggregate_task_ids == ["round_1.global_model", "round_2.global_model"]
+
+
+def test_trigger_form(dag) -> None:
+    params = dag.params
+    assert {key: params[key] for key in params} == {
+        "rounds": 2,
+        "min_clients": 2,
+        "warm_start": False,
+        "hp_lr": 0.1,
+        "hp_epochs": 2,
+    }
+    schema = {key: params.get_param(key).schema for key in params}
+    assert schema["rounds"]["maximum"] == 2
+    assert schema["min_clients"]["maximum"] == 2
+    assert schema["hp_lr"]["type"] == "number"
+    assert schema["hp_epochs"]["type"] == "integer"
+    assert schema["warm_start"]["type"] == "boolean"

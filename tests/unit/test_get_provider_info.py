@@ -1,0 +1,52 @@
+"""The provider metadata lists exactly the modules that hold operators and triggers, and they import."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+from airflow.sdk import BaseOperator
+from airflow.triggers.base import BaseTrigger
+
+import flare_airflow.operators
+import flare_airflow.triggers
+from flare_airflow.get_provider_info import get_provider_info
+
+INFO = get_provider_info()
+
+
+def listed(kind: str) -> list[str]:
+    return [module for entry in INFO.get(kind, []) for module in entry["python-modules"]]
+
+
+def defining(package: object, base: type) -> set[str]:
+    """Modules of ``package`` that define a subclass of ``base`` (helpers such as operators.common do not)."""
+    found = set()
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):  # type: ignore[attr-defined]
+        module = importlib.import_module(info.name)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if obj.__module__ == module.__name__ and issubclass(obj, base):
+                found.add(module.__name__)
+    return found
+
+
+@pytest.mark.parametrize("module", listed("operators") + listed("triggers") + listed("hooks"))
+def test_every_listed_module_imports(module: str) -> None:
+    importlib.import_module(module)
+
+
+def test_every_operator_module_is_listed() -> None:
+    assert sorted(listed("operators")) == sorted(defining(flare_airflow.operators, BaseOperator))
+
+
+def test_every_trigger_module_is_listed() -> None:
+    assert sorted(listed("triggers")) == sorted(defining(flare_airflow.triggers, BaseTrigger))
+
+
+def test_package_name_and_version() -> None:
+    from flare_airflow import __version__
+
+    assert INFO["package-name"] == "flare-airflow"
+    assert INFO["versions"] == [__version__]
