@@ -89,11 +89,13 @@ __all__ = [
     "PodStatus",
     "allowed_host_paths",
     "build_pod",
+    "delete_site_pods",
     "job_pod",
     "map_pod",
     "pod_labels",
     "pod_name",
     "pod_to_dict",
+    "site_pods_selector",
     "store_path_in_pod",
     "trainer_argv",
 ]
@@ -179,6 +181,67 @@ def pod_labels(job: str, run_id: str, round_num: int, site: str, try_number: int
         f"{RESERVED_LABEL_PREFIX}site": _label_value(site),
         f"{RESERVED_LABEL_PREFIX}try": str(try_number),
     }
+
+
+def site_pods_selector(job: str, run_id: str, round_num: int | None = None, site: str | None = None) -> str:
+    """Label selector for the pods of a run, or of one site job (round and site) of it, every try."""
+    labels = pod_labels(job, run_id, round_num or 0, site or "", 0)
+    keys = [MANAGED_BY_LABEL, f"{RESERVED_LABEL_PREFIX}job", f"{RESERVED_LABEL_PREFIX}run"]
+    if round_num is not None:
+        keys.append(f"{RESERVED_LABEL_PREFIX}round")
+    if site is not None:
+        keys.append(f"{RESERVED_LABEL_PREFIX}site")
+    return ",".join(f"{key}={labels[key]}" for key in keys)
+
+
+_FINISHED_PHASES = ("Succeeded", "Failed")
+
+
+def delete_site_pods(
+    core: k8s.CoreV1Api,
+    namespace: str,
+    selector: str,
+    *,
+    before_try: int | None = None,
+    keep_finished: bool = False,
+) -> list[str]:
+    """Delete, with no grace period, the pods ``selector`` finds in ``namespace``; return their names.
+
+    ``before_try``: only pods of tries below it (a new try supersedes them: they run unwatched,
+    their task process is gone). ``keep_finished``: leave pods that already finished (a site that
+    keeps pods for debugging); running and pending ones are deleted all the same. API reads and
+    deletes are retried on transient errors; a pod that is already gone is not an error.
+    """
+
+    def listed() -> list[Any]:
+        return list(
+            core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=_REQUEST_TIMEOUT).items
+        )
+
+    deleted = []
+    for pod in _retrying(listed):
+        try_label = (pod.metadata.labels or {}).get(f"{RESERVED_LABEL_PREFIX}try", "")
+        if before_try is not None and not (try_label.isdigit() and int(try_label) < before_try):
+            continue
+        phase = pod.status.phase if pod.status is not None else None
+        if keep_finished and phase in _FINISHED_PHASES:
+            continue
+
+        def delete(name: str = pod.metadata.name, uid: str | None = pod.metadata.uid) -> None:
+            try:
+                core.delete_namespaced_pod(
+                    name,
+                    namespace,
+                    body=k8s.V1DeleteOptions(grace_period_seconds=0, preconditions=k8s.V1Preconditions(uid=uid)),
+                    _request_timeout=_REQUEST_TIMEOUT,
+                )
+            except ApiException as exc:
+                if exc.status not in (404, 409):  # gone already / another pod under that name now
+                    raise
+
+        _retrying(delete)
+        deleted.append(f"{pod.metadata.name} (try {try_label or '?'}, {phase or 'unknown phase'})")
+    return deleted
 
 
 # ----------------------------------------------------------------------------- manifest

@@ -23,8 +23,21 @@ from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.launchers.kubernetes import CONTAINER_NAME, job_pod, unreachable_store
-from flare_airflow.launchers.site_runner import SiteRun, check_result, clear_outputs, write_failure
+from flare_airflow.launchers.kubernetes import (
+    CONTAINER_NAME,
+    delete_site_pods,
+    job_pod,
+    site_pods_selector,
+    unreachable_store,
+)
+from flare_airflow.launchers.site_runner import (
+    SiteRun,
+    Superseded,
+    check_result,
+    claim_try,
+    clear_outputs,
+    write_failure,
+)
 from flare_airflow.operators.common import store_for
 from flare_airflow.operators.site import check_site_task_may_run, make_site_run, site_failed, site_task_defaults
 from flare_airflow.triggers.pod_state import PodStateTrigger
@@ -106,10 +119,37 @@ class SitePodOperator(KubernetesPodOperator):
     def execute(self, context: Context) -> Any:
         check_site_task_may_run(context, self.job, self.site, self.round_num)
         run = self._site_run(context)
-        clear_outputs(path_from_uri(run.output))
         if run.staging:
-            path_from_uri(run.staging).parent.mkdir(parents=True, exist_ok=True)
+            claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it
+        clear_outputs(path_from_uri(run.output))
+        self.delete_earlier_tries(context)
         return super().execute(context)
+
+    def delete_earlier_tries(self, context: Context) -> list[str]:
+        """Delete the pods of this site job's earlier tries (found by their labels) before this try
+        creates its own: a try whose worker was killed left its pod running, unwatched.
+
+        A site that keeps pods for debugging keeps the finished ones.
+        """
+        run = self._site_run(context)
+        try_number = int(context["ti"].try_number or 1)
+        if try_number <= 1:
+            return []
+        spec = self.job.sites[self.site].launcher_spec.k8s
+        selector = site_pods_selector(self.job.job, run.run_id, self.round_num, self.site)
+        deleted = delete_site_pods(
+            self.client, spec.namespace, selector, before_try=try_number, keep_finished=spec.keep_pods
+        )
+        if deleted:
+            self.log.info(
+                "site %s round %d try %d: deleted the pods of earlier tries in %s: %s",
+                self.site,
+                self.round_num,
+                try_number,
+                spec.namespace,
+                ", ".join(deleted),
+            )
+        return deleted
 
     def _deadline(self, context: Context | None) -> float | None:
         start = getattr(context["ti"], "start_date", None) if context else None
@@ -207,6 +247,8 @@ class SitePodOperator(KubernetesPodOperator):
             raise site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]") from None
         try:
             summary = check_result(run, output)
+        except Superseded as exc:  # the published update is the later try's: leave it
+            raise site_failed(context, self.site, self.round_num, f"{exc} [ABORTED]") from None
         except FlareAirflowError as exc:
             clear_outputs(output)
             write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
