@@ -1,0 +1,116 @@
+"""The held-out drill of issue 9 (0b) on the real thing: a pod site whose trainer runs for 75 s --
+longer than the Kubernetes client's 60 s request timeout -- through Airflow's real scheduler,
+LocalExecutor worker and triggerer (PostgreSQL), against the real control plane with the LOCAL
+NODE AGENT test harness playing the kubelet. Before the fix the deferred task failed after ~60 s
+with "Trigger failure" and its pod was left behind."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from tests.harness import tiny_model
+from tests.k8s_harness.audit import AuditLog, describe
+from tests.stack import BIN, AirflowStack, Postgres
+
+TRAINER = pathlib.Path(__file__).parents[1] / "trainers" / "k8s_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("pod-stack")
+    pg = Postgres()
+    airflow = AirflowStack(root / "af", pg.url, parallelism=4)
+    airflow.start()
+    log = open(airflow.root / "triggerer.log", "wb")  # noqa: SIM115 - lives as long as the process
+    # The triggerer in its own session, killed with the others' process groups by stop().
+    airflow.procs.append(
+        subprocess.Popen(
+            [str(BIN / "airflow"), "triggerer"],
+            env=airflow.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )
+    try:
+        yield airflow
+    finally:
+        airflow.stop()
+        pg.stop()
+
+
+def test_a_pod_training_75_s_succeeds_through_scheduler_and_triggerer(
+    stack: AirflowStack, control_plane, node_agent, namespace: str, core: k8s.CoreV1Api, audit: AuditLog
+) -> None:
+    store = stack.home / "flare_store"
+    store.mkdir(parents=True, exist_ok=True)
+    folder = stack.dags / "long_pod"
+    folder.mkdir()
+    job = {
+        "job": "long-pod",
+        "rounds": 1,
+        "min_clients": 2,
+        "initial_model": str(tiny_model(folder / "init.safetensors")),
+        "trainer": {"script": str(TRAINER), "args": ["--sleep", "75"], "shutdown_timeout": 2},
+        "evaluate": False,
+        "sites": {
+            "@default": {"retries": 0},
+            "site-1": {
+                "launcher": "k8s",
+                "launcher_spec": {
+                    "k8s": {
+                        "image": "registry.example/flare/trainer:1",
+                        "namespace": namespace,
+                        "config_file": str(control_plane.kubeconfig_path()),
+                        "store_mount": {"host_path": str(store), "mount_path": "/flare-store"},
+                        "trainer_command": [sys.executable],
+                        "trainer_script": str(TRAINER),
+                        "poll_interval": 1,
+                    }
+                },
+            },
+            "site-2": {},
+        },
+    }
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    (folder / "dag.py").write_text(
+        textwrap.dedent(
+            """
+            from pathlib import Path
+            from flare_airflow.builder import build_dag
+            dag = build_dag(Path(__file__).with_name("job.yaml"))
+            """
+        )
+    )
+    mark = audit.mark()
+    started = time.monotonic()
+    run_id = stack.trigger("flare_long_pod")
+    state = stack.wait_for_run("flare_long_pod", run_id, timeout=420)
+    elapsed = time.monotonic() - started
+    tis = stack.task_instances("flare_long_pod", run_id)
+    states = {t: ti["state"] for t, ti in tis.items()}
+    assert state == "success", (states, (stack.root / "triggerer.log").read_text()[-3000:])
+    assert set(states.values()) == {"success"}, states
+    assert tis["round_1.site-1"]["try_number"] == 1, "no retry was needed"
+    assert elapsed >= 75
+    triggerer_log = (stack.root / "triggerer.log").read_text()
+    # The pod was watched from the triggerer (a trigger's own log lines go to the task's log).
+    assert re.search(r"\b[1-9][0-9]* triggers? currently running", triggerer_log), triggerer_log[-2000:]
+    assert "Trigger failure" not in triggerer_log and "TimeoutError" not in triggerer_log
+    assert core.list_namespaced_pod(namespace).items == [], "the pod is deleted when its task ends"
+    audit.settle()
+    watching = [
+        describe(ev) for ev in audit.client_requests(namespace, since=mark) if ev.get("verb") in ("list", "watch")
+    ]
+    print(f"\n{elapsed:.0f} s run; list/watch requests while the pod ran: {watching}")
+    # A handful per pod, not per minute of training: one list + one long watch (+ one re-watch).
+    assert len(watching) <= 8, watching
