@@ -119,7 +119,29 @@ def _mount_path(value: str, what: str) -> str:
     return path
 
 
-class VolumeSpec(Strict):
+class _Mounted(Strict):
+    """The checks of what a pod mounts (a volume, the store): its path, and where it comes from.
+
+    Subclasses declare the fields (``mount_path``, ``pvc``, ``host_path``) in their own order.
+    """
+
+    @field_validator("mount_path", check_fields=False)
+    @classmethod
+    def _mount(cls, value: str) -> str:
+        return _mount_path(value, "mount_path")
+
+    @field_validator("host_path", check_fields=False)
+    @classmethod
+    def _host(cls, value: str | None) -> str | None:
+        return None if value is None else _host_path(value, "host_path")
+
+    @field_validator("pvc", check_fields=False)
+    @classmethod
+    def _pvc(cls, value: str | None) -> str | None:
+        return None if value is None else dns_subdomain(value, "claim name")
+
+
+class VolumeSpec(_Mounted):
     """A volume mounted into the trainer's container: a PVC, a hostPath or an emptyDir."""
 
     name: str = Field(description="volume name (RFC 1123 label)")
@@ -136,48 +158,18 @@ class VolumeSpec(Strict):
             raise ValueError(f"volume name {value!r} is reserved for flare-airflow's own volumes; choose another name")
         return dns_label(value, "volume name")
 
-    @field_validator("mount_path")
-    @classmethod
-    def _mount(cls, value: str) -> str:
-        return _mount_path(value, "mount_path")
-
-    @field_validator("host_path")
-    @classmethod
-    def _host(cls, value: str | None) -> str | None:
-        return None if value is None else _host_path(value, "host_path")
-
-    @field_validator("pvc")
-    @classmethod
-    def _pvc(cls, value: str | None) -> str | None:
-        return None if value is None else dns_subdomain(value, "claim name")
-
     @model_validator(mode="after")
     def _one_source(self) -> VolumeSpec:
         exactly_one(f"volume {self.name!r}", pvc=self.pvc, host_path=self.host_path, empty_dir=self.empty_dir)
         return self
 
 
-class StoreMount(Strict):
+class StoreMount(_Mounted):
     """How a pod reaches a file:// model store: the store root is mounted at ``mount_path``."""
 
     mount_path: str = Field("/flare-store", description="where the store root appears inside the container")
     pvc: str | None = Field(None, description="PersistentVolumeClaim holding the store root")
     host_path: str | None = Field(None, description="the store root's directory on the node")
-
-    @field_validator("mount_path")
-    @classmethod
-    def _mount(cls, value: str) -> str:
-        return _mount_path(value, "mount_path")
-
-    @field_validator("host_path")
-    @classmethod
-    def _host(cls, value: str | None) -> str | None:
-        return None if value is None else _host_path(value, "host_path")
-
-    @field_validator("pvc")
-    @classmethod
-    def _pvc(cls, value: str | None) -> str | None:
-        return None if value is None else dns_subdomain(value, "claim name")
 
     @model_validator(mode="after")
     def _one_source(self) -> StoreMount:
