@@ -293,3 +293,17 @@ def wait_gone(pids: list[int], timeout: float) -> float | None:
 def kill9(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def start_triggerer(stack: AirflowStack) -> None:
+    """The triggerer in its own session, ended with the other components' process groups by ``stop()``."""
+    log = open(stack.root / "triggerer.log", "wb")  # noqa: SIM115 - lives as long as the process
+    stack.procs.append(
+        subprocess.Popen(
+            [str(BIN / "airflow"), "triggerer"],
+            env=stack.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )

@@ -8,12 +8,16 @@ the run's publish task sweeps whatever pod of the run is still left.
 
 from __future__ import annotations
 
+import json
 import pathlib
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from airflow.sdk.exceptions import TaskDeferred
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
@@ -23,9 +27,11 @@ from flare_airflow.core.model import read_record
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.pod import SitePodOperator
 from flare_airflow.operators.run import PublishOperator
-from tests.integration.k8s.test_site_pod_operator import RUN_ID, context_for, make_op, pods, run_deferred
+from tests.harness import tiny_model
+from tests.integration.k8s.test_site_pod_operator import RUN_ID, TRAINER, context_for, make_op, pods, run_deferred
 from tests.k8s_harness.kube import wait_for
 from tests.k8s_harness.node_agent import NodeAgent
+from tests.stack import AirflowStack, Postgres, alive, kill9, start_triggerer
 
 
 def abandoned_try(op: SitePodOperator, context: dict[str, Any], core: k8s.CoreV1Api, namespace: str) -> str:
@@ -105,3 +111,153 @@ def test_publish_sweeps_the_pods_its_run_left_and_only_those(
     # The other run's own sweep takes its pod.
     assert PublishOperator(task_id="publish", job=other.job).sweep_site_pods(other_context)
     wait_for(lambda: pods(core, namespace) == [], 30, what="every pod deleted")
+
+
+# ---------------------------------------------------------------- the same on the real scheduler
+
+STALLING_DAG = '''
+import os
+import time
+from pathlib import Path
+
+from airflow.providers.cncf.kubernetes.callbacks import KubernetesPodOperatorCallback
+
+from flare_airflow.builder import build_dag
+from flare_airflow.operators.pod import SitePodOperator
+
+HERE = Path(__file__).parent
+
+
+class StallAfterPodCreation(KubernetesPodOperatorCallback):
+    """Test hook: while the file 'stall' exists, try 1 of round_1.site-1 stops right after its pod
+    was created and says where it is, so that the test can kill its worker at that moment."""
+
+    @staticmethod
+    def on_pod_creation(*, pod, context, **kwargs):
+        ti = context["ti"]
+        if ti.task_id == "round_1.site-1" and ti.try_number == 1 and (HERE / "stall").exists():
+            (HERE / "stalled").write_text(f"{os.getpid()} {os.getppid()} {pod.metadata.name}")
+            time.sleep(600)
+
+
+dag = build_dag(HERE / "job.yaml")
+for task in dag.tasks:
+    if isinstance(task, SitePodOperator):
+        task.callbacks = [StallAfterPodCreation]
+'''
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
+    root = tmp_path_factory.mktemp("pod-drill")
+    pg = Postgres()
+    airflow = AirflowStack(root / "af", pg.url, parallelism=4)
+    airflow.env.update(
+        {
+            # A killed worker stops heartbeating: the scheduler fails its try after this long.
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "12",
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
+            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
+        }
+    )
+    airflow.start()
+    start_triggerer(airflow)
+    try:
+        yield airflow
+    finally:
+        airflow.stop()
+        pg.stop()
+
+
+def write_pod_job(stack: AirflowStack, control_plane, namespace: str) -> pathlib.Path:
+    store = stack.root / "store"
+    store.mkdir(exist_ok=True)
+    folder = stack.dags / "pod_drill"
+    folder.mkdir()
+    k8s_spec = {
+        "image": "registry.example/flare/trainer:1",
+        "namespace": namespace,
+        "config_file": str(control_plane.kubeconfig_path()),
+        "store_mount": {"host_path": str(store), "mount_path": "/flare-store"},
+        "trainer_command": [sys.executable],
+        "trainer_script": str(TRAINER),
+        "poll_interval": 1,
+    }
+    job = {
+        "job": "pod-drill",
+        "rounds": 1,
+        "min_clients": 2,
+        "store": str(store),
+        "initial_model": str(tiny_model(folder / "init.safetensors")),
+        "trainer": {"script": str(TRAINER), "args": ["--release", str(folder / "release")], "shutdown_timeout": 2},
+        "evaluate": False,
+        "sites": {
+            "@default": {"retries": 1, "retry_delay_seconds": 1, "launcher": "k8s", "launcher_spec": {"k8s": k8s_spec}},
+            "site-1": {},
+            "site-2": {},
+        },
+    }
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    (folder / "dag.py").write_text(STALLING_DAG)
+    return folder
+
+
+def final_tensors(stack: AirflowStack, dag_id: str, run_id: str) -> dict[str, Any]:
+    body = stack.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/publish/xcomEntries/return_value")
+    value = body["value"]
+    published = json.loads(value) if isinstance(value, str) else value
+    return {k: v.tobytes() for k, v in load_file(published["final_model"].removeprefix("file://")).items()}
+
+
+def test_worker_killed_right_after_pod_creation_on_the_real_scheduler(
+    stack: AirflowStack, control_plane, node_agent: NodeAgent, namespace: str, core: k8s.CoreV1Api
+) -> None:
+    folder = write_pod_job(stack, control_plane, namespace)
+    dag_id = "flare_pod_drill"
+    (folder / "release").touch()  # trainers send at once
+    baseline = stack.trigger(dag_id)
+    assert stack.wait_for_run(dag_id, baseline, timeout=240) == "success"
+    expected = final_tensors(stack, dag_id, baseline)
+
+    # Trainers now wait for 'release': try 1's pod is still running when try 2 starts.
+    (folder / "release").unlink()
+    (folder / "stall").touch()
+    run_id = stack.trigger(dag_id)
+    wait_for(lambda: (folder / "stalled").exists(), 120, what="try 1 of site-1 created its pod")
+    task_process, supervisor, first_pod = (folder / "stalled").read_text().split()
+    (folder / "stall").unlink()
+    wait_for(
+        lambda: core.read_namespaced_pod(first_pod, namespace).status.phase == "Running", 30, what="try 1's pod runs"
+    )
+    first_processes = set(node_agent.running_processes())
+    # The worker dies: its supervisor and the task process, with no chance to clean up.
+    kill9(int(supervisor))
+    kill9(int(task_process))
+    killed = time.monotonic()
+    wait_for(lambda: gone(core, namespace, first_pod), 120, what="try 1's pod deleted by try 2")
+    print(f"\ntry 1's pod deleted {time.monotonic() - killed:.1f} s after its worker was killed")
+    wait_for(
+        lambda: [p for p in core.list_namespaced_pod(namespace, label_selector="flare-airflow/try=2").items],
+        60,
+        what="try 2's pod",
+    )
+    # Let try 2 settle as deferred before its trainer sends: a trigger that fires before the
+    # scheduler processed the deferral's executor event trips Airflow's "state changed externally".
+    time.sleep(3)
+    (folder / "release").touch()
+
+    assert stack.wait_for_run(dag_id, run_id, timeout=240) == "success"
+    tis = stack.task_instances(dag_id, run_id)
+    assert {t: ti["state"] for t, ti in tis.items()} == dict.fromkeys(tis, "success")
+    tries = stack.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/round_1.site-1/tries")["task_instances"]
+    assert [t["state"] for t in sorted(tries, key=lambda t: t["try_number"])] == ["failed", "success"]
+    log = stack.api(
+        "GET",
+        f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/round_1.site-1/logs/2",
+        params={"full_content": True},
+    )
+    assert f"deleted the pods of earlier tries in {namespace}: {first_pod} (try 1, Running)" in json.dumps(log)
+    assert final_tensors(stack, dag_id, run_id) == expected
+    assert pods(core, namespace) == []
+    wait_for(lambda: not (set(node_agent.running_processes()) & first_processes), 30, what="try 1's trainer ended")
+    assert not alive(int(task_process)) and not alive(int(supervisor))
