@@ -94,11 +94,22 @@ def run_state(dag_id: str, run_id: str | None = None, *, newer_than: int = 0) ->
                 XComModel.key == "return_value",
             )
         ).first()
+        failures = session.scalars(
+            select(XComModel).where(
+                XComModel.dag_id == dag_id, XComModel.run_id == dag_run.run_id, XComModel.key == "failure"
+            )
+        ).all()
+        tasks: dict[str, dict[str, Any]] = {
+            ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in tis
+        }
+        for failure in failures:
+            if failure.task_id in tasks and tasks[failure.task_id]["state"] not in OK_STATES:
+                tasks[failure.task_id]["reason"] = str(XComModel.deserialize_value(failure))
         return {
             "dag_id": dag_id,
             "run_id": dag_run.run_id,
             "state": str(dag_run.state),
-            "tasks": {ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in tis},
+            "tasks": tasks,
             "published": XComModel.deserialize_value(xcom) if xcom is not None else None,
         }
 
@@ -263,7 +274,6 @@ def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
         print(f"error: {exc}; `airflow dags test` exited {returncode}{why}; see {log_path}", file=sys.stderr)
         return 1
     state["wall_seconds"] = round(elapsed, 2)
-    bad = {t: i["state"] for t, i in state["tasks"].items() if i["state"] not in OK_STATES}
     if args.json:
         print(json.dumps(state, indent=2, sort_keys=True))
     else:
@@ -275,13 +285,28 @@ def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
             print(f"final model: {published['final_model']}")
             print(f"metrics:     {published['metrics']}")
             print(f"plot:        {published['plot']}")
-    if state["state"] != "success" or bad or returncode != 0:
-        print(
-            f"FAILED: run state {state['state']}, tasks not successful: {bad or 'none'}; see {log_path}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return _verdict(state, log_path)
+
+
+def _verdict(state: dict[str, Any], log_path: str) -> int:
+    """0 for a run that succeeded and published, whatever site failures its quorum absorbed; 1
+    otherwise. Either way every task that did not succeed is listed with its reason."""
+    bad = {t: i for t, i in state["tasks"].items() if i["state"] not in OK_STATES}
+    ok = state["state"] == "success" and state.get("published") is not None
+    if ok and bad:
+        print("site failures the quorum absorbed (the run succeeded without them):", file=sys.stderr)
+    elif not ok:
+        print(f"FAILED: run {state['run_id']} ended {state['state']}; see {log_path}", file=sys.stderr)
+    failed = {t: i for t, i in bad.items() if i["state"] == "failed"}
+    # The failing aggregation first (its reason names the round and every failed site), then sites.
+    for task_id, info in sorted(failed.items(), key=lambda kv: (not kv[0].endswith("global_model"), kv[0])):
+        print(f"  {task_id}: {info.get('reason') or 'no reason recorded (see the log)'}", file=sys.stderr)
+    not_run = sorted(t for t in bad if t not in failed)
+    if not_run:
+        print(f"  not run because of that ({len(not_run)}): {', '.join(not_run)}", file=sys.stderr)
+    if not ok and not bad:
+        print("  no task failed, but nothing was published (a Clear that did not reach publish?)", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ class RunResult:
     state: dict[str, Any]
     log: str
     returncode: int
+    stderr: str = ""
 
     @property
     def tasks(self) -> dict[str, str]:
@@ -86,7 +87,7 @@ class AirflowHome:
         out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=False, timeout=900, cwd=self.root)
         assert out.stdout.strip(), f"no output from flare-airflow run: {out.stderr[-3000:]}"
         state = json.loads(out.stdout)
-        return RunResult(state=state, log=log.read_text(), returncode=out.returncode)
+        return RunResult(state=state, log=log.read_text(), returncode=out.returncode, stderr=out.stderr)
 
 
 def tiny_model(path: pathlib.Path) -> pathlib.Path:

@@ -16,8 +16,16 @@ from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
-from flare_airflow.operators.common import FINISHED_STATES, run_id_of, run_params, store_for, task_states
-from flare_airflow.operators.site import FAILURE_XCOM_KEY, produced_sha256, trainer_argv
+from flare_airflow.operators.common import (
+    FAILURE_XCOM_KEY,
+    FINISHED_STATES,
+    push_failure,
+    run_id_of,
+    run_params,
+    store_for,
+    task_states,
+)
+from flare_airflow.operators.site import produced_sha256, trainer_argv
 
 SERVER_SITE = "server"
 
@@ -62,6 +70,13 @@ class AggregateOperator(BaseOperator):
             self._handle.terminate()
 
     def execute(self, context: Context) -> dict[str, Any]:
+        try:
+            return self._execute(context)
+        except AirflowFailException as exc:
+            push_failure(context, str(exc))
+            raise
+
+    def _execute(self, context: Context) -> dict[str, Any]:
         params = run_params(context, self.job)
         job, r = self.job, self.round_num
         if r > params.rounds:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
@@ -140,3 +141,15 @@ def task_states(context: Mapping[str, Any], task_ids: list[str]) -> dict[str, st
     by_run = get(dag_id=ti.dag_id, task_ids=list(task_ids), run_ids=[ti.run_id]) or {}
     found = by_run.get(ti.run_id, {})
     return {t: (None if (s := found.get(t)) is None else str(getattr(s, "value", s))) for t in task_ids}
+
+
+FAILURE_XCOM_KEY = "failure"
+
+
+def push_failure(context: Mapping[str, Any], reason: str) -> None:
+    """Leave why a task failed in its XCom (key ``failure``): the aggregation reads the sites',
+    ``flare-airflow run`` prints them. Best effort: the task fails with the reason anyway."""
+    ti: Any = context.get("ti")
+    if hasattr(ti, "xcom_push"):
+        with contextlib.suppress(Exception):
+            ti.xcom_push(key=FAILURE_XCOM_KEY, value=reason[:4000])

@@ -18,7 +18,14 @@ from flare_airflow.core.model import FLModel, Params, all_finite, atomic_write, 
 from flare_airflow.core.pools import PoolError, blocking, problems, required_pools
 from flare_airflow.core.report import format_table, round_row
 from flare_airflow.core.store import ModelStore
-from flare_airflow.operators.common import RunParamsError, run_id_of, run_params, store_for, task_states
+from flare_airflow.operators.common import (
+    RunParamsError,
+    push_failure,
+    run_id_of,
+    run_params,
+    store_for,
+    task_states,
+)
 
 
 def _resume_hint(context: Context, round_num: int) -> str:
@@ -58,6 +65,13 @@ class PrepareRunOperator(BaseOperator):
             raise AirflowFailException("this run could never finish:\n  " + "\n  ".join(fatal))
 
     def execute(self, context: Context) -> dict[str, Any]:
+        try:
+            return self._execute(context)
+        except AirflowFailException as exc:
+            push_failure(context, str(exc))
+            raise
+
+    def _execute(self, context: Context) -> dict[str, Any]:
         try:
             params = run_params(context, self.job)
         except RunParamsError as exc:
@@ -286,6 +300,13 @@ class PublishOperator(BaseOperator):
         return deleted
 
     def execute(self, context: Context) -> dict[str, Any]:
+        try:
+            return self._execute(context)
+        except AirflowFailException as exc:
+            push_failure(context, str(exc))
+            raise
+
+    def _execute(self, context: Context) -> dict[str, Any]:
         self.sweep_site_pods(context)
         summaries = self._requested_rounds(context)
         rows = [round_row(s, len(self.job.sites)) for s in summaries]

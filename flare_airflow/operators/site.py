@@ -36,23 +36,24 @@ from flare_airflow.launchers.site_runner import (
     read_failure,
     write_failure,
 )
-from flare_airflow.operators.common import FINISHED_STATES, run_id_of, run_params, store_for, task_states
+from flare_airflow.operators.common import (
+    FINISHED_STATES,
+    push_failure,
+    run_id_of,
+    run_params,
+    store_for,
+    task_states,
+)
 
 
 class SiteJobFailed(FlareAirflowError, AirflowException):
     """A site's trainer failed or sent an unusable update."""
 
 
-FAILURE_XCOM_KEY = "failure"
-
-
 def site_failed(context: Context, site: str, round_num: int, reason: str) -> SiteJobFailed:
     """The error that fails a site task; its reason also goes to XCom (key ``failure``), which the
     aggregation reads when the store could not take the failure record (full, read-only)."""
-    ti: Any = context.get("ti")
-    if hasattr(ti, "xcom_push"):
-        with contextlib.suppress(Exception):  # the reason is in the error returned anyway
-            ti.xcom_push(key=FAILURE_XCOM_KEY, value=reason[:4000])
+    push_failure(context, reason)
     return SiteJobFailed(f"site {site!r} round {round_num} failed: {reason}")
 
 
@@ -65,6 +66,17 @@ def _runner_reason(path: str) -> str | None:
     if not isinstance(data, dict) or "reason" not in data:
         return None
     return f"{data['reason']} [{data.get('name', '?')}]"
+
+
+def _supervisor_pid() -> list[int]:
+    """The Task SDK supervisor's pid when it runs this task in a process of its own (a worker),
+    else nothing: ``airflow dags test`` runs tasks in-process and its parent may be any shell."""
+    try:
+        from airflow.sdk.execution_time import task_runner
+        from airflow.sdk.execution_time.comms import CommsDecoder
+    except ImportError:
+        return []
+    return [os.getppid()] if isinstance(getattr(task_runner, "SUPERVISOR_COMMS", None), CommsDecoder) else []
 
 
 def _summary(output: str) -> dict[str, Any] | None:
@@ -272,7 +284,7 @@ class SiteTrainOperator(BashOperator):
         env[SPEC_ENV] = self._spec_json
         # This task process and its supervisor: the site job ends when either does (a killed
         # supervisor leaves the task process running, and the kernel tells the runner only of its parent).
-        env[OWNERS_ENV] = owners_value([os.getpid(), os.getppid()])
+        env[OWNERS_ENV] = owners_value([os.getpid(), *_supervisor_pid()])
         env[RESULT_FILE_ENV] = self._result_file
         if self._secrets_json:
             env[SECRETS_ENV] = self._secrets_json

@@ -43,6 +43,10 @@ def test_one_site_failing_every_round_still_completes(airflow_home: AirflowHome)
     final = load_file(report["final_model"].removeprefix("file://"))
     np.testing.assert_array_equal(final["w"], np.full(4, 2.0, np.float32))
     assert "site 'site-4' round 1 failed: trainer failed: exit code 3" in result.log
+    # A run the quorum carried through is a success: exit 0, and the absorbed failures are named.
+    assert result.returncode == 0, result.stderr
+    assert "site failures the quorum absorbed" in result.stderr
+    assert "round_1.site-4: trainer failed: exit code 3; its last output: site-4: failing on purpose" in result.stderr
 
 
 def test_bad_updates_are_rejected_and_never_reach_the_global_model(airflow_home: AirflowHome) -> None:
@@ -79,6 +83,12 @@ def test_lost_quorum_fails_the_round_and_writes_no_global_model(airflow_home: Ai
     assert {tasks[f"round_2.site-{i}"] for i in range(1, 5)} == {"upstream_failed"}
     assert tasks["publish"] in {"upstream_failed", "skipped"}
     assert "round 1 failed: 2 valid update(s) from ['site-1', 'site-2'], min_clients is 3" in result.log
+    # The failing round's reason comes first in what flare-airflow run prints.
+    verdict = result.stderr[result.stderr.index("FAILED: run") :].splitlines()
+    assert verdict[1].startswith("  round_1.global_model: round 1 failed: 2 valid update(s)"), verdict
+    assert verdict[2].startswith("  round_1.site-3: trainer failed: exit code 3"), verdict
+    assert verdict[3].startswith("  round_1.site-4: update from site 'site-4' rejected: tensor 'w'"), verdict
+    assert verdict[-1].startswith("  not run because of that (5): publish, round_2.site-1"), verdict
     assert "site-3: trainer failed: exit code 3" in result.log
     assert "site-4: " in result.log and "NaN" in result.log
     round_dir = _run_dir(airflow_home, "no-quorum") / "round-0001"
