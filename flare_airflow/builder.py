@@ -122,6 +122,26 @@ def federated_task_group(job: JobConfig | str | pathlib.Path, group_id: str | No
     return group
 
 
+def _job_doc(cfg: JobConfig, job: JobConfig | str | pathlib.Path) -> str:
+    """Markdown for the DAG's Docs tab: the summary, the sites, and the job file it was built from."""
+    lines = [
+        f"Federated job **{cfg.job}**: {cfg.rounds} rounds of FedAvg over {len(cfg.sites)} sites "
+        f"({', '.join(cfg.sites)}), quorum {cfg.min_clients}.",
+    ]
+    if not isinstance(job, JobConfig):
+        path = pathlib.Path(job)
+        try:
+            text = path.read_text()
+        except OSError:
+            text = ""
+        if text and len(text) <= _MAX_DOC_YAML:
+            lines += ["", f"Job file `{path.name}`:", "", "```yaml", text.rstrip(), "```"]
+    return "\n".join(lines)
+
+
+_MAX_DOC_YAML = 20_000  # a 1024-site job file is not shown: Airflow stores doc_md in the serialized DAG
+
+
 def build_dag(
     job: JobConfig | str | pathlib.Path,
     *,
@@ -135,11 +155,12 @@ def build_dag(
     dag_kwargs.setdefault("max_active_runs", 1)  # warm starts read the previous run's result
     dag_kwargs.setdefault("catchup", False)
     dag_kwargs.setdefault("tags", ["federated-learning", f"job:{cfg.job}"])
-    dag_kwargs.setdefault(
-        "doc_md",
-        f"Federated job **{cfg.job}**: {cfg.rounds} rounds of FedAvg over {len(cfg.sites)} sites "
-        f"({', '.join(cfg.sites)}), quorum {cfg.min_clients}.",
+    summary = (
+        f"Federated job {cfg.job}: {cfg.rounds} rounds of FedAvg over {len(cfg.sites)} sites, quorum {cfg.min_clients}"
     )
+    # The DAG list shows `description`; the DAG's Docs tab shows `doc_md`: what the DAG runs.
+    dag_kwargs.setdefault("description", summary[:200])
+    dag_kwargs.setdefault("doc_md", _job_doc(cfg, job))
     params = {**job_params(cfg), **dict(dag_kwargs.pop("params", {}) or {})}
     with DAG(
         dag_id=dag_id or f"flare_{cfg.job.replace('-', '_')}",

@@ -83,3 +83,18 @@ def test_trigger_form(dag) -> None:
     assert schema["hp_lr"]["type"] == "number"
     assert schema["hp_epochs"]["type"] == "integer"
     assert schema["warm_start"]["type"] == "boolean"
+
+
+def test_the_dag_list_and_docs_say_what_the_dag_runs(dag) -> None:
+    assert dag.description == "Federated job unit: 2 rounds of FedAvg over 2 sites, quorum 2"
+    assert "over 2 sites (site-1, site-2)" in dag.doc_md
+
+
+def test_a_dag_built_from_a_job_file_shows_the_file(tmp_path) -> None:
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    dag = build_dag(repo / "dags" / "digits.yaml")
+    assert "Job file `digits.yaml`:" in dag.doc_md
+    assert "```yaml\n" in dag.doc_md and "min_clients: 3" in dag.doc_md
+    assert dag.description.startswith("Federated job digits: 5 rounds of FedAvg over 4 sites")
