@@ -410,12 +410,19 @@ def run_site(
     job = run.site_job()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
 
+    # While numpy is imported a signal is only noted: raised inside numpy's C import, the
+    # exception became an ImportError (a traceback, exit 1, and the kill was lost).
+    deferred: dict[str, int | None] = {"active": 0, "signum": None}
+
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         # Terminating here could deadlock: the signal may land while wait() is already inside
         # terminate() (launch timeout) holding its lock. Unwind instead and terminate below;
         # further signals are ignored meanwhile (that cleanup is bounded by shutdown_timeout).
         for s in signals:
             signal.signal(s, signal.SIG_IGN)
+        if deferred["active"]:
+            deferred["signum"] = signum
+            return
         raise _Killed(signum)
 
     handle: ProcessJobHandle | None = None
@@ -458,14 +465,14 @@ def run_site(
         if on_launch is not None:
             on_launch(handle)
         # The update check needs numpy: load it now, while the trainer starts on the other core,
-        # not before the launch (the two start-ups would add up: ~50 ms per site job). A signal
-        # waits until the import is done: raised inside numpy's C import it became an ImportError.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if signals else None
+        # not before the launch (the two start-ups would add up: ~50 ms per site job).
+        deferred["active"] = 1
         try:
             importlib.import_module("flare_airflow.core.aggregation")
         finally:
-            if blocked is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            deferred["active"] = 0
+        if deferred["signum"] is not None:
+            raise _Killed(deferred["signum"])
         rc = handle.wait()
     except _Killed as killed:
         if handle is not None:

@@ -312,7 +312,7 @@ def test_sigterm_to_the_runner_terminates_the_trainer_group(
     assert alive(trainer_pid) and alive(grandchild)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert wait(lambda: not alive(trainer_pid) and not alive(grandchild), 5)
     record = failure(output)
     assert record["name"] == "ABORTED"
