@@ -20,7 +20,7 @@ from airflow.sdk import DAG, Param, TaskGroup
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
+from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, SweepPodsOperator
 from flare_airflow.operators.site import SiteTrainOperator
 
 AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
@@ -110,6 +110,11 @@ def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
         task_id="publish", job=job, aggregate_task_ids=[a.task_id for a in aggregates], doc_md="Final model, metrics."
     )
     aggregates >> publish
+    if any(spec.launcher == "k8s" for spec in job.sites.values()):
+        # A teardown: runs when everything else is done, failed runs included, and does not
+        # change the run's outcome.
+        sweep = SweepPodsOperator(task_id="sweep_pods", job=job, doc_md="Delete pods this run left behind.")
+        publish >> sweep.as_teardown()
     return prepare, publish
 
 

@@ -264,41 +264,6 @@ class PublishOperator(BaseOperator):
                 f"published: {_resume_hint(context, r)}"
             )
 
-    def sweep_site_pods(self, context: Context) -> list[str]:
-        """Delete every pod still labelled with this run in the namespaces of the job's k8s sites.
-
-        Every site task of the run has finished when this task runs, so such a pod belongs to a try
-        whose worker was killed (the try after it deletes it; the last try has no one after it).
-        Best effort: a cluster that cannot be reached is logged, not a reason to withhold the model.
-        A site that keeps pods for debugging keeps the finished ones.
-        """
-        specs = [s.launcher_spec.k8s for s in self.job.sites.values() if s.launcher == "k8s"]
-        if not specs:
-            return []
-        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-
-        from flare_airflow.launchers.kubernetes import delete_site_pods, site_pods_selector
-
-        selector = site_pods_selector(self.job.job, run_id_of(context))
-        deleted: list[str] = []
-        places = {
-            (s.kubernetes_conn_id, s.in_cluster, s.config_file, s.cluster_context, s.namespace, s.keep_pods)
-            for s in specs
-        }
-        for conn_id, in_cluster, config_file, cluster_context, namespace, keep_pods in sorted(places, key=str):
-            hook = KubernetesHook(
-                conn_id=conn_id, in_cluster=in_cluster, config_file=config_file, cluster_context=cluster_context
-            )
-            try:
-                found = delete_site_pods(hook.core_v1_client, namespace, selector, keep_finished=keep_pods)
-            except Exception as exc:  # the Kubernetes client raises many types; the run's result stands
-                self.log.warning("could not sweep the pods of this run in namespace %s: %s", namespace, exc)
-                continue
-            deleted += [f"{namespace}/{name}" for name in found]
-        if deleted:
-            self.log.warning("deleted pods this run left running: %s", ", ".join(deleted))
-        return deleted
-
     def execute(self, context: Context) -> dict[str, Any]:
         try:
             return self._execute(context)
@@ -307,7 +272,6 @@ class PublishOperator(BaseOperator):
             raise
 
     def _execute(self, context: Context) -> dict[str, Any]:
-        self.sweep_site_pods(context)
         summaries = self._requested_rounds(context)
         rows = [round_row(s, len(self.job.sites)) for s in summaries]
         last = summaries[-1]
@@ -349,3 +313,52 @@ class PublishOperator(BaseOperator):
         self.log.info("per-round results of %s:\n%s", run_id, format_table(rows))
         self.log.info("final model: %s\nmetrics: %s\nplot: %s", model_path, metrics_path, plot_path)
         return {"final_model": str(model_path), "metrics": str(metrics_path), "plot": str(plot_path), **pointer}
+
+
+class SweepPodsOperator(BaseOperator):
+    """Delete every pod still labelled with this run in the namespaces of the job's k8s sites.
+
+    The builder adds it as the run's teardown (for jobs with Kubernetes sites): it runs when every
+    other task has finished, also when a round failed and ``publish`` did not run, and its own
+    outcome does not change the run's. Such a pod belongs to a try whose worker was killed (the
+    try after it deletes it; the last try has no one after it). Best effort: a cluster that cannot
+    be reached is logged. A site that keeps pods for debugging keeps the finished ones.
+    """
+
+    ui_color = "#eeeeee"
+
+    def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.job = job
+
+    def execute(self, context: Context) -> list[str]:
+        return self.sweep_site_pods(context)
+
+    def sweep_site_pods(self, context: Context) -> list[str]:
+        """The pods deleted, as ``namespace/name``."""
+        specs = [s.launcher_spec.k8s for s in self.job.sites.values() if s.launcher == "k8s"]
+        if not specs:
+            return []
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        from flare_airflow.launchers.kubernetes import delete_site_pods, site_pods_selector
+
+        selector = site_pods_selector(self.job.job, run_id_of(context))
+        deleted: list[str] = []
+        places = {
+            (s.kubernetes_conn_id, s.in_cluster, s.config_file, s.cluster_context, s.namespace, s.keep_pods)
+            for s in specs
+        }
+        for conn_id, in_cluster, config_file, cluster_context, namespace, keep_pods in sorted(places, key=str):
+            hook = KubernetesHook(
+                conn_id=conn_id, in_cluster=in_cluster, config_file=config_file, cluster_context=cluster_context
+            )
+            try:
+                found = delete_site_pods(hook.core_v1_client, namespace, selector, keep_finished=keep_pods)
+            except Exception as exc:  # the Kubernetes client raises many types; the run's result stands
+                self.log.warning("could not sweep the pods of this run in namespace %s: %s", namespace, exc)
+                continue
+            deleted += [f"{namespace}/{name}" for name in found]
+        if deleted:
+            self.log.warning("deleted pods this run left running: %s", ", ".join(deleted))
+        return deleted

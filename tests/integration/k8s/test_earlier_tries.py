@@ -3,7 +3,7 @@ kubelet and runs each pod's command as a local process).
 
 A worker killed right after it created its pod leaves that pod running, unwatched. The next try of
 the same site job deletes it (found by the job/run/round/site labels) before creating its own, and
-the run's publish task sweeps whatever pod of the run is still left.
+the run's teardown task (sweep_pods) sweeps whatever pod of the run is still left.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 from flare_airflow.core.model import read_record
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.pod import SitePodOperator
-from flare_airflow.operators.run import PublishOperator
+from flare_airflow.operators.run import SweepPodsOperator
 from tests.harness import tiny_model
 from tests.integration.k8s.test_site_pod_operator import RUN_ID, TRAINER, context_for, make_op, pods, run_deferred
 from tests.k8s_harness.kube import wait_for
@@ -91,7 +91,7 @@ def test_a_new_try_deletes_the_pod_of_the_killed_try_then_succeeds(
     assert not staging.exists()
 
 
-def test_publish_sweeps_the_pods_its_run_left_and_only_those(
+def test_the_teardown_sweeps_the_pods_its_run_left_and_only_those(
     tmp_path: pathlib.Path, control_plane, node_agent: NodeAgent, namespace: str, core: k8s.CoreV1Api
 ) -> None:
     ours, _ = make_op(tmp_path, namespace, control_plane.kubeconfig, args=["--release", "/nonexistent/never"])
@@ -103,13 +103,13 @@ def test_publish_sweeps_the_pods_its_run_left_and_only_those(
     assert other.pod is not None
     other_pod = str(other.pod.metadata.name)
 
-    publish = PublishOperator(task_id="publish", job=ours.job)
-    deleted = publish.sweep_site_pods({"run_id": RUN_ID})
+    sweep = SweepPodsOperator(task_id="sweep_pods", job=ours.job)
+    deleted = sweep.sweep_site_pods({"run_id": RUN_ID})
     assert [d.split(" ")[0] for d in deleted] == [f"{namespace}/{our_pod}"]
     assert gone(core, namespace, our_pod)
     assert [p for p in pods(core, namespace)] == [other_pod], "another run's pod is left alone"
     # The other run's own sweep takes its pod.
-    assert PublishOperator(task_id="publish", job=other.job).sweep_site_pods(other_context)
+    assert SweepPodsOperator(task_id="sweep_pods", job=other.job).sweep_site_pods(other_context)
     wait_for(lambda: pods(core, namespace) == [], 30, what="every pod deleted")
 
 
