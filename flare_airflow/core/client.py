@@ -31,6 +31,20 @@ import json
 import os
 from typing import Any
 
+from flare_airflow.core.envvars import (
+    CLIENT_API_VARS,
+    FLARE_GLOBAL_MODEL,
+    FLARE_GLOBAL_SHA256,
+    FLARE_HANDSHAKE,
+    FLARE_HPARAMS,
+    FLARE_JOB,
+    FLARE_OUTPUT,
+    FLARE_ROUND,
+    FLARE_RUN_ID,
+    FLARE_SITE,
+    FLARE_TASK,
+    FLARE_TOTAL_ROUNDS,
+)
 from flare_airflow.core.errors import ClientAPIError, FlareAirflowError
 from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
 from flare_airflow.core.store import path_from_uri
@@ -51,17 +65,7 @@ __all__ = [
     "send",
 ]
 
-ENV_VARS = (
-    "FLARE_JOB",
-    "FLARE_RUN_ID",
-    "FLARE_SITE",
-    "FLARE_ROUND",
-    "FLARE_TOTAL_ROUNDS",
-    "FLARE_TASK",
-    "FLARE_GLOBAL_MODEL",
-    "FLARE_OUTPUT",
-    "FLARE_HPARAMS",
-)
+ENV_VARS = CLIENT_API_VARS
 TASK_TRAIN = "train"
 TASK_EVALUATE = "evaluate"
 
@@ -88,36 +92,36 @@ def _env(name: str) -> str:
 def init() -> None:
     """Check that the launch environment is complete (optional; ``receive()`` checks too)."""
     for name in ENV_VARS:
-        if name != "FLARE_HPARAMS":
+        if name != FLARE_HPARAMS:
             _env(name)
 
 
 def get_site_name() -> str:
-    return _env("FLARE_SITE")
+    return _env(FLARE_SITE)
 
 
 def get_round() -> int:
-    return int(_env("FLARE_ROUND"))
+    return int(_env(FLARE_ROUND))
 
 
 def get_total_rounds() -> int:
-    return int(_env("FLARE_TOTAL_ROUNDS"))
+    return int(_env(FLARE_TOTAL_ROUNDS))
 
 
 def get_job_info() -> dict[str, Any]:
-    return {"job": _env("FLARE_JOB"), "run_id": _env("FLARE_RUN_ID"), "site": get_site_name(), "round": get_round()}
+    return {"job": _env(FLARE_JOB), "run_id": _env(FLARE_RUN_ID), "site": get_site_name(), "round": get_round()}
 
 
 def is_train() -> bool:
-    return _env("FLARE_TASK") == TASK_TRAIN
+    return _env(FLARE_TASK) == TASK_TRAIN
 
 
 def is_evaluate() -> bool:
-    return _env("FLARE_TASK") == TASK_EVALUATE
+    return _env(FLARE_TASK) == TASK_EVALUATE
 
 
 def get_hparams() -> dict[str, Any]:
-    raw = os.environ.get("FLARE_HPARAMS") or "{}"
+    raw = os.environ.get(FLARE_HPARAMS) or "{}"
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -130,17 +134,17 @@ def get_hparams() -> dict[str, Any]:
 def receive() -> FLModel:
     """Return the global model for this round (params as named numpy arrays)."""
     init()
-    handshake = os.environ.get("FLARE_HANDSHAKE")
+    handshake = os.environ.get(FLARE_HANDSHAKE)
     if handshake:
         # Tells the launcher the trainer started and reached the Client API (launch_timeout).
         with open(handshake, "a"):
             pass
-    path = path_from_uri(_env("FLARE_GLOBAL_MODEL"))
+    path = path_from_uri(_env(FLARE_GLOBAL_MODEL))
     try:
         params, record = read_artifact(path)
     except FlareAirflowError as exc:
         raise ClientAPIError(f"cannot read the global model: {exc}") from exc
-    expected = os.environ.get("FLARE_GLOBAL_SHA256")
+    expected = os.environ.get(FLARE_GLOBAL_SHA256)
     if expected and record.sha256 != expected:
         raise ClientAPIError(
             f"the global model {path} is not the one this round was given (sha256 {record.sha256[:12]}…, "
@@ -150,7 +154,7 @@ def receive() -> FLModel:
         params=params,
         params_type=ParamsType.FULL,
         metrics=dict(record.metrics),
-        meta={"job": _env("FLARE_JOB"), "run_id": _env("FLARE_RUN_ID"), "task": _env("FLARE_TASK")},
+        meta={"job": _env(FLARE_JOB), "run_id": _env(FLARE_RUN_ID), "task": _env(FLARE_TASK)},
         current_round=get_round(),
         total_rounds=get_total_rounds(),
         site=get_site_name(),
@@ -170,6 +174,6 @@ def send(model: FLModel) -> None:
         raise ClientAPIError(f"send() takes an FLModel, got {type(model).__name__}")
     if is_train() and not model.params:
         raise ClientAPIError("send() in a train task needs params (the updated weights or their DIFF)")
-    out = path_from_uri(_env("FLARE_OUTPUT"))
+    out = path_from_uri(_env(FLARE_OUTPUT))
     write_artifact(out, model, where=f"update from site {get_site_name()} round {get_round()}")
     _session.sent = True

@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flare_airflow.core.envvars import FLARE_GPU_LOCK_DIR
 from flare_airflow.core.errors import FlareAirflowError
 
 DEFAULT_LOCK_DIR = "/tmp/flare-airflow-gpus"  # noqa: S108 - host-wide by design; override per deployment
-LOCK_DIR_ENV = "FLARE_GPU_LOCK_DIR"
+LOCK_DIR_ENV = FLARE_GPU_LOCK_DIR
 _POLL = 0.2
 
 

@@ -35,6 +35,22 @@ from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from flare_airflow.core.envvars import (
+    FLARE_GLOBAL_MODEL,
+    FLARE_GLOBAL_SHA256,
+    FLARE_HPARAMS,
+    FLARE_JOB,
+    FLARE_OUTPUT,
+    FLARE_ROUND,
+    FLARE_RUN_ID,
+    FLARE_SITE,
+    FLARE_SITE_JOB_SPEC,
+    FLARE_SITE_OWNERS,
+    FLARE_SITE_RESULT_FILE,
+    FLARE_SITE_SECRETS,
+    FLARE_TASK,
+    FLARE_TOTAL_ROUNDS,
+)
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode, SiteJob
 from flare_airflow.core.store import path_from_uri, record_path
@@ -47,22 +63,23 @@ from flare_airflow.launchers.process import (
     die_with_parent,
     end_processes,
     job_processes,
+    start_time,
 )
 
 if TYPE_CHECKING:
     from flare_airflow.core.model import WritablePath
 
-SPEC_ENV = "FLARE_SITE_JOB_SPEC"
+SPEC_ENV = FLARE_SITE_JOB_SPEC
 # Resolved secret_env values for the trainer, kept out of the SiteRun (which may be logged).
-SECRETS_ENV = "FLARE_SITE_SECRETS"
+SECRETS_ENV = FLARE_SITE_SECRETS
 SUMMARY_PREFIX = "FLARE_RESULT "
 # "pid:start_time pid:start_time": processes whose end ends the site job (the task process and its
 # supervisor); PR_SET_PDEATHSIG reaches only the direct parent.
-OWNERS_ENV = "FLARE_SITE_OWNERS"
+OWNERS_ENV = FLARE_SITE_OWNERS
 _OWNER_POLL_SECONDS = 0.5
 # A local file (outside the store) where the runner leaves its failure reason for the site task:
 # it gets there even when the store is full or read-only and the failure record cannot be written.
-RESULT_FILE_ENV = "FLARE_SITE_RESULT_FILE"
+RESULT_FILE_ENV = FLARE_SITE_RESULT_FILE
 
 
 @dataclass
@@ -107,19 +124,19 @@ class SiteRun:
         env = dict(self.env)
         env.update(
             {
-                "FLARE_JOB": self.job,
-                "FLARE_RUN_ID": self.run_id,
-                "FLARE_SITE": self.site,
-                "FLARE_ROUND": str(self.round),
-                "FLARE_TOTAL_ROUNDS": str(self.total_rounds),
-                "FLARE_TASK": self.task,
-                "FLARE_GLOBAL_MODEL": self.global_model,
-                "FLARE_OUTPUT": self.staging or self.output,
-                "FLARE_HPARAMS": json.dumps(self.hparams),
+                FLARE_JOB: self.job,
+                FLARE_RUN_ID: self.run_id,
+                FLARE_SITE: self.site,
+                FLARE_ROUND: str(self.round),
+                FLARE_TOTAL_ROUNDS: str(self.total_rounds),
+                FLARE_TASK: self.task,
+                FLARE_GLOBAL_MODEL: self.global_model,
+                FLARE_OUTPUT: self.staging or self.output,
+                FLARE_HPARAMS: json.dumps(self.hparams),
             }
         )
         if self.global_sha256:
-            env["FLARE_GLOBAL_SHA256"] = self.global_sha256
+            env[FLARE_GLOBAL_SHA256] = self.global_sha256
         return SiteJob(
             job=self.job,
             run_id=self.run_id,
@@ -133,20 +150,9 @@ class SiteRun:
         )
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart), or ``None``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
 def owners_value(pids: Sequence[int]) -> str:
     """The ``FLARE_SITE_OWNERS`` value naming ``pids`` (those still alive) with their start times."""
-    return " ".join(f"{pid}:{start}" for pid in pids if pid > 1 and (start := _start_time(pid)) is not None)
+    return " ".join(f"{pid}:{start}" for pid in pids if pid > 1 and (start := start_time(pid)) is not None)
 
 
 def parse_owners(text: str) -> list[tuple[int, int]]:
@@ -162,7 +168,7 @@ def _watch_owners(owners: Sequence[tuple[int, int]], stop: threading.Event) -> N
     """Send this process SIGTERM (the runner's own stop path) once any owner has ended."""
     while not stop.wait(_OWNER_POLL_SECONDS):
         for pid, start in owners:
-            if _start_time(pid) != start:
+            if start_time(pid) != start:
                 print(
                     f"process {pid}, which owns this site job, ended: stopping the site job",
                     file=sys.stderr,

@@ -36,6 +36,7 @@ from flare_airflow.launchers.site_runner import (
     read_failure,
     write_failure,
 )
+from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.operators.common import (
     FINISHED_STATES,
     push_failure,
@@ -84,11 +85,6 @@ def _summary(output: str) -> dict[str, Any] | None:
     if line.startswith(SUMMARY_PREFIX):
         return dict(json.loads(line[len(SUMMARY_PREFIX) :]))
     return None
-
-
-def trainer_argv(job: JobConfig) -> list[str]:
-    command = job.trainer.command or [sys.executable]
-    return [*command, str(job.script_path()), *job.trainer.args]
 
 
 def _secret_value(ref: AirflowSecretRef) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from kubernetes import client as k8s
 
-from flare_airflow.core.config import KubernetesLaunchSpec, ResourceSpec, TrainerSpec
+from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec, ResourceSpec, TrainerSpec
 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode, JobState, SiteJob
 from flare_airflow.core.store import ModelStore
@@ -83,7 +83,9 @@ class Sites:
             output=str(self.store.site_update(JOB, RUN, 1, site)),
             shutdown_timeout=shutdown_timeout,
         )
-        argv = trainer_argv(TrainerSpec(script="train.py", args=list(args)), self.spec)
+        # Only the trainer block matters for the argv in the image.
+        job = JobConfig.model_construct(trainer=TrainerSpec(script="train.py", args=list(args)))
+        argv = tuple(trainer_argv(job, self.spec))
         return replace(run.site_job(), argv=argv)
 
     def launch(self, launcher: KubernetesLauncher, site: str, *args: str, **kw: Any) -> KubernetesJobHandle:

@@ -335,14 +335,12 @@ def test_trainer_argv_and_job_pod_from_a_validated_job(tmp_path) -> None:
     )
     spec = job.sites["site-1"].launcher_spec.k8s
     # The worker's interpreter (trainer.command) means nothing in the image: python by default.
-    assert trainer_argv(job.trainer, spec) == ("python", "examples/digits/trainer.py", "--alpha", "0.5")
+    assert trainer_argv(job, spec) == ["python", "examples/digits/trainer.py", "--alpha", "0.5"]
+    # On the worker the same job runs its own command and the script resolved against the job file.
+    assert trainer_argv(job) == ["/venv/python", str(tmp_path / "examples/digits/trainer.py"), "--alpha", "0.5"]
     custom = spec.model_copy(update={"trainer_command": ["torchrun", "--nproc-per-node=1"], "trainer_script": "/t.py"})
-    assert trainer_argv(TrainerSpec(script="x.py", args=["-v"]), custom) == (
-        "torchrun",
-        "--nproc-per-node=1",
-        "/t.py",
-        "-v",
-    )
+    other = job.model_copy(update={"trainer": TrainerSpec(script="x.py", args=["-v"])})
+    assert trainer_argv(other, custom) == ["torchrun", "--nproc-per-node=1", "/t.py", "-v"]
     pod = pod_to_dict(job_pod(job, "site-1", site_job(argv=("ignored",)), store_root=None, try_number=2))
     assert pod["spec"]["containers"][0]["command"] == ["python", "examples/digits/trainer.py", "--alpha", "0.5"]
     assert pod["metadata"]["namespace"] == "fl"

@@ -1,0 +1,89 @@
+"""Talking to the Kubernetes API: timeouts, retries with backoff, and finding / deleting site pods."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import tenacity
+import urllib3
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from flare_airflow.launchers.kubernetes.naming import TRY_LABEL
+
+_T = TypeVar("_T")
+REQUEST_TIMEOUT = 30
+_FINISHED_PHASES = ("Succeeded", "Failed")
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, ApiException):
+        return exc.status in (0, 429) or (exc.status or 0) >= 500
+    return isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError)
+
+
+def retrying(call: Callable[[], _T]) -> _T:
+    """Run an idempotent API call, retrying transient failures (5xx, 429, connection errors) with backoff."""
+    retryer = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(_transient),
+        stop=tenacity.stop_after_attempt(6) | tenacity.stop_after_delay(60),
+        wait=tenacity.wait_exponential(multiplier=0.25, max=8),
+        reraise=True,
+    )
+    return retryer(call)
+
+
+def api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message") or exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or exc.reason)
+
+
+def delete_site_pods(
+    core: k8s.CoreV1Api,
+    namespace: str,
+    selector: str,
+    *,
+    before_try: int | None = None,
+    keep_finished: bool = False,
+) -> list[str]:
+    """Delete, with no grace period, the pods ``selector`` finds in ``namespace``; return their names.
+
+    ``before_try``: only pods of tries below it (a new try supersedes them: they run unwatched,
+    their task process is gone). ``keep_finished``: leave pods that already finished (a site that
+    keeps pods for debugging); running and pending ones are deleted all the same. API reads and
+    deletes are retried on transient errors; a pod that is already gone is not an error.
+    """
+
+    def listed() -> list[Any]:
+        return list(
+            core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items
+        )
+
+    deleted = []
+    for pod in retrying(listed):
+        try_label = (pod.metadata.labels or {}).get(TRY_LABEL, "")
+        if before_try is not None and not (try_label.isdigit() and int(try_label) < before_try):
+            continue
+        phase = pod.status.phase if pod.status is not None else None
+        if keep_finished and phase in _FINISHED_PHASES:
+            continue
+
+        def delete(name: str = pod.metadata.name, uid: str | None = pod.metadata.uid) -> None:
+            try:
+                core.delete_namespaced_pod(
+                    name,
+                    namespace,
+                    body=k8s.V1DeleteOptions(grace_period_seconds=0, preconditions=k8s.V1Preconditions(uid=uid)),
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
+            except ApiException as exc:
+                if exc.status not in (404, 409):  # gone already / another pod under that name now
+                    raise
+
+        retrying(delete)
+        deleted.append(f"{pod.metadata.name} (try {try_label or '?'}, {phase or 'unknown phase'})")
+    return deleted

@@ -1,0 +1,239 @@
+"""The ONE place a site job's pod manifest is built.
+
+:func:`build_pod`: the trainer as an exact argv, the Client API's ``FLARE_*`` environment (store
+paths rewritten to the store mount), the site's plain env and Secret *references*
+(``valueFrom.secretKeyRef``; a value never appears in the pod), cpu / memory / ``nvidia.com/gpu``
+with request = limit, volumes, a restrictive ``securityContext`` with a read-only root filesystem
+and a scratch ``emptyDir`` at /tmp. Of the model store the pod mounts only the directory of its
+input global model (read-only) and the directory of its output (read-write); host paths must lie
+under the site admin's allow-list (:mod:`.storage`). :func:`job_pod` does the same from a validated
+job (argv from :func:`~flare_airflow.launchers.trainer.trainer_argv`).
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from kubernetes import client as k8s
+
+from flare_airflow.core.config import (
+    SCRATCH_PATH,
+    SCRATCH_VOLUME,
+    STORE_VOLUME,
+    JobConfig,
+    KubernetesLaunchSpec,
+    ResourceSpec,
+)
+from flare_airflow.core.envvars import STORE_PATH_VARS
+from flare_airflow.core.spec import SiteJob
+from flare_airflow.launchers.errors import LaunchError
+from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME, RUN_ID_ANNOTATION, pod_labels, pod_name
+from flare_airflow.launchers.kubernetes.storage import (
+    check_host_paths,
+    needed_store_paths,
+    store_path_in_pod,
+    unreachable_store,
+)
+from flare_airflow.launchers.trainer import trainer_argv
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# The site trainer image (docker/Dockerfile.trainer) runs as this user; the pod insists on it.
+RUN_AS_USER = 1000
+
+
+def _literal(value: str) -> str:
+    # The kubelet expands $(VAR) in command, args and env values; '$$' is its escape for '$'.
+    return value.replace("$", "$$")
+
+
+def _cpu(cores: float) -> str:
+    milli = max(1, round(cores * 1000))
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def _resources(resources: ResourceSpec) -> k8s.V1ResourceRequirements | None:
+    amounts: dict[str, str] = {}
+    if resources.num_of_cpus is not None:
+        amounts["cpu"] = _cpu(resources.num_of_cpus)
+    if resources.memory is not None:
+        amounts["memory"] = resources.memory
+    if resources.num_of_gpus:
+        amounts[GPU_RESOURCE] = str(resources.num_of_gpus)
+    if not amounts:
+        return None
+    # request = limit: the scheduler reserves exactly what the job may use (Guaranteed QoS with cpu+memory).
+    return k8s.V1ResourceRequirements(requests=dict(amounts), limits=dict(amounts))
+
+
+def _env(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) -> list[k8s.V1EnvVar]:
+    problem = unreachable_store(spec, store_root)
+    if problem is not None:
+        raise LaunchError(f"{site_job.label}: {problem}")
+    # HOME on the scratch volume: the root filesystem is read-only, and libraries write caches there.
+    plain: dict[str, str] = {"PYTHONUNBUFFERED": "1", "HOME": SCRATCH_PATH}
+    for name, value in site_job.env.items():
+        if spec.store_mount is not None and name in STORE_PATH_VARS:
+            if store_root is None:
+                raise LaunchError(f"{site_job.label}: store_mount is set but no store root was given to build_pod")
+            try:
+                value = store_path_in_pod(value, store_root, spec.store_mount.mount_path)
+            except LaunchError as exc:
+                raise LaunchError(f"{site_job.label}: {name}: {exc}") from None
+        plain[name] = value
+    plain.update(spec.env)
+    env = [
+        k8s.V1EnvVar(name=name, value=_literal(value)) for name, value in plain.items() if name not in spec.secret_env
+    ]
+    env.extend(
+        k8s.V1EnvVar(
+            name=name,
+            value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=ref.secret, key=ref.key)),
+        )
+        for name, ref in spec.secret_env.items()
+    )
+    return env
+
+
+def _volumes(
+    spec: KubernetesLaunchSpec, store_paths: Mapping[str, bool]
+) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
+    volumes: list[k8s.V1Volume] = []
+    mounts: list[k8s.V1VolumeMount] = []
+
+    def add(name: str, pvc: str | None, host_path: str | None) -> None:
+        if pvc is not None:
+            source = {"persistent_volume_claim": k8s.V1PersistentVolumeClaimVolumeSource(claim_name=pvc)}
+        elif host_path is not None:
+            # "Directory": a missing path is a mount error, not a fresh empty directory on some node.
+            source = {"host_path": k8s.V1HostPathVolumeSource(path=host_path, type="Directory")}
+        else:
+            source = {"empty_dir": k8s.V1EmptyDirVolumeSource()}
+        volumes.append(k8s.V1Volume(name=name, **source))
+
+    def mount(name: str, mount_path: str, read_only: bool, sub_path: str | None = None) -> None:
+        mounts.append(
+            k8s.V1VolumeMount(name=name, mount_path=mount_path, read_only=read_only or None, sub_path=sub_path or None)
+        )
+
+    add(SCRATCH_VOLUME, None, None)
+    mount(SCRATCH_VOLUME, SCRATCH_PATH, False)
+    store = spec.store_mount
+    if store is not None and store_paths:
+        add(STORE_VOLUME, store.pvc, store.host_path)
+        # Each path at its usual place under mount_path (so FLARE_* paths are as without
+        # subPaths), a parent before anything mounted inside it.
+        for path in sorted(store_paths, key=len):
+            mount_path = posixpath.join(store.mount_path, path).rstrip("/") or "/"
+            mount(STORE_VOLUME, mount_path, store_paths[path], path)
+    for vol in spec.volumes:
+        add(vol.name, vol.pvc, vol.host_path)
+        mount(vol.name, vol.mount_path, vol.read_only)
+    return volumes, mounts
+
+
+def build_pod(
+    site_job: SiteJob,
+    spec: KubernetesLaunchSpec,
+    resources: ResourceSpec,
+    *,
+    store_root: str | None,
+    try_number: int = 1,
+) -> k8s.V1Pod:
+    """The pod of one site job.
+
+    ``site_job.argv`` is the trainer's exact argv inside the image (see :func:`trainer_argv`; it
+    becomes the container's ``command``, escaped against the kubelet's ``$(VAR)`` expansion);
+    ``site_job.env`` holds the Client API's ``FLARE_*`` variables as the Airflow side computed them.
+    With ``spec.store_mount``, ``FLARE_GLOBAL_MODEL`` and ``FLARE_OUTPUT`` must lie under
+    ``store_root`` and are rewritten to the mount path; the pod mounts (``subPath``) only the
+    directory of the first, read-only, and the directory of the second, read-write, each at its
+    place under the mount path. Raises :class:`LaunchError` when the site job cannot run as a pod
+    (no image, a store path the pod cannot reach, empty argv, a host path outside
+    :func:`allowed_host_paths`).
+    """
+    if not spec.image:
+        raise LaunchError(f"{site_job.label}: launcher_spec.k8s.image is not set; a pod needs the site's trainer image")
+    if not site_job.argv:
+        raise LaunchError(f"{site_job.label}: empty argv")
+    check_host_paths(site_job, spec)
+    name = pod_name(site_job.job, site_job.site, site_job.round, site_job.run_id, try_number)
+    labels = {**spec.labels, **pod_labels(site_job.job, site_job.run_id, site_job.round, site_job.site, try_number)}
+    annotations = {**spec.annotations, RUN_ID_ANNOTATION: site_job.run_id}
+    env = _env(site_job, spec, store_root)
+    volumes, mounts = _volumes(spec, needed_store_paths(site_job, spec, store_root))
+    container = k8s.V1Container(
+        name=CONTAINER_NAME,
+        image=spec.image,
+        image_pull_policy=spec.image_pull_policy,
+        command=[_literal(arg) for arg in site_job.argv],
+        env=env,
+        resources=_resources(resources),
+        volume_mounts=mounts or None,
+        security_context=k8s.V1SecurityContext(
+            allow_privilege_escalation=False,
+            capabilities=k8s.V1Capabilities(drop=["ALL"]),
+            privileged=False,
+            read_only_root_filesystem=True,
+            run_as_non_root=True,
+        ),
+    )
+    pod_spec = k8s.V1PodSpec(
+        restart_policy="Never",
+        containers=[container],
+        volumes=volumes or None,
+        service_account_name=spec.service_account_name,
+        # Trainers do not talk to the Kubernetes API: no token unless the site asks for an account.
+        automount_service_account_token=spec.service_account_name is not None,
+        image_pull_secrets=[k8s.V1LocalObjectReference(name=s) for s in spec.image_pull_secrets] or None,
+        node_selector=dict(spec.node_selector) or None,
+        tolerations=[_toleration(t) for t in spec.tolerations] or None,
+        termination_grace_period_seconds=math.ceil(site_job.shutdown_timeout),
+        security_context=k8s.V1PodSecurityContext(
+            run_as_non_root=True,
+            run_as_user=RUN_AS_USER,
+            run_as_group=RUN_AS_USER,
+            fs_group=RUN_AS_USER,
+            seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
+        ),
+    )
+    return k8s.V1Pod(
+        api_version="v1",
+        kind="Pod",
+        metadata=k8s.V1ObjectMeta(name=name, namespace=spec.namespace, labels=labels, annotations=annotations),
+        spec=pod_spec,
+    )
+
+
+def _toleration(item: Mapping[str, Any]) -> k8s.V1Toleration:
+    return k8s.V1Toleration(
+        key=item.get("key"),
+        operator=item.get("operator"),
+        value=item.get("value"),
+        effect=item.get("effect"),
+        toleration_seconds=item.get("tolerationSeconds"),
+    )
+
+
+def job_pod(job: JobConfig, site: str, site_job: SiteJob, *, store_root: str | None, try_number: int = 1) -> k8s.V1Pod:
+    """:func:`build_pod` for ``site`` of a validated job: the site's k8s block and resources, and the
+    trainer's argv in the image (:func:`trainer_argv`) in place of ``site_job.argv``."""
+    site_spec = job.sites[site]
+    spec = site_spec.launcher_spec.k8s
+    pod_job = replace(site_job, argv=tuple(trainer_argv(job, spec)))
+    return build_pod(pod_job, spec, site_spec.resource_spec, store_root=store_root, try_number=try_number)
+
+
+_SERIALIZER: k8s.ApiClient | None = None
+
+
+def pod_to_dict(pod: k8s.V1Pod) -> dict[str, Any]:
+    """The pod as the JSON the API receives (camelCase keys, no ``None`` fields)."""
+    global _SERIALIZER
+    if _SERIALIZER is None:
+        _SERIALIZER = k8s.ApiClient()
+    result: dict[str, Any] = _SERIALIZER.sanitize_for_serialization(pod)
+    return result

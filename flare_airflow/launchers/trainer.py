@@ -1,0 +1,34 @@
+"""What every backend launches: the trainer's exact argv, and how its output lines are marked."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the configuration layer (pydantic) is not loaded by the process backend
+    from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec
+    from flare_airflow.core.spec import SiteJob
+
+# What the trainer image runs the script with when the site names no trainer_command.
+IMAGE_DEFAULT_COMMAND = ("python",)
+
+
+def trainer_argv(job: JobConfig, image: KubernetesLaunchSpec | None = None) -> list[str]:
+    """The trainer's exact argv, ``command + [script] + trainer.args`` (never a shell string).
+
+    On this host (``image`` is ``None``): the job's ``trainer.command``, by default this Python,
+    and the trainer script resolved against the job file's directory. In a site's image
+    (``image``, the site's ``launcher_spec.k8s`` block): ``image.trainer_command``, by default
+    ``python`` (the job's ``trainer.command`` names the worker's interpreter, which the image
+    does not have), and ``image.trainer_script``, by default ``trainer.script`` as given.
+    """
+    trainer = job.trainer
+    if image is None:
+        return [*(trainer.command or [sys.executable]), str(job.script_path()), *trainer.args]
+    command = image.trainer_command or IMAGE_DEFAULT_COMMAND
+    return [*command, image.trainer_script or trainer.script, *trainer.args]
+
+
+def output_prefix(job: SiteJob) -> str:
+    """The prefix of a trainer's output lines in a log shared by several site jobs: ``[site rN] ``."""
+    return f"[{job.site} r{job.round}] "
