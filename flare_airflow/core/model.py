@@ -497,7 +497,3 @@ def all_finite(params: Params) -> str | None:
             if not all(np.isfinite(flat[s : s + step]).all() for s in range(0, flat.size, step)):
                 return name
     return None
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -60,7 +60,6 @@ class SiteJob:
     cwd: str | None = None
     launch_timeout: float | None = None
     shutdown_timeout: float = 10.0
-    num_gpus: int = 0
 
     @property
     def label(self) -> str:

@@ -2,7 +2,8 @@
 manifest builder (:func:`flare_airflow.launchers.kubernetes.job_pod`) and whose waiting follows
 NVIDIA FLARE's launcher semantics (:class:`flare_airflow.triggers.pod_state.PodStateTrigger`).
 
-Deferrable by default. Sync mode runs the same trigger in the worker, so both modes share one
+Deferrable when ``[operators] default_deferrable`` says so (as every cncf operator), or when the
+DAG author passes ``deferrable=``. Sync mode runs the same trigger in the worker, so both modes share one
 state table. However the task ends -- success, failure, timeout, kill, "mark failed" -- the pod is
 deleted unless the site keeps pods for debugging; the task log carries the pod's log and the reason.
 """
@@ -10,14 +11,19 @@ deleted unless the site keeps pods for debugging; the task log carries the pod's
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import yaml
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import Context
 from airflow.sdk.bases.xcom import BaseXCom
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
+from kubernetes.client import models as k8s
 
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
@@ -50,23 +56,57 @@ class SitePodOperator(KubernetesPodOperator):
     :param site: the site (its launcher is ``k8s``).
     :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
     :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
+    :param deferrable: wait in the triggerer (``True``) or in the worker; by default what
+        ``[operators] default_deferrable`` says, read as the cncf provider reads it.
 
     Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
     """
 
     ui_color = "#c7e9c0"
-    template_fields = ()
+    # The Rendered Templates tab: which site job this is, and where its pod runs. Of the stock
+    # operator's fields only those this operator really uses are kept; the others are either
+    # unused here (the pod comes from the manifest builder, so cmds, arguments, labels,
+    # annotations, hostname, name, volumes, volume_mounts, container_resources, node_selector and
+    # pod_template_file would show empty values that are not what the pod runs) or could render
+    # secret material (env_vars and pod_template_dict may hold literal values; env_from and
+    # configmaps name secret sources) or internal state (trigger_kwargs). The pod's environment,
+    # secret references included, is built per try and never rendered.
+    template_fields: Sequence[str] = (
+        "job_name",
+        "site",
+        "round_num",
+        "image",
+        "namespace",
+        "kubernetes_conn_id",
+        "cluster_context",
+        "config_file",
+        "base_container_name",
+    )
 
     def __init__(
-        self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
+        self,
+        *,
+        job: JobConfig,
+        site: str,
+        round_num: int,
+        global_task_id: str | None = None,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        **kwargs: Any,
     ) -> None:
         spec = job.sites[site].launcher_spec.k8s
         problem = unreachable_store(spec, str(store_for(job).root))
         if problem is not None:
             # At parse time: the DAG shows an import error instead of every round failing.
             raise ConfigError(f"site {site!r}: {problem}")
+        if job.evaluate and not job.script_path().is_file():
+            # The job's validation checks the script only for process sites; evaluation runs it on
+            # the worker whatever the sites' backend (the global model is the server's, not a site's).
+            raise ConfigError(
+                f"evaluate is true, so trainer.script {job.trainer.script!r} runs on the Airflow worker after "
+                f"each round, but it does not exist there (looked at {job.script_path()}); make it available "
+                "on the worker (paths are relative to the job file) or set evaluate: false"
+            )
         site_task_defaults(job, site, kwargs)
-        kwargs.setdefault("deferrable", True)
         super().__init__(
             namespace=spec.namespace,
             image=spec.image,
@@ -81,9 +121,11 @@ class SitePodOperator(KubernetesPodOperator):
             poll_interval=spec.poll_interval,
             reattach_on_restart=False,
             log_events_on_failure=True,
+            deferrable=deferrable,
             **kwargs,
         )
         self.job = job
+        self.job_name = job.job
         self.site = site
         self.round_num = round_num
         self.global_task_id = global_task_id
@@ -123,7 +165,15 @@ class SitePodOperator(KubernetesPodOperator):
             claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it
         clear_outputs(path_from_uri(run.output))
         self.delete_earlier_tries(context)
-        return super().execute(context)
+        try:
+            return super().execute(context)
+        except (AirflowSkipException, TaskDeferred):
+            raise
+        except BaseException:
+            # Failed between creating the pod and handing it to the trigger (or in sync mode
+            # anywhere): nothing else will delete it.
+            self._delete_pod_quietly()
+            raise
 
     def delete_earlier_tries(self, context: Context) -> list[str]:
         """Delete the pods of this site job's earlier tries (found by their labels) before this try
@@ -159,13 +209,12 @@ class SitePodOperator(KubernetesPodOperator):
 
     def _trigger(self, context: Context | None) -> PodStateTrigger:
         spec = self.job.sites[self.site].launcher_spec.k8s
-        self.convert_config_file_to_dict()
         assert self.pod is not None
         return PodStateTrigger(
             pod_name=self.pod.metadata.name,
             pod_namespace=self.pod.metadata.namespace,
             kubernetes_conn_id=self.kubernetes_conn_id,
-            config_dict=self._config_dict,
+            config_dict=self._kubeconfig(),
             in_cluster=self.in_cluster,
             cluster_context=self.cluster_context,
             pending_timeout=spec.pending_timeout,
@@ -173,10 +222,19 @@ class SitePodOperator(KubernetesPodOperator):
             # The trigger enforces execution_timeout itself and deletes the pod: Airflow's own
             # timeout of a deferred task would fail it without any chance to clean up.
             execution_deadline=self._deadline(context),
-            grace_period=int(self.job.trainer.shutdown_timeout),
+            grace_period=math.ceil(self.job.trainer.shutdown_timeout),  # as the pod's own grace period
             delete_on_kill=not spec.keep_pods,
             redefer_count=int((self.trigger_kwargs or {}).get("_redefer_count", 0)),
         )
+
+    def _kubeconfig(self) -> dict[str, Any] | None:
+        # The triggerer may not see the worker's files: the kubeconfig travels as a dict, as the
+        # stock operator sends it (read here rather than through its private _config_dict).
+        if not self.config_file:
+            return None
+        with open(self.config_file, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f)
+        return loaded if isinstance(loaded, dict) else None
 
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
         deadline = self._deadline(context)
@@ -214,13 +272,19 @@ class SitePodOperator(KubernetesPodOperator):
             "message": reason,
         }
 
-    def _delete_pod_quietly(self) -> None:
-        if self.pod is None or self.job.sites[self.site].launcher_spec.k8s.keep_pods:
+    def _delete_pod_quietly(self, event: dict[str, Any] | None = None) -> None:
+        """Delete this try's pod (a 404 counts as done); ``event`` names it when ``self.pod`` is unset."""
+        if self.job.sites[self.site].launcher_spec.k8s.keep_pods:
+            return
+        pod: Any = self.pod
+        if pod is None and event and event.get("name") and event.get("namespace"):
+            pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
+        if pod is None:
             return
         try:
-            self.pod_manager.delete_pod(self.pod)
+            self.pod_manager.delete_pod(pod)
         except Exception as exc:  # the original error matters more; say why the pod may remain
-            self.log.warning("could not delete pod %s: %s", self.pod.metadata.name, exc)
+            self.log.warning("could not delete pod %s: %s", pod.metadata.name, exc)
 
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> Any:
         run = self._site_run(context)
@@ -240,6 +304,10 @@ class SitePodOperator(KubernetesPodOperator):
         except (AirflowSkipException, TaskDeferred):
             raise
         except Exception as exc:  # the stock operator raises several types; each ends this site job
+            # It deletes the pod in its own ``finally`` only once it could read the pod again: when
+            # that read failed (API unreachable from the worker, self.pod unset), delete by the event's name.
+            if self.pod is None:
+                self._delete_pod_quietly(event)
             if event.get("status") == "success":
                 reason = f"pod succeeded but its result could not be collected: {exc}"
             rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))

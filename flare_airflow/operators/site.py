@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -243,7 +244,10 @@ class SiteTrainOperator(BashOperator):
     """
 
     ui_color = "#d9f0d3"
-    template_fields = ()
+    # The Rendered Templates tab: which site job this is, plus BashOperator's own fields (the
+    # fixed runner command; ``env`` and ``cwd`` stay unset -- the site job's environment travels
+    # in the runner's spec at execute time and secret values never reach a template field).
+    template_fields: Sequence[str] = ("job_name", "site", "round_num", *BashOperator.template_fields)
     _secrets_json = ""
     _result_file = ""
 
@@ -260,6 +264,7 @@ class SiteTrainOperator(BashOperator):
             **kwargs,
         )
         self.job = job
+        self.job_name = job.job
         self.site = site
         self.round_num = round_num
         self.global_task_id = global_task_id

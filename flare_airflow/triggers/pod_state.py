@@ -4,7 +4,10 @@ It does not poll: it holds one watch on the pod (``list`` with a field selector,
 and re-opens it only when the API closes it or a deadline (``pending_timeout`` while the pod waits
 for cpu/memory/GPUs, ``startup_timeout`` otherwise) needs checking, so the number of API requests
 does not grow with the job's duration. Every decision comes from the one state table,
-:func:`flare_airflow.launchers.kubernetes.map_pod`.
+:func:`flare_airflow.launchers.kubernetes.map_pod`, fed with the pod's Warning events while it is
+bound to a node but Pending: a volume that cannot be mounted (``FailedMount``) shows only as an
+event, never as a pod change, so those events are read on each Pending update and every
+``_EVENT_CHECK_SECONDS`` (the watch is kept that short meanwhile). Running pods cost no event reads.
 
 Events (``TriggerEvent.payload``)::
 
@@ -38,6 +41,8 @@ _CONNECT_TIMEOUT = 30
 _READ_SLACK = 30
 # Transient API failures in a row (timeouts, resets, 5xx, 429) before the trigger gives up (~2.5 min).
 _MAX_FAILURES = 8
+# While a bound pod is Pending its Warning events are read this often: a FailedMount fails in seconds.
+_EVENT_CHECK_SECONDS = 5
 
 
 class PodStateTrigger(BaseTrigger):
@@ -106,6 +111,7 @@ class PodStateTrigger(BaseTrigger):
         self.delete_on_kill = delete_on_kill
         self.redefer_count = redefer_count
         self._fired = False
+        self._events_readable = True
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", {f: getattr(self, f) for f in self._FIELDS}
@@ -179,13 +185,50 @@ class PodStateTrigger(BaseTrigger):
         async with self._hook().get_conn() as api:
             await self._delete(client.CoreV1Api(api))
 
-    def _status(self, pod: Any) -> PodStatus:
+    def _status(self, pod: Any, events: list[Any] | None = None) -> PodStatus:
         return map_pod(
             pod,
             now=datetime.now(UTC),
             pending_timeout=self.pending_timeout,
             startup_timeout=self.startup_timeout,
+            events=events or (),
         )
+
+    def _needs_events(self, pod: Any) -> bool:
+        """Bound to a node and Pending: only then can a mount warning matter (map_pod decides first)."""
+        if not self._events_readable or pod is None:
+            return False
+        spec, status = getattr(pod, "spec", None), getattr(pod, "status", None)
+        return bool(getattr(spec, "node_name", None)) and getattr(status, "phase", None) in (None, "Pending")
+
+    async def _warnings(self, core: Any, pod: Any) -> list[Any]:
+        """The pod's Warning events: one list request, filtered by the API."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        try:
+            listed = await core.list_namespaced_event(
+                self.pod_namespace,
+                field_selector=f"involvedObject.name={self.pod_name},type=Warning",
+                _request_timeout=_REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            if exc.status in (401, 403):  # the site's role may not read events: watch the pod alone
+                self.log.warning(
+                    "cannot read events of pod %s (%s): mount failures show only at startup_timeout",
+                    self.pod_name,
+                    exc.status,
+                )
+                self._events_readable = False
+                return []
+            raise
+        # Events of an earlier pod of the same name are told apart by uid (map_pod checks it).
+        return list(listed.items)
+
+    async def _decide(self, core: Any, pod: Any) -> PodStatus:
+        status = self._status(pod)
+        if status.done or not self._needs_events(pod):
+            return status
+        return self._status(pod, await self._warnings(core, pod))
 
     def _error_event(self, reason: str) -> TriggerEvent:
         return TriggerEvent(
@@ -206,6 +249,8 @@ class PodStateTrigger(BaseTrigger):
         wait = _MAX_WATCH_SECONDS
         if pod is not None and getattr(pod.status, "phase", None) == "Pending":
             wait = max(1, int(min(self.pending_timeout, self.startup_timeout) / 2) or 1)
+        if self._needs_events(pod):
+            wait = min(wait, _EVENT_CHECK_SECONDS)
         left = self._seconds_left()
         if left is not None:
             wait = max(1, min(wait, math.ceil(left)))
@@ -248,7 +293,7 @@ class PodStateTrigger(BaseTrigger):
                         )
                         pod = listed.items[0] if listed.items else None
                         version = listed.metadata.resource_version
-                    status = self._status(pod)
+                    status = await self._decide(core, pod)
                     if status.done:
                         return self._event(status, pod)
                     left = self._seconds_left()
@@ -281,7 +326,7 @@ class PodStateTrigger(BaseTrigger):
                         if item["type"] == "BOOKMARK":
                             continue
                         pod = None if item["type"] == "DELETED" else obj
-                        status = self._status(pod)
+                        status = await self._decide(core, pod)
                         if status.done:
                             return self._event(status, pod)
                     failures = 0  # the server ended the watch (timeoutSeconds): check deadlines, go on

@@ -67,7 +67,8 @@ def make_op(tmp_path: pathlib.Path, namespace: str, kubeconfig: pathlib.Path, *,
         ModelStore(store).global_model("podjob", RUN_ID, 0),
         FLModel(params={"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}),
     )
-    return SitePodOperator(task_id="site-1", job=job, site="site-1", round_num=1), store
+    # Deferrable as the tests run it (run_deferred); the default follows [operators] default_deferrable.
+    return SitePodOperator(task_id="site-1", job=job, site="site-1", round_num=1, deferrable=True), store
 
 
 def context_for(op: SitePodOperator) -> dict[str, Any]:

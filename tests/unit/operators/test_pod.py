@@ -1,0 +1,74 @@
+"""SitePodOperator without a cluster: deferrable mode follows Airflow's configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from kubernetes.client import models as k8s
+
+from flare_airflow.operators.pod import SitePodOperator
+from tests.unit.airflow_layer import make_job
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+BUILD = """
+import json, sys
+from flare_airflow.operators.pod import SitePodOperator
+from tests.unit.airflow_layer import make_job
+import pathlib
+job = make_job(pathlib.Path(sys.argv[1]), sites=json.loads(sys.argv[2]), min_clients=1)
+print(json.dumps([
+    SitePodOperator(task_id="a", job=job, site="site-1", round_num=1).deferrable,
+    SitePodOperator(task_id="b", job=job, site="site-1", round_num=1, deferrable=False).deferrable,
+    SitePodOperator(task_id="c", job=job, site="site-1", round_num=1, deferrable=True).deferrable,
+]))
+"""
+
+
+def pod_sites(tmp_path: pathlib.Path) -> dict:
+    k8s = {"image": "img:1", "store_mount": {"host_path": str(tmp_path / "store"), "mount_path": "/s"}}
+    return {"site-1": {"launcher": "k8s", "launcher_spec": {"k8s": k8s}}}
+
+
+@pytest.mark.parametrize("configured", ["True", "False"])
+def test_deferrable_follows_operators_default_deferrable_unless_the_dag_says(tmp_path, configured: str) -> None:
+    # The setting is read when the operator's module is imported (as the cncf provider reads it):
+    # a fresh interpreter per value.
+    env = {**os.environ, "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": configured}
+    out = subprocess.run(
+        [sys.executable, "-c", BUILD, str(tmp_path), json.dumps(pod_sites(tmp_path))],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    default, explicit_false, explicit_true = json.loads(out.stdout.strip().splitlines()[-1])
+    assert default is (configured == "True")
+    assert (explicit_false, explicit_true) == (False, True)
+
+
+def test_the_triggers_grace_period_is_rounded_up_as_the_pods_own(tmp_path) -> None:
+    # The manifest builder gives the pod terminationGracePeriodSeconds = ceil(shutdown_timeout);
+    # a delete by the trigger must not give it less.
+    trainer = {"script": "train.py", "shutdown_timeout": 2.2}
+    job = make_job(tmp_path, sites=pod_sites(tmp_path), min_clients=1, trainer=trainer)
+    op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1)
+    op.pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p", namespace="ns"))
+    assert op._trigger(None).grace_period == 3
+
+
+def test_evaluate_needs_the_trainer_script_on_the_worker_even_when_every_site_is_a_pod(tmp_path) -> None:
+    from flare_airflow.core.errors import ConfigError
+
+    (tmp_path / "train.py").write_text("")
+    kwargs = {"sites": pod_sites(tmp_path), "min_clients": 1, "trainer": {"script": "elsewhere/train.py"}}
+    with pytest.raises(ConfigError, match=r"evaluate is true, so trainer.script 'elsewhere/train.py' runs on"):
+        SitePodOperator(task_id="a", job=make_job(tmp_path, evaluate=True, **kwargs), site="site-1", round_num=1)
+    # Without evaluation the worker never runs it: the pod's image holds the script.
+    SitePodOperator(task_id="a", job=make_job(tmp_path, evaluate=False, **kwargs), site="site-1", round_num=1)
