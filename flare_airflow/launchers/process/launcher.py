@@ -155,7 +155,7 @@ class ProcessJobHandle(JobHandleSpec):
                 self.proc.wait(timeout=step)
 
     def processes(self) -> set[int]:
-        """The job's live processes besides the trainer itself (see the module docstring)."""
+        """The job's live processes besides the trainer itself (see :mod:`flare_airflow.launchers.process.tree`)."""
         leader = self.proc.pid
         roots = (leader, os.getpid()) if self._adopt else (leader,)
         return job_processes(roots=roots, sessions=(leader,), mark=self._mark, exclude=(leader,))
