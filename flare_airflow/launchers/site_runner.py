@@ -35,22 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from flare_airflow.core.envvars import (
-    FLARE_GLOBAL_MODEL,
-    FLARE_GLOBAL_SHA256,
-    FLARE_HPARAMS,
-    FLARE_JOB,
-    FLARE_OUTPUT,
-    FLARE_ROUND,
-    FLARE_RUN_ID,
-    FLARE_SITE,
-    FLARE_SITE_JOB_SPEC,
-    FLARE_SITE_OWNERS,
-    FLARE_SITE_RESULT_FILE,
-    FLARE_SITE_SECRETS,
-    FLARE_TASK,
-    FLARE_TOTAL_ROUNDS,
-)
+from flare_airflow.core import envvars
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode, SiteJob
 from flare_airflow.core.store import path_from_uri, record_path
@@ -69,17 +54,17 @@ from flare_airflow.launchers.process import (
 if TYPE_CHECKING:
     from flare_airflow.core.model import WritablePath
 
-SPEC_ENV = FLARE_SITE_JOB_SPEC
+SPEC_ENV = envvars.FLARE_SITE_JOB_SPEC
 # Resolved secret_env values for the trainer, kept out of the SiteRun (which may be logged).
-SECRETS_ENV = FLARE_SITE_SECRETS
+SECRETS_ENV = envvars.FLARE_SITE_SECRETS
 SUMMARY_PREFIX = "FLARE_RESULT "
 # "pid:start_time pid:start_time": processes whose end ends the site job (the task process and its
 # supervisor); PR_SET_PDEATHSIG reaches only the direct parent.
-OWNERS_ENV = FLARE_SITE_OWNERS
+OWNERS_ENV = envvars.FLARE_SITE_OWNERS
 _OWNER_POLL_SECONDS = 0.5
 # A local file (outside the store) where the runner leaves its failure reason for the site task:
 # it gets there even when the store is full or read-only and the failure record cannot be written.
-RESULT_FILE_ENV = FLARE_SITE_RESULT_FILE
+RESULT_FILE_ENV = envvars.FLARE_SITE_RESULT_FILE
 
 
 @dataclass
@@ -124,19 +109,19 @@ class SiteRun:
         env = dict(self.env)
         env.update(
             {
-                FLARE_JOB: self.job,
-                FLARE_RUN_ID: self.run_id,
-                FLARE_SITE: self.site,
-                FLARE_ROUND: str(self.round),
-                FLARE_TOTAL_ROUNDS: str(self.total_rounds),
-                FLARE_TASK: self.task,
-                FLARE_GLOBAL_MODEL: self.global_model,
-                FLARE_OUTPUT: self.staging or self.output,
-                FLARE_HPARAMS: json.dumps(self.hparams),
+                envvars.FLARE_JOB: self.job,
+                envvars.FLARE_RUN_ID: self.run_id,
+                envvars.FLARE_SITE: self.site,
+                envvars.FLARE_ROUND: str(self.round),
+                envvars.FLARE_TOTAL_ROUNDS: str(self.total_rounds),
+                envvars.FLARE_TASK: self.task,
+                envvars.FLARE_GLOBAL_MODEL: self.global_model,
+                envvars.FLARE_OUTPUT: self.staging or self.output,
+                envvars.FLARE_HPARAMS: json.dumps(self.hparams),
             }
         )
         if self.global_sha256:
-            env[FLARE_GLOBAL_SHA256] = self.global_sha256
+            env[envvars.FLARE_GLOBAL_SHA256] = self.global_sha256
         return SiteJob(
             job=self.job,
             run_id=self.run_id,

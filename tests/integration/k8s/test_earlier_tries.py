@@ -158,6 +158,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "12",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
+            # Pod tasks defer to the triggerer, as the drill's try 2 expects.
+            "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True",
         }
     )
     airflow.start()

@@ -29,6 +29,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("pod-stack")
     pg = Postgres()
     airflow = AirflowStack(root / "af", pg.url, parallelism=4)
+    # The drill is about the deferred path: pod tasks wait in the triggerer.
+    airflow.env["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
     airflow.start()
     log = open(airflow.root / "triggerer.log", "wb")  # noqa: SIM115 - lives as long as the process
     # The triggerer in its own session, killed with the others' process groups by stop().
