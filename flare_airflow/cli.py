@@ -198,6 +198,20 @@ def dag_import_errors(dagfile: str | None) -> dict[str, str]:
     return {path: exception_text(text) for path, text in sorted(bag.import_errors.items())}
 
 
+def _dags_folder_containing(path: str) -> None:
+    """Airflow parses only files inside its DAGs folder ("... is not in the subpath of ..."): for a
+    DAG file elsewhere, this process's DAGs folder becomes the file's directory."""
+    from airflow import settings
+    from airflow.configuration import conf
+
+    folder = os.path.realpath(settings.DAGS_FOLDER)
+    if os.path.commonpath([folder, os.path.realpath(path)]) == folder:
+        return
+    directory = os.path.dirname(os.path.realpath(path))
+    conf.set("core", "dags_folder", directory)
+    settings.DAGS_FOLDER = directory
+
+
 def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = None) -> tuple[int, str]:
     """Run Airflow's ``airflow dags test DAG_ID`` command in this process.
 
@@ -209,7 +223,9 @@ def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = Non
     write_default_airflow_configuration_if_needed()
     argv = ["dags", "test", dag_id]
     if dagfile:  # absolute: Airflow fails on a relative path ("not in the subpath of" the dags folder)
-        argv += ["--dagfile-path", os.path.abspath(dagfile)]
+        path = os.path.abspath(dagfile)
+        argv += ["--dagfile-path", path]
+        _dags_folder_containing(path)
     if conf:
         argv += ["--conf", conf]
     args = cli_parser.get_parser().parse_args(argv)

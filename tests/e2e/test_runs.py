@@ -9,6 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
 from tests.harness import BIN, AirflowHome, behave_job
@@ -107,3 +108,22 @@ def test_task_group_inside_an_authors_dag(airflow_home: AirflowHome) -> None:
     assert result.tasks == dict.fromkeys(expected, "success")
     final = load_file(result.state["published"]["final_model"].removeprefix("file://"))
     np.testing.assert_array_equal(final["b"], np.full(2, 2.0, np.float32))
+
+
+def test_a_dag_file_outside_the_dags_folder_runs(airflow_home: AirflowHome, tmp_path: pathlib.Path) -> None:
+    """A user's own job folder anywhere: `flare-airflow run --dagfile PATH` (Airflow alone refuses a
+    file that is not in the subpath of its DAGs folder)."""
+    folder = tmp_path / "my-job"
+    folder.mkdir()
+    job = behave_job(folder, "outside", sites=2, rounds=1, min_clients=2, args=[])
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    dag_file = folder / "dag.py"
+    dag_file.write_text(
+        "from pathlib import Path\n"
+        "from flare_airflow.builder import build_dag\n"
+        "dag = build_dag(Path(__file__).with_name('job.yaml'))\n"
+    )
+    assert not str(dag_file).startswith(str(airflow_home.dags))
+    result = airflow_home.run("flare_outside", dag_file)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(result.tasks.values()) == {"success"}, result.tasks
