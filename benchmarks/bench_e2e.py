@@ -340,7 +340,7 @@ def noop_site_run(work: Path, site: str, output: Path) -> Any:
     import numpy as np
 
     from flare_airflow.core.model import FLModel, write_artifact
-    from flare_airflow.launchers.site_runner import SiteRun
+    from flare_airflow.site_task.spec import SiteRun
 
     global_model = work / "global.safetensors"
     if not global_model.exists():
@@ -362,7 +362,7 @@ def noop_site_run(work: Path, site: str, output: Path) -> Any:
 
 
 def site_job_outside_airflow(root: Path, reps: int) -> Table:
-    from flare_airflow.launchers.site_runner import SPEC_ENV
+    from flare_airflow.site_task.spec import SPEC_ENV
 
     work = root / "site-job"
     spec = noop_site_run(work, "site-1", work / "site-runner.safetensors")
@@ -379,8 +379,8 @@ def site_job_outside_airflow(root: Path, reps: int) -> Table:
         ),
         ("no-op trainer alone: receive() + send()", [sys.executable, str(TRAINER)], trainer_env),
         (
-            "`python -m flare_airflow.launchers.site_runner` (runs the trainer, verifies its update)",
-            [sys.executable, "-m", "flare_airflow.launchers.site_runner"],
+            "`python -m flare_airflow.site_task` (runs the trainer, verifies its update)",
+            [sys.executable, "-m", "flare_airflow.site_task"],
             {**base_env, SPEC_ENV: spec.to_json()},
         ),
         ("`bash -c 'exec true'` (what BashOperator adds)", ["bash", "-c", "exec true"], base_env),
@@ -400,7 +400,7 @@ def site_job_outside_airflow(root: Path, reps: int) -> Table:
     for label, _, _ in cases:
         table.add(label, f"{median(times[label]):.3f}", spread(times[label], "{:.3f}"))
     table.notes.append(
-        "A site task is a BashOperator running `exec python -m flare_airflow.launchers.site_runner`, which starts the "
+        "A site task is a BashOperator running `exec python -m flare_airflow.site_task`, which starts the "
         "trainer as a second Python process: two interpreter starts importing numpy (the runner starts the trainer "
         "first and loads numpy while it runs, so the two overlap on the 2 cores), plus reading and verifying the "
         "update once more after the trainer exits."

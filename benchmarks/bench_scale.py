@@ -478,7 +478,7 @@ def worker_parse_ms(home: Path, dag_id: str) -> list[float]:
 
 def our_task_cpu(root: Path, reps: int) -> tuple[float, float]:
     """CPU s and wall s of one site job's own processes outside Airflow: bash -> site_runner -> trainer."""
-    from flare_airflow.launchers.site_runner import SPEC_ENV
+    from flare_airflow.site_task.spec import SPEC_ENV
 
     work = root / "site-job"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "_AIRFLOW"))}
@@ -488,7 +488,7 @@ def our_task_cpu(root: Path, reps: int) -> tuple[float, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()
         proc = subprocess.run(
-            ["bash", "-c", f"exec {sys.executable} -m flare_airflow.launchers.site_runner"],
+            ["bash", "-c", f"exec {sys.executable} -m flare_airflow.site_task"],
             env={**env, SPEC_ENV: spec.to_json()},
             capture_output=True,
             text=True,
@@ -739,7 +739,7 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
     idle = info["idle_cores"]
     cpu.notes += [
         f"Our own processes of one site task, timed outside Airflow (bash -> `python -m "
-        f"flare_airflow.launchers.site_runner` -> no-op trainer): **{ours_cpu:.2f} CPU s** ({ours_wall:.2f} s wall), "
+        f"flare_airflow.site_task` -> no-op trainer): **{ours_cpu:.2f} CPU s** ({ours_wall:.2f} s wall), "
         "median of the repetitions. 'of which outside our processes' = 'executor workers + task processes' minus "
         "that: the task's Airflow side -- the LocalExecutor worker acting as supervisor, the forked task process's "
         "Task SDK start-up, the DAG re-parse (see the previous table) and the execution-API calls (whose server side "

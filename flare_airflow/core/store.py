@@ -4,6 +4,7 @@ Layout under the store root (one root per deployment)::
 
     <job>/<run>/round-0001/global.safetensors (+ .json)     global model after round 1
     <job>/<run>/round-0001/sites/<site>.safetensors          that site's accepted update for round 1
+    <job>/<run>/round-0001/sites/<site>.failure.json         or why that site delivered none
     <job>/<run>/round-0001/staging/<site>/try-<n>/           where try n of its trainer wrote
     <job>/<run>/round-0000/global.safetensors                the initial (or warm-start) model
     <job>/<run>/final/...                                    published outputs of a successful run
@@ -51,6 +52,12 @@ class WritablePath(Protocol):
 def record_path(tensors_path: WritablePath) -> WritablePath:
     """Where an artifact's JSON record (checksum, tensors, metadata) sits: next to its tensors."""
     return tensors_path.parent / (tensors_path.name.removesuffix(".safetensors") + ".json")
+
+
+def failure_path(tensors_path: WritablePath) -> WritablePath:
+    """Where a site job that did not deliver ``tensors_path`` leaves its failure record (why, return
+    code): next to the update it would have published, read by the aggregation."""
+    return tensors_path.parent / (tensors_path.name.removesuffix(".safetensors") + ".failure.json")
 
 
 def safe_component(value: str, what: str) -> str:

@@ -15,7 +15,6 @@ from flare_airflow.core.model import FLModel, WritablePath, read_artifact, write
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
-from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
 from flare_airflow.operators.common import (
     FAILURE_XCOM_KEY,
     FINISHED_STATES,
@@ -26,6 +25,9 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.site import produced_sha256, trainer_argv
+from flare_airflow.site_task.checks import read_failure
+from flare_airflow.site_task.runner import run_site
+from flare_airflow.site_task.spec import SiteRun
 
 SERVER_SITE = "server"
 

@@ -36,16 +36,11 @@ from flare_airflow.launchers.kubernetes import (
     site_pods_selector,
     unreachable_store,
 )
-from flare_airflow.launchers.site_runner import (
-    SiteRun,
-    Superseded,
-    check_result,
-    claim_try,
-    clear_outputs,
-    write_failure,
-)
 from flare_airflow.operators.common import store_for
 from flare_airflow.operators.site import check_site_task_may_run, make_site_run, site_failed, site_task_defaults
+from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
+from flare_airflow.site_task.spec import SiteRun
+from flare_airflow.site_task.tries import Superseded, claim_try
 from flare_airflow.triggers.pod_state import PodStateTrigger
 
 

@@ -1,7 +1,7 @@
 """Site job task for process sites: a BashOperator whose command is fixed and whose input is data.
 
 The shell never sees user input: ``bash_command`` is ``exec <python> -m
-flare_airflow.launchers.site_runner`` and the site job (argv, environment, paths) travels as JSON
+flare_airflow.site_task`` and the site job (argv, environment, paths) travels as JSON
 in one environment variable. The runner starts the trainer from that argv without a shell, in its
 own process group, and forwards Airflow's SIGTERM to it.
 """
@@ -26,17 +26,6 @@ from flare_airflow.core.config import AirflowSecretRef, JobConfig
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.launchers.site_runner import (
-    OWNERS_ENV,
-    RESULT_FILE_ENV,
-    SECRETS_ENV,
-    SPEC_ENV,
-    SUMMARY_PREFIX,
-    SiteRun,
-    owners_value,
-    read_failure,
-    write_failure,
-)
 from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.operators.common import (
     FINISHED_STATES,
@@ -46,6 +35,9 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
+from flare_airflow.site_task.checks import read_failure, write_failure
+from flare_airflow.site_task.owners import owners_value
+from flare_airflow.site_task.spec import OWNERS_ENV, RESULT_FILE_ENV, SECRETS_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
 
 
 class SiteJobFailed(FlareAirflowError, AirflowException):
@@ -256,7 +248,7 @@ class SiteTrainOperator(BashOperator):
     ) -> None:
         site_task_defaults(job, site, kwargs)
         super().__init__(
-            bash_command=f"exec {shlex.quote(sys.executable)} -m flare_airflow.launchers.site_runner",
+            bash_command=f"exec {shlex.quote(sys.executable)} -m flare_airflow.site_task",
             append_env=True,
             skip_on_exit_code=None,
             do_xcom_push=True,

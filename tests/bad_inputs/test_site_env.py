@@ -15,9 +15,10 @@ import pytest
 
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode
-from flare_airflow.core.store import record_path
+from flare_airflow.core.store import failure_path, record_path
 from flare_airflow.launchers.process import ProcessLauncher
-from flare_airflow.launchers.site_runner import SiteRun, failure_path, run_site
+from flare_airflow.site_task.runner import run_site
+from flare_airflow.site_task.spec import SiteRun
 from tests.bad_inputs.cases import Case, assert_clear
 
 PY = sys.executable

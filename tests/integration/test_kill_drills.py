@@ -294,7 +294,8 @@ def test_a_late_try_never_replaces_the_update_of_the_try_after_it(tmp_path: path
     from flare_airflow.core.model import FLModel, write_artifact
     from flare_airflow.core.spec import JobReturnCode
     from flare_airflow.launchers.process import ProcessLauncher
-    from flare_airflow.launchers.site_runner import SPEC_ENV, SiteRun, run_site
+    from flare_airflow.site_task.runner import run_site
+    from flare_airflow.site_task.spec import SPEC_ENV, SiteRun
 
     run_dir = tmp_path / "store" / "late" / "run"
     global_model = run_dir / "round-0000" / "global.safetensors"
@@ -321,7 +322,7 @@ def test_a_late_try_never_replaces_the_update_of_the_try_after_it(tmp_path: path
 
     env = {**os.environ, SPEC_ENV: site_run(1, 1.0).to_json()}
     first = subprocess.Popen(
-        [sys.executable, "-m", "flare_airflow.launchers.site_runner"],
+        [sys.executable, "-m", "flare_airflow.site_task"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

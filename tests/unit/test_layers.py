@@ -29,8 +29,8 @@ def test_import_linter_contracts_are_kept() -> None:
     assert int(summary.group(1)) >= 4
     assert summary.group(2) == "0"
     for name in (
-        "Layers: Airflow adapters > launchers > core",
-        "core and launchers never import Airflow",
+        "Layers: Airflow adapters > site task > launchers > core",
+        "core, launchers and the site task never import Airflow",
         "The Client API needs only numpy and safetensors",
         "No import cycles inside core",
     ):
@@ -50,7 +50,7 @@ def top_level_modules_after_importing(module: str) -> set[str]:
         "flare_airflow.client",
         "flare_airflow.core.client",
         "flare_airflow.launchers.process",
-        "flare_airflow.launchers.site_runner",
+        "flare_airflow.site_task.runner",
     ],
 )
 def test_lower_layers_do_not_load_airflow_or_pydantic(module: str) -> None:
@@ -73,5 +73,5 @@ def test_the_probe_sees_heavy_imports() -> None:
 def test_the_site_runner_starts_the_trainer_before_loading_numpy() -> None:
     # Its imports stop short of numpy so that the trainer's interpreter starts while numpy loads
     # for the update check: the two start-ups overlap on every site job.
-    loaded = top_level_modules_after_importing("flare_airflow.launchers.site_runner")
+    loaded = top_level_modules_after_importing("flare_airflow.site_task.runner")
     assert "numpy" not in loaded and "safetensors" not in loaded, sorted(loaded)

@@ -26,7 +26,7 @@ from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode, JobState, SiteJob
 from flare_airflow.core.store import ModelStore
 from flare_airflow.launchers.kubernetes import KubernetesJobHandle, KubernetesLauncher, trainer_argv
-from flare_airflow.launchers.site_runner import SiteRun
+from flare_airflow.site_task.spec import SiteRun
 from tests.k8s_harness.audit import AuditLog, format_summary
 from tests.k8s_harness.control_plane import ControlPlane
 from tests.k8s_harness.kube import pod_dict, wait_for

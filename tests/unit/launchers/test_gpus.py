@@ -147,7 +147,9 @@ def test_every_exit_path_frees_the_gpu(tmp_path: pathlib.Path, how: str) -> None
 
 def test_site_runner_gives_the_trainer_its_devices_and_releases_them(tmp_path: pathlib.Path, monkeypatch) -> None:
     from flare_airflow.core.model import FLModel, write_artifact
-    from flare_airflow.launchers.site_runner import SiteRun, read_failure, run_site
+    from flare_airflow.site_task.checks import read_failure
+    from flare_airflow.site_task.runner import run_site
+    from flare_airflow.site_task.spec import SiteRun
 
     monkeypatch.setenv("FLARE_GPU_LOCK_DIR", str(tmp_path / "locks"))
     import numpy as np

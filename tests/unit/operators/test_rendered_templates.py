@@ -42,7 +42,7 @@ def test_a_process_site_task_shows_its_job_site_and_round_and_no_secret_value(tm
     )
     fields = rendered(SiteTrainOperator(task_id="site-1_r2", job=job, site="site-1", round_num=2))
     assert (fields["job_name"], fields["site"], fields["round_num"]) == ("unit", "site-1", 2)
-    assert "flare_airflow.launchers.site_runner" in fields["bash_command"]
+    assert "flare_airflow.site_task" in fields["bash_command"]
     assert CANARY not in json.dumps(fields)
 
 

@@ -65,4 +65,4 @@ def test_the_site_job_spec_carries_references_never_secret_values(tmp_path) -> N
     assert spec["env"] == {"MODE": "fast"}
     assert "API_TOKEN" not in json.dumps(spec)
     assert spec["argv"] == trainer_argv(job)
-    assert task.bash_command.endswith("-m flare_airflow.launchers.site_runner")
+    assert task.bash_command.endswith("-m flare_airflow.site_task")

@@ -16,16 +16,11 @@ import pytest
 
 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
-from flare_airflow.core.store import record_path
+from flare_airflow.core.store import failure_path, record_path
 from flare_airflow.launchers.process import ProcessLauncher
-from flare_airflow.launchers.site_runner import (
-    SPEC_ENV,
-    SUMMARY_PREFIX,
-    SiteRun,
-    failure_path,
-    read_failure,
-    run_site,
-)
+from flare_airflow.site_task.checks import read_failure
+from flare_airflow.site_task.runner import run_site
+from flare_airflow.site_task.spec import SPEC_ENV, SUMMARY_PREFIX, SiteRun
 
 PY = sys.executable
 RC = JobReturnCode
@@ -245,7 +240,7 @@ def runner(site_run: SiteRun | None, **kw) -> subprocess.Popen:
     if site_run is not None:
         env[SPEC_ENV] = site_run.to_json()
     return subprocess.Popen(
-        [PY, "-m", "flare_airflow.launchers.site_runner"],
+        [PY, "-m", "flare_airflow.site_task"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -386,7 +381,7 @@ flare.send(flare.FLModel(params=model.params, meta={"num_samples": 1}))
 
 PARENT = """
 import os, subprocess, sys, time
-runner = subprocess.Popen([sys.executable, "-m", "flare_airflow.launchers.site_runner"])
+runner = subprocess.Popen([sys.executable, "-m", "flare_airflow.site_task"])
 print(runner.pid, flush=True)
 time.sleep(1000)
 """
@@ -487,7 +482,7 @@ flare.send(flare.FLModel(params=model.params, meta={"num_samples": 1}, metrics=m
 def test_secrets_reach_the_trainer_environment_only(write_script, global_model, output) -> None:
     import hashlib
 
-    from flare_airflow.launchers.site_runner import SECRETS_ENV
+    from flare_airflow.site_task.spec import SECRETS_ENV
 
     canary = "canary-" + os.urandom(8).hex()
     site_run = make_run(write_script("secret.py", SECRET_TRAINER), global_model, output)
@@ -497,7 +492,7 @@ def test_secrets_reach_the_trainer_environment_only(write_script, global_model, 
         SECRETS_ENV: json.dumps({"API_TOKEN": canary}),
     }
     proc = subprocess.Popen(
-        [PY, "-m", "flare_airflow.launchers.site_runner"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [PY, "-m", "flare_airflow.site_task"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

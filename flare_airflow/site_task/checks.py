@@ -1,0 +1,136 @@
+"""What the site task checks around the trainer, and what it leaves when a site job fails.
+
+Before the launch, the input global model against its record; after it, what the trainer sent:
+an update must exist, be safetensors with a valid checksum, and match the global model's names,
+shapes and dtypes with finite values. Only then is it published. A failed job leaves a failure
+record next to the update (:func:`~flare_airflow.core.store.failure_path`), read by the
+aggregation task to say why the site did not count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+from typing import Any
+
+from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.store import WritablePath, failure_path, path_from_uri, record_path
+from flare_airflow.site_task.spec import SiteRun
+from flare_airflow.site_task.tries import publish_current_try
+
+
+class GlobalModelUnusable(FlareAirflowError):
+    """The input global model is missing or does not match its record: the trainer is not started."""
+
+
+def check_global_model(run: SiteRun) -> None:
+    """Verify the round's input global model against its record (size and sha256) before launching.
+
+    Hashes the file with the standard library only (the update check's numpy loads later, while
+    the trainer starts). Raises :class:`GlobalModelUnusable` saying what is wrong and what to do.
+    """
+    path = path_from_uri(run.global_model)
+    record = record_path(path)
+    where = f"site {run.site} round {run.round}: the input global model {run.global_model}"
+    rerun = f"re-run the task that published it (round {run.round - 1}'s global model, or check initial_model)"
+    if not path.exists():
+        raise GlobalModelUnusable(f"{where} does not exist; {rerun}")
+    if not record.exists():
+        raise GlobalModelUnusable(f"{where} has no record {record.name} (never completed); {rerun}")
+    try:
+        with record.open("rb") as fh:
+            raw = json.loads(fh.read(1_000_000))
+        expected, size = str(raw["sha256"]), int(raw["size"])
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise GlobalModelUnusable(
+            f"{where}: its record {record.name} is corrupted ({type(exc).__name__}); {rerun}"
+        ) from None
+    if run.global_sha256 and expected != run.global_sha256:
+        raise GlobalModelUnusable(
+            f"{where} is not the one its producer published (its record says sha256 {expected[:12]}…, the "
+            f"producer's XCom {run.global_sha256[:12]}…): it was replaced; {rerun}"
+        )
+    digest = hashlib.sha256()
+    got = 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+            got += len(chunk)
+    if got != size or digest.hexdigest() != expected:
+        raise GlobalModelUnusable(
+            f"{where} does not match its record ({got} bytes, sha256 {digest.hexdigest()[:12]}…; the record says "
+            f"{size} bytes, {expected[:12]}…): it was changed or corrupted after it was written; {rerun}"
+        )
+
+
+def clear_outputs(output: WritablePath) -> None:
+    """Remove a previous try's result so that a re-run overwrites only this site's round."""
+    for path in (output, record_path(output), failure_path(output)):
+        path.unlink(missing_ok=True)
+
+
+def write_failure(output: WritablePath, rc: JobReturnCode, reason: str) -> None:
+    """Leave the reason for the aggregation; best effort: a full or read-only store must not hide
+    the reason, which also goes to this task's log and error."""
+    path = failure_path(output)
+    tmp = path.parent / f".{path.name}.tmp"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("w") as fh:  # then renamed: a full store leaves no empty record
+            fh.write(json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}))
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        print(f"cannot write the failure record {path} ({exc.strerror or exc}): {reason}", file=sys.stderr, flush=True)
+
+
+def read_failure(output: WritablePath) -> str | None:
+    path = failure_path(output)
+    if not path.exists():
+        return None
+    try:
+        with path.open("r") as fh:
+            data = json.loads(fh.read(1 << 16))
+        return f"{str(data.get('reason', 'failed'))[:2000]} [{data.get('name', '?')}]"
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        return f"the site's failure record {path} is unreadable ({type(exc).__name__})"
+
+
+def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
+    """Verify what the trainer sent and publish it at ``output``; raise ``FlareAirflowError`` with
+    the reason if it is unusable.
+
+    The trainer wrote into its try's staging directory (``run.staging``); only an update that
+    passed every check is moved to ``output``, so a failed, killed or late trainer never leaves a
+    published update, and it cannot overwrite one either.
+    """
+    from flare_airflow.core.aggregation import validate_update
+    from flare_airflow.core.model import read_artifact, read_record
+
+    sent = path_from_uri(run.staging) if run.staging else output
+    if not record_path(sent).exists():
+        raise FlareAirflowError(
+            f"the trainer exited successfully but sent no {'update' if run.task == 'train' else 'result'} "
+            "(did it call flare.send()?)"
+        )
+    params, record = read_artifact(sent)
+    if run.task == "train":
+        # The global model's record has every tensor's dtype and shape: no need to read its weights.
+        validate_update(run.site, read_record(path_from_uri(run.global_model)).tensors, params)
+    del params
+    if run.staging:
+        publish_current_try(sent, output)
+    return {
+        "site": run.site,
+        "round": run.round,
+        "task": run.task,
+        "uri": run.output,
+        "sha256": record.sha256,
+        "num_samples": record.num_samples,
+        "params_type": record.params_type.value,
+        "metrics": record.metrics,
+    }
