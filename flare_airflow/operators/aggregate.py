@@ -13,7 +13,7 @@ from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import FLModel, WritablePath, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
-from flare_airflow.core.store import ModelStore, record_path
+from flare_airflow.core.store import record_path
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
     FAILURE_XCOM_KEY,
@@ -24,12 +24,9 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
-from flare_airflow.operators.site import produced_sha256, trainer_argv
+from flare_airflow.operators.site import make_evaluation_run, produced_sha256
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
-from flare_airflow.site_task.spec import SiteRun
-
-SERVER_SITE = "server"
 
 
 class AggregateOperator(BaseOperator):
@@ -159,9 +156,7 @@ class AggregateOperator(BaseOperator):
             "num_samples": outcome.num_samples,
             "metrics": outcome.metrics,
             "site_metrics": outcome.site_metrics,
-            "evaluation": self._evaluate(context, store, params.rounds, params.hparams, str(global_out))
-            if job.evaluate
-            else {},
+            "evaluation": self._evaluate(context, str(global_out)) if job.evaluate else {},
         }
         self.log.info(
             "round %d: %d/%d sites counted %s, metrics %s, evaluation %s",
@@ -219,24 +214,8 @@ class AggregateOperator(BaseOperator):
         reason = context["ti"].xcom_pull(task_ids=task_id, key=FAILURE_XCOM_KEY)
         return str(reason) if reason else None
 
-    def _evaluate(
-        self, context: Context, store: ModelStore, rounds: int, hparams: dict[str, Any], global_uri: str
-    ) -> dict[str, float]:
-        run_id = run_id_of(context)
-        run = SiteRun(
-            job=self.job.job,
-            run_id=run_id,
-            round=self.round_num,
-            total_rounds=rounds,
-            site=SERVER_SITE,
-            task="evaluate",
-            argv=trainer_argv(self.job),
-            global_model=global_uri,
-            output=str(store.evaluation(self.job.job, run_id, self.round_num)),
-            hparams=hparams,
-            launch_timeout=self.job.trainer.launch_timeout,
-            shutdown_timeout=self.job.trainer.shutdown_timeout,
-        )
+    def _evaluate(self, context: Context, global_uri: str) -> dict[str, float]:
+        run = make_evaluation_run(self.job, self.round_num, context, global_model=global_uri)
 
         def sink(line: str) -> None:
             print(line, file=sys.stdout, flush=True)

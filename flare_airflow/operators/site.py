@@ -39,6 +39,9 @@ from flare_airflow.site_task.checks import read_failure, write_failure
 from flare_airflow.site_task.owners import owners_value
 from flare_airflow.site_task.spec import OWNERS_ENV, RESULT_FILE_ENV, SECRETS_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
 
+# FLARE_SITE of the server's evaluation of a global model, run by the aggregation task.
+SERVER_SITE = "server"
+
 
 class SiteJobFailed(FlareAirflowError, AirflowException):
     """A site's trainer failed or sent an unusable update."""
@@ -177,6 +180,26 @@ def produced_sha256(context: Context, task_id: str | None) -> str | None:
     return str(sha256) if sha256 else None
 
 
+def _run_of(
+    job: JobConfig, context: Context, *, site: str, round_num: int, task: str, argv: list[str], **paths_and_devices: Any
+) -> SiteRun:
+    """The part of every site run that comes from the job and the run: identity, rounds, hyper-parameters, timeouts."""
+    params = run_params(context, job)
+    return SiteRun(
+        job=job.job,
+        run_id=run_id_of(context),
+        round=round_num,
+        total_rounds=params.rounds,
+        site=site,
+        task=task,
+        argv=argv,
+        hparams=params.hparams,
+        launch_timeout=job.trainer.launch_timeout,
+        shutdown_timeout=job.trainer.shutdown_timeout,
+        **paths_and_devices,
+    )
+
+
 def make_site_run(
     job: JobConfig,
     site: str,
@@ -192,7 +215,6 @@ def make_site_run(
     place in the store only once it passed every check (see ``check_result``). ``global_task_id``
     names the task whose XCom holds the input global model's sha256 (the trainer verifies it).
     """
-    params = run_params(context, job)
     store = store_for(job)
     run_id = run_id_of(context)
     try_number = int(getattr(context.get("ti"), "try_number", None) or 1)
@@ -200,12 +222,11 @@ def make_site_run(
     process = spec.launcher_spec.process
     manager = spec.resource_manager
     local = spec.launcher == "process"
-    return SiteRun(
-        job=job.job,
-        run_id=run_id,
-        round=round_num,
-        total_rounds=params.rounds,
+    return _run_of(
+        job,
+        context,
         site=site,
+        round_num=round_num,
         task="train",
         argv=argv,
         global_model=str(store.global_model(job.job, run_id, round_num - 1)),
@@ -213,14 +234,30 @@ def make_site_run(
         staging=str(store.staging(job.job, run_id, round_num, site, try_number)),
         global_sha256=produced_sha256(context, global_task_id),
         env=dict(process.env) if local else {},
-        hparams=params.hparams,
         cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
-        launch_timeout=job.trainer.launch_timeout,
-        shutdown_timeout=job.trainer.shutdown_timeout,
         assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
         num_gpus=spec.resource_spec.num_of_gpus,
         gpu_capacity=manager.num_of_gpus if manager is not None else None,
         mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
+    )
+
+
+def make_evaluation_run(job: JobConfig, round_num: int, context: Context, *, global_model: str) -> SiteRun:
+    """The server's evaluation of round ``round_num``'s global model, run by the aggregation task.
+
+    The same trainer as the sites', as site :data:`SERVER_SITE`; no staging (the trainer writes
+    its metrics at the evaluation's place itself), no site environment, no devices.
+    """
+    run_id = run_id_of(context)
+    return _run_of(
+        job,
+        context,
+        site=SERVER_SITE,
+        round_num=round_num,
+        task="evaluate",
+        argv=trainer_argv(job),
+        global_model=global_model,
+        output=str(store_for(job).evaluation(job.job, run_id, round_num)),
     )
 
 

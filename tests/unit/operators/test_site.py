@@ -6,7 +6,14 @@ import json
 from datetime import timedelta
 
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.site import SiteTrainOperator, make_site_run, site_task_defaults, trainer_argv
+from flare_airflow.operators.site import (
+    SERVER_SITE,
+    SiteTrainOperator,
+    make_evaluation_run,
+    make_site_run,
+    site_task_defaults,
+    trainer_argv,
+)
 from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
 
 GPU_SITE = {
@@ -46,6 +53,20 @@ def test_make_site_run_stages_each_try_apart(tmp_path) -> None:
     assert run.staging.endswith("/staging/site-1/try-3/update.safetensors")
     assert run.global_sha256 == "ab" * 32
     assert run.total_rounds == 2
+
+
+def test_the_evaluation_run_is_built_like_a_site_run_without_staging_or_devices(tmp_path) -> None:
+    job = make_job(tmp_path)
+    store = store_for(job)
+    ti = FakeTI(try_number=2)
+    train = make_site_run(job, "site-1", 1, context(ti), argv=trainer_argv(job))
+    run = make_evaluation_run(job, 1, context(ti), global_model=str(store.global_model("unit", RUN_ID, 1)))
+    assert (run.job, run.run_id, run.round, run.site, run.task) == ("unit", RUN_ID, 1, SERVER_SITE, "evaluate")
+    assert (run.argv, run.total_rounds, run.hparams) == (train.argv, train.total_rounds, train.hparams)
+    assert (run.launch_timeout, run.shutdown_timeout) == (train.launch_timeout, train.shutdown_timeout)
+    assert run.output == str(store.evaluation("unit", RUN_ID, 1))
+    assert run.staging is None and run.env == {} and run.cwd is None and not run.assign_gpus
+    assert run.site_job().env["FLARE_OUTPUT"] == run.output
 
 
 def test_the_site_job_spec_carries_references_never_secret_values(tmp_path) -> None:
