@@ -82,6 +82,24 @@ class RoundOutcome:
     num_samples: int = 0
 
 
+def accumulate(acc: Mapping[str, np.ndarray], params: Params, w: np.float64, scratch: np.ndarray) -> None:
+    """``acc[name] += params[name] * w`` in float64, a cache-sized piece (``scratch``) at a time.
+
+    No update-sized temporary: each piece is converted to float64 (as ``arr * np.float64(w)``
+    converts it), multiplied in place, added in place: element for element the same two roundings
+    as the whole-array expression, so the result is bitwise the same -- and faster than
+    ``np.multiply`` casting on the fly.
+    """
+    for name, arr in params.items():
+        src, dst = arr.reshape(-1), acc[name].reshape(-1)
+        for s in range(0, src.size, scratch.size):
+            e = min(s + scratch.size, src.size)
+            tmp = scratch[: e - s]
+            np.copyto(tmp, src[s:e])
+            tmp *= w
+            dst[s:e] += tmp
+
+
 class FedAvg:
     """Federated averaging weighted by ``num_samples`` x an optional per-site weight.
 
@@ -99,7 +117,8 @@ class FedAvg:
         if min_clients < 1:
             raise FlareAirflowError(f"min_clients must be >= 1, got {min_clients}")
         self.global_params = global_params
-        self._expected = tensor_spec(global_params)
+        # The global model's tensor_spec: what every update must match (validate_update).
+        self.expected = tensor_spec(global_params)
         self.min_clients = min_clients
         self.site_weights = dict(site_weights or {})
         self._acc = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items()}
@@ -119,7 +138,7 @@ class FedAvg:
     def add(self, site: str, params: Params, record: ArtifactRecord) -> None:
         """Validate and accumulate one update; on a bad update the site is recorded as rejected."""
         try:
-            validate_update(site, self._expected, params)
+            validate_update(site, self.expected, params)
         except UpdateRejected as exc:
             self.add_checked(site, params, record, rejected=exc)
             return
@@ -145,7 +164,7 @@ class FedAvg:
         if rejected is not None:
             self.rejected[site] = rejected.reason
             return
-        self._accumulate(params, np.float64(weight))
+        accumulate(self._acc, params, np.float64(weight), self._scratch)
         if record.params_type is ParamsType.DIFF:
             self._diff_weight += weight
         self._total_weight += weight
@@ -161,23 +180,6 @@ class FedAvg:
             f"the aggregate of sites {sorted(self.accepted)} is unusable: tensor {name!r}: {why}. "
             "The global model was not updated; check the sites' updates and weights (num_samples, weight)."
         )
-
-    def _accumulate(self, params: Params, w: np.float64) -> None:
-        """``acc += arr * w`` in float64, a cache-sized piece at a time (no update-sized temporary).
-
-        Each piece is converted to float64 (as ``arr * np.float64(w)`` converts it), multiplied in
-        place, added in place: element for element the same two roundings as the whole-array
-        expression, so the result is bitwise the same -- and faster than ``np.multiply`` casting
-        on the fly.
-        """
-        for name, arr in params.items():
-            src, acc = arr.reshape(-1), self._acc[name].reshape(-1)
-            for s in range(0, src.size, ACC_CHUNK):
-                e = min(s + ACC_CHUNK, src.size)
-                tmp = self._scratch[: e - s]
-                np.copyto(tmp, src[s:e])
-                tmp *= w
-                acc[s:e] += tmp
 
     def result(self) -> RoundOutcome:
         """The new global model; raises ``QuorumNotReached`` with every failed site's reason."""
@@ -265,7 +267,7 @@ def fedavg_from_store(
     # No update of the global model's tensors is larger: a record claiming more is refused before
     # a buffer of that size is allocated.
     max_size = (
-        8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in agg._expected.values())
+        8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in agg.expected.values())
     )
 
     def verified(slot: int, site: str, path: WritablePath) -> tuple[Params, ArtifactRecord | None, str | None]:
@@ -288,7 +290,7 @@ def fedavg_from_store(
                 buffers[slot] = np.empty(record.size, dtype=np.uint8)
             scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
             params = read_verified(path, record, buffers[slot], scan)
-            check_spec(site, agg._expected, params)
+            check_spec(site, agg.expected, params)
             if scan.bad is not None:
                 raise non_finite(site, scan.bad)
         except UpdateRejected as exc:
