@@ -18,7 +18,7 @@ from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
     FAILURE_XCOM_KEY,
     FINISHED_STATES,
-    push_failure,
+    failure_to_xcom,
     run_id_of,
     run_params,
     store_for,
@@ -68,14 +68,8 @@ class AggregateOperator(BaseOperator):
         if self._handle is not None:
             self._handle.terminate()
 
+    @failure_to_xcom
     def execute(self, context: Context) -> dict[str, Any]:
-        try:
-            return self._execute(context)
-        except AirflowFailException as exc:
-            push_failure(context, str(exc))
-            raise
-
-    def _execute(self, context: Context) -> dict[str, Any]:
         params = run_params(context, self.job)
         job, r = self.job, self.round_num
         if r > params.rounds:

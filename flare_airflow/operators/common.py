@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from airflow.sdk import ObjectStoragePath
+from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.core.config import MAX_FORM_INT, JobConfig, short_repr
 from flare_airflow.core.errors import FlareAirflowError
@@ -153,3 +155,21 @@ def push_failure(context: Mapping[str, Any], reason: str) -> None:
     if hasattr(ti, "xcom_push"):
         with contextlib.suppress(Exception):
             ti.xcom_push(key=FAILURE_XCOM_KEY, value=reason[:4000])
+
+
+_Op = TypeVar("_Op")
+
+
+def failure_to_xcom(execute: Callable[[_Op, Any], Any]) -> Callable[[_Op, Any], Any]:
+    """Decorate an operator's ``execute``: the reason of an ``AirflowFailException`` it raises also
+    goes to XCom (:func:`push_failure`), where ``flare-airflow run`` and later tasks find it."""
+
+    @functools.wraps(execute)
+    def wrapper(self: _Op, context: Any) -> Any:
+        try:
+            return execute(self, context)
+        except AirflowFailException as exc:
+            push_failure(context, str(exc))
+            raise
+
+    return wrapper

@@ -20,7 +20,7 @@ from flare_airflow.core.report import format_table, round_row
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.common import (
     RunParamsError,
-    push_failure,
+    failure_to_xcom,
     run_id_of,
     run_params,
     store_for,
@@ -64,14 +64,8 @@ class PrepareRunOperator(BaseOperator):
         if fatal:
             raise AirflowFailException("this run could never finish:\n  " + "\n  ".join(fatal))
 
+    @failure_to_xcom
     def execute(self, context: Context) -> dict[str, Any]:
-        try:
-            return self._execute(context)
-        except AirflowFailException as exc:
-            push_failure(context, str(exc))
-            raise
-
-    def _execute(self, context: Context) -> dict[str, Any]:
         try:
             params = run_params(context, self.job)
         except RunParamsError as exc:
@@ -264,14 +258,8 @@ class PublishOperator(BaseOperator):
                 f"published: {_resume_hint(context, r)}"
             )
 
+    @failure_to_xcom
     def execute(self, context: Context) -> dict[str, Any]:
-        try:
-            return self._execute(context)
-        except AirflowFailException as exc:
-            push_failure(context, str(exc))
-            raise
-
-    def _execute(self, context: Context) -> dict[str, Any]:
         summaries = self._requested_rounds(context)
         rows = [round_row(s, len(self.job.sites)) for s in summaries]
         last = summaries[-1]
