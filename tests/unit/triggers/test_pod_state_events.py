@@ -11,12 +11,12 @@ from kubernetes.client import models as k8s
 
 from flare_airflow.triggers.pod_state import _EVENT_CHECK_SECONDS, PodStateTrigger
 
-NOW = datetime.now(UTC)
-
 
 def pod(phase: str, node: str | None = None) -> k8s.V1Pod:
     return k8s.V1Pod(
-        metadata=k8s.V1ObjectMeta(name="p", namespace="ns", uid="uid-1", creation_timestamp=NOW),
+        metadata=k8s.V1ObjectMeta(
+            name="p", namespace="ns", uid="uid-1", creation_timestamp=datetime.now(UTC)
+        ),  # now, not at import: the suite may run for minutes first
         spec=k8s.V1PodSpec(
             node_name=node,
             containers=[k8s.V1Container(name="trainer")],
