@@ -492,9 +492,11 @@ def test_peak_memory_does_not_grow_with_the_number_of_updates(tmp_path: pathlib.
 
     small, large = peak(2), peak(12)
     update = 4 * size
-    # the float64 accumulator (2 updates) + 2 read buffers, then the accumulator + the result
+    # The float64 accumulator (2 updates) + 2 read buffers, then the accumulator + the result: one
+    # bound whatever N. (Not large vs small: with 2 updates, one thread may read both into one
+    # buffer when the other is slow to start -- seen on a loaded machine -- so small varies.)
+    assert small <= 4.25 * update, small / update
     assert large <= 4.25 * update, large / update
-    assert large <= small + update // 4, (small / update, large / update)
 
 
 def test_a_record_claiming_a_huge_size_is_rejected_before_any_allocation(tmp_path: pathlib.Path) -> None:
