@@ -11,29 +11,33 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
-import errno
 import json
 import os
-import re
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.report import format_table
 from flare_airflow.core.store import path_from_uri
+from flare_airflow.dag_runs import (
+    OK_STATES,
+    CLIError,
+    _output_to,
+    dag_import_errors,
+    dags_test,
+    exception_text,
+    latest_run_key,
+    open_log,
+    run_state,
+)
 
-OK_STATES = {"success", "skipped"}
+__all__ = ["CLIError", "exception_text", "main", "open_log", "run_state"]
+
 MAX_REPORT_BYTES = 64 * 1024 * 1024
-
-
-class CLIError(FlareAirflowError):
-    """A command's input (a file, an option) is unusable; the message says which and why."""
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -52,68 +56,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def latest_run_key(dag_id: str) -> int:
-    """The metadata database's key of the DAG's newest run (0 if it has none)."""
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-    from sqlalchemy import func, select
-
-    with create_session() as session:
-        return int(session.scalar(select(func.max(DagRun.id)).where(DagRun.dag_id == dag_id)) or 0)
-
-
-def run_state(dag_id: str, run_id: str | None = None, *, newer_than: int = 0) -> dict[str, Any]:
-    """The final state of a DAG run and of each of its task instances (latest run by default).
-
-    ``newer_than``: only a run whose database key is larger counts (see :func:`latest_run_key`),
-    so that a command that created no run never reports an earlier run's state.
-    """
-    from airflow.models.dagrun import DagRun
-    from airflow.models.taskinstance import TaskInstance
-    from airflow.models.xcom import XComModel
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    with create_session() as session:
-        query = select(DagRun).where(DagRun.dag_id == dag_id, DagRun.id > newer_than)
-        if run_id:
-            query = query.where(DagRun.run_id == run_id)
-        dag_run = session.scalars(query.order_by(DagRun.id.desc()).limit(1)).first()
-        if dag_run is None:
-            raise FlareAirflowError(
-                f"no {'new ' if newer_than else ''}run of DAG {dag_id!r} found in the metadata database"
-            )
-        tis = session.scalars(
-            select(TaskInstance).where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == dag_run.run_id)
-        ).all()
-        xcom = session.scalars(
-            select(XComModel).where(
-                XComModel.dag_id == dag_id,
-                XComModel.run_id == dag_run.run_id,
-                XComModel.task_id.like("%publish"),
-                XComModel.key == "return_value",
-            )
-        ).first()
-        failures = session.scalars(
-            select(XComModel).where(
-                XComModel.dag_id == dag_id, XComModel.run_id == dag_run.run_id, XComModel.key == "failure"
-            )
-        ).all()
-        tasks: dict[str, dict[str, Any]] = {
-            ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in tis
-        }
-        for failure in failures:
-            if failure.task_id in tasks and tasks[failure.task_id]["state"] not in OK_STATES:
-                tasks[failure.task_id]["reason"] = str(XComModel.deserialize_value(failure))
-        return {
-            "dag_id": dag_id,
-            "run_id": dag_run.run_id,
-            "state": str(dag_run.state),
-            "tasks": tasks,
-            "published": XComModel.deserialize_value(xcom) if xcom is not None else None,
-        }
-
-
 def _print_states(state: dict[str, Any]) -> None:
     groups: dict[str, list[str]] = {}
     for task_id, info in sorted(state["tasks"].items()):
@@ -121,124 +63,6 @@ def _print_states(state: dict[str, Any]) -> None:
         groups.setdefault(group or "-", []).append(f"{name or task_id}={info['state']}")
     for group, items in groups.items():
         print(f"  {group:>10}: {', '.join(items)}")
-
-
-def open_log(path: str | None, dag_id: str) -> tuple[int, str]:
-    """Create the run's log file and return its descriptor and path; never follows a symlink.
-
-    ``path`` (``--log``) is opened with ``O_NOFOLLOW``. By default the log is a new file with an
-    unpredictable name (``mkstemp``: exclusive create, mode 0600) under
-    ``$AIRFLOW_HOME/logs/flare-airflow/``, or in the temp directory if that cannot be created.
-    """
-    if path:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            return os.open(path, flags, 0o600), path
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CLIError(
-                    f"--log {path}: is a symbolic link; refusing to write through it (give another path)"
-                ) from None
-            raise CLIError(f"--log {path}: cannot create the log file ({exc.strerror})") from None
-    prefix = f"run-{re.sub(r'[^A-Za-z0-9_.-]+', '_', dag_id)[:100]}-{time.strftime('%Y%m%dT%H%M%S')}-"
-    home = os.path.expanduser(os.environ.get("AIRFLOW_HOME", "~/airflow"))
-    logs = os.path.join(home, "logs", "flare-airflow")
-    try:
-        os.makedirs(logs, mode=0o700, exist_ok=True)
-        return tempfile.mkstemp(prefix=prefix, suffix=".log", dir=logs)
-    except OSError:
-        return tempfile.mkstemp(prefix=f"flare-airflow-{prefix}", suffix=".log")
-
-
-@contextlib.contextmanager
-def _output_to(log_fd: int) -> Iterator[None]:
-    """Send this process's stdout and stderr (file descriptors 1 and 2, so also the task
-    subprocesses Airflow starts) to the open file ``log_fd``; restore them afterwards."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    # Python-level writers too, in case sys.stdout/sys.stderr are not descriptors 1 and 2 (an
-    # embedding caller, pytest): a traceback printed here belongs in the log, never on the terminal.
-    streams = sys.stdout, sys.stderr
-    log = os.fdopen(os.dup(log_fd), "w", buffering=1)
-    try:
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        sys.stdout = sys.stderr = log
-        try:
-            yield
-        finally:
-            log.flush()
-    finally:
-        sys.stdout, sys.stderr = streams
-        log.close()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
-
-
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): ", re.MULTILINE)
-
-
-def exception_text(stacktrace: str) -> str:
-    """The exception and its (possibly multi-line) message at the end of a formatted traceback."""
-    found = list(_EXCEPTION_LINE.finditer(stacktrace))
-    if not found:
-        return "\n".join(stacktrace.strip().splitlines()[-5:])
-    last = found[-1]
-    return f"{last.group(1)}: {stacktrace[last.end() :].strip()}"
-
-
-def dag_import_errors(dagfile: str | None) -> dict[str, str]:
-    """Parse the DAG file (or the dags folder) again and return each file's import error."""
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(dag_folder=os.path.abspath(dagfile) if dagfile else None)  # None: the dags folder
-    return {path: exception_text(text) for path, text in sorted(bag.import_errors.items())}
-
-
-def _dags_folder_containing(path: str) -> None:
-    """Airflow parses only files inside its DAGs folder ("... is not in the subpath of ..."): for a
-    DAG file elsewhere, this process's DAGs folder becomes the file's directory."""
-    from airflow import settings
-    from airflow.configuration import conf
-
-    folder = os.path.realpath(settings.DAGS_FOLDER)
-    if os.path.commonpath([folder, os.path.realpath(path)]) == folder:
-        return
-    directory = os.path.dirname(os.path.realpath(path))
-    conf.set("core", "dags_folder", directory)
-    settings.DAGS_FOLDER = directory
-
-
-def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = None) -> tuple[int, str]:
-    """Run Airflow's ``airflow dags test DAG_ID`` command in this process.
-
-    Returns its exit status and, when it stopped with an error, that error's message.
-    """
-    from airflow.cli import cli_parser
-    from airflow.configuration import write_default_airflow_configuration_if_needed
-
-    write_default_airflow_configuration_if_needed()
-    argv = ["dags", "test", dag_id]
-    if dagfile:  # absolute: Airflow fails on a relative path ("not in the subpath of" the dags folder)
-        path = os.path.abspath(dagfile)
-        argv += ["--dagfile-path", path]
-        _dags_folder_containing(path)
-    if conf:
-        argv += ["--conf", conf]
-    args = cli_parser.get_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except SystemExit as exc:  # "DagRun failed", a bad --conf
-        if exc.code not in (None, 0):
-            print(f"airflow dags test: {exc.code}", file=sys.stderr)
-            return (exc.code if isinstance(exc.code, int) else 1), str(exc.code)
-    except Exception as exc:  # a DAG that is missing or does not parse: the traceback goes to the log
-        traceback.print_exc()
-        return 1, f"{type(exc).__name__}: {exc}"
-    return 0, ""
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

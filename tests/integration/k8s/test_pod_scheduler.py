@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-import subprocess
 import sys
 import textwrap
 import time
@@ -19,7 +18,7 @@ from kubernetes import client as k8s
 
 from tests.harness import tiny_model
 from tests.k8s_harness.audit import AuditLog, describe
-from tests.stack import BIN, AirflowStack, Postgres
+from tests.stack import AirflowStack, Postgres, start_triggerer
 
 TRAINER = pathlib.Path(__file__).parents[1] / "trainers" / "k8s_trainer.py"
 
@@ -32,17 +31,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     # The drill is about the deferred path: pod tasks wait in the triggerer.
     airflow.env["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
     airflow.start()
-    log = open(airflow.root / "triggerer.log", "wb")  # noqa: SIM115 - lives as long as the process
-    # The triggerer in its own session, killed with the others' process groups by stop().
-    airflow.procs.append(
-        subprocess.Popen(
-            [str(BIN / "airflow"), "triggerer"],
-            env=airflow.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    )
+    start_triggerer(airflow)
     try:
         yield airflow
     finally:
