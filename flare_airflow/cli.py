@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
@@ -65,12 +65,17 @@ def _print_states(state: dict[str, Any]) -> None:
         print(f"  {group:>10}: {', '.join(items)}")
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    log_fd, log_path = open_log(args.log, args.dag_id)
-    try:
-        return _run(args, log_fd, log_path)
-    finally:
-        os.close(log_fd)
+def _with_log(command: Callable[[argparse.Namespace, int, str], int]) -> Callable[[argparse.Namespace], int]:
+    """Run ``command`` with this run's private log file open (see ``open_log``), closed after."""
+
+    def run(args: argparse.Namespace) -> int:
+        log_fd, log_path = open_log(args.log, args.dag_id)
+        try:
+            return command(args, log_fd, log_path)
+        finally:
+            os.close(log_fd)
+
+    return run
 
 
 def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
@@ -147,14 +152,6 @@ def _verdict(state: dict[str, Any], log_path: str) -> int:
     if not ok and not bad:
         print("  no task failed, but nothing was published (a Clear that did not reach publish?)", file=sys.stderr)
     return 0 if ok else 1
-
-
-def _cmd_resume(args: argparse.Namespace) -> int:
-    log_fd, log_path = open_log(args.log, args.dag_id)
-    try:
-        return _resume(args, log_fd, log_path)
-    finally:
-        os.close(log_fd)
 
 
 def _resume(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
@@ -318,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dagfile", help="parse only this DAG file instead of the whole dags folder")
     p.add_argument("--log", help="where to write Airflow's output (default: a temp file)")
     p.add_argument("--json", action="store_true", help="print the run's final state as JSON")
-    p.set_defaults(func=_cmd_run)
+    p.set_defaults(func=_with_log(_run))
     p = sub.add_parser(
         "resume",
         help="continue a failed run from its first incomplete round (keeps completed rounds' global models)",
@@ -333,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     how.add_argument("--in-process", action="store_true", help="run the cleared tasks here, scheduler or not")
     p.add_argument("--no-wait", action="store_true", help="with a scheduler: clear and return without waiting")
     p.add_argument("--timeout", type=float, default=24 * 3600, help="with a scheduler: seconds to wait (default 1 day)")
-    p.set_defaults(func=_cmd_resume)
+    p.set_defaults(func=_with_log(_resume))
     p = sub.add_parser("report", help="print the per-round table of a run's metrics.json")
     p.add_argument("metrics", help="path or URI of metrics.json")
     p.set_defaults(func=_cmd_report)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import pathlib
 import sys
-from typing import Any
+from typing import Any, cast
 
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
@@ -24,6 +25,23 @@ from flare_airflow.site_task.tries import publish_current_try
 
 class GlobalModelUnusable(FlareAirflowError):
     """The input global model is missing or does not match its record: the trainer is not started."""
+
+
+def model_fingerprint(run: SiteRun) -> tuple[tuple[int, int, int], ...] | None:
+    """(inode, size, mtime) of the global model and its record on a local store, else ``None``.
+
+    After the trainer ran, an unchanged fingerprint proves the files were neither rewritten nor
+    replaced, without hashing the model a second time (it was hashed before the launch).
+    """
+    path = path_from_uri(run.global_model)
+    if not isinstance(path, pathlib.Path):
+        return None
+    try:
+        record: Any = record_path(cast(Any, path))
+        stats = (path.stat(), record.stat())
+    except OSError:
+        return None
+    return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in stats)
 
 
 def check_global_model(run: SiteRun) -> None:
@@ -42,7 +60,7 @@ def check_global_model(run: SiteRun) -> None:
         raise GlobalModelUnusable(f"{where} has no record {record.name} (never completed); {rerun}")
     try:
         with record.open("rb") as fh:
-            raw = json.loads(fh.read(1_000_000))
+            raw = json.loads(fh.read())
         expected, size = str(raw["sha256"]), int(raw["size"])
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise GlobalModelUnusable(

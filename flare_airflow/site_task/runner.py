@@ -44,6 +44,7 @@ from flare_airflow.site_task.checks import (
     check_global_model,
     check_result,
     clear_outputs,
+    model_fingerprint,
     write_failure,
 )
 from flare_airflow.site_task.owners import end_orphans, parse_owners, watch_owners
@@ -105,6 +106,7 @@ def run_site(
         raise _Killed(signum)
 
     handle: ProcessJobHandle | None = None
+    checked: tuple[tuple[int, int, int], ...] | None = None
     lease: GpuLease | None = None
     previous: dict[signal.Signals, Any] = {}
     watch_done = threading.Event()
@@ -123,6 +125,7 @@ def run_site(
         except GlobalModelUnusable as exc:
             write_failure(output, JobReturnCode.INFRASTRUCTURE_ERROR, str(exc))
             return JobReturnCode.INFRASTRUCTURE_ERROR, str(exc)
+        checked = model_fingerprint(run)
         if secrets:
             job = replace(job, env={**job.env, **secrets})
         if run.assign_gpus:
@@ -175,10 +178,12 @@ def run_site(
         return rc, reason
     try:
         try:
-            check_global_model(run)
-        except GlobalModelUnusable as exc:
             # A process trainer can write wherever its user can: its update was made from a model
-            # that others will no longer find intact.
+            # that others will no longer find intact. Files that kept inode, size and mtime since
+            # the check before the launch are intact; anything else is hashed again.
+            if checked is None or model_fingerprint(run) != checked:
+                check_global_model(run)
+        except GlobalModelUnusable as exc:
             raise FlareAirflowError(f"the trainer changed or removed its input global model: {exc}") from None
         return JobReturnCode.SUCCESS, check_result(run, output)
     except Superseded as exc:  # the published update and failure record are the later try's

@@ -39,20 +39,11 @@ def path_within(path: str, top: str) -> bool:
 
 # Host directories no pod may mount: the node's own system, the kubelet's and the container
 # runtimes' state (other pods' Secrets, images, sockets), logs of other pods. A host path inside one
-# of them or above one of them (e.g. /var, which holds /var/run) is refused.
+# of them or above one of them (e.g. /var, which holds /var/run) is refused; the first group is
+# also the image's own system directories, which no volume may shadow.
+_SYSTEM_DIRS = ("/etc", "/proc", "/sys", "/dev", "/boot", "/root", "/usr", "/bin", "/sbin", "/lib", "/run", "/var/run")
 SYSTEM_HOST_PATHS = (
-    "/etc",
-    "/proc",
-    "/sys",
-    "/dev",
-    "/boot",
-    "/root",
-    "/usr",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/run",
-    "/var/run",
+    *_SYSTEM_DIRS,
     "/var/lock",
     "/var/log",
     "/var/lib/kubelet",
@@ -65,21 +56,7 @@ SYSTEM_HOST_PATHS = (
     "/opt/cni",
 )
 # Directories of the trainer's image a volume must not shadow (or contain, e.g. /var).
-SYSTEM_MOUNT_PATHS = (
-    "/etc",
-    "/proc",
-    "/sys",
-    "/dev",
-    "/boot",
-    "/root",
-    "/usr",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/run",
-    "/var/run",
-    "/var/lib",
-)
+SYSTEM_MOUNT_PATHS = (*_SYSTEM_DIRS, "/var/lib")
 # The pod's writable scratch directory (an emptyDir; the root filesystem is read-only).
 SCRATCH_PATH = "/tmp"  # noqa: S108 - a pod's own emptyDir, not the host's /tmp
 _LIB_DIR = re.compile(r"^/lib[^/]*(/|$)")  # /lib, /lib32, /lib64, /libx32 ...

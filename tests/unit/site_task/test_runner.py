@@ -513,3 +513,39 @@ def test_a_failure_reason_never_repeats_a_secret(write_script, global_model, out
     assert rc is RC.EXECUTION_ERROR
     assert reason == "trainer failed: exit code 2; its last output: token: ***"
     assert "hunter2-canary" not in failure_path(output).read_text()
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        # in place, same size: only the mtime tells (the fingerprint), the hash confirms
+        "p = os.environ['FLARE_GLOBAL_MODEL']; b = bytearray(open(p, 'rb').read()); b[-1] ^= 1; open(p, 'wb').write(b)",
+        # replaced by another file (new inode) with the same bytes: hashed again, found intact
+        "import shutil; p = os.environ['FLARE_GLOBAL_MODEL']; shutil.copy(p, p + '.x'); os.replace(p + '.x', p)",
+    ],
+    ids=["bit-flip-in-place", "same-bytes-new-inode"],
+)
+def test_a_trainer_that_touches_its_input_global_model(tamper: str, tmp_path: pathlib.Path) -> None:
+    store = tmp_path / "store"
+    global_model = store / "round-0000" / "global.safetensors"
+    write_artifact(global_model, FLModel(params={"w": np.ones(3, np.float32)}))
+    script = tmp_path / "tamper.py"
+    script.write_text(
+        "import os\nimport flare_airflow.client as flare\nm = flare.receive()\n"
+        f"{tamper}\n"
+        "flare.send(flare.FLModel(params=m.params, meta={'num_samples': 1}))\n"
+    )
+    run = SiteRun(
+        job="demo", run_id="r", round=1, total_rounds=1, site="site-1", task="train",
+        argv=[sys.executable, str(script)], global_model=str(global_model),
+        output=str(store / "round-0001" / "sites" / "site-1.safetensors"),
+        staging=str(store / "round-0001" / "staging" / "site-1" / "try-1" / "update.safetensors"),
+        shutdown_timeout=2.0,
+    )  # fmt: skip
+    rc, result = run_site(run, ProcessLauncher(sink=lambda _line: None), handle_signals=False)
+    if "^=" in tamper:
+        assert rc is RC.EXECUTION_ERROR
+        assert "the trainer changed or removed its input global model" in str(result)
+        assert not (store / "round-0001" / "sites" / "site-1.safetensors").exists()
+    else:
+        assert rc is RC.SUCCESS, result
