@@ -17,6 +17,7 @@ its supervisor) ends (:mod:`~flare_airflow.site_task.owners`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -163,6 +164,9 @@ def run_site(
         if not (run.staging and later_try(path_from_uri(run.staging).parent)):  # the record is the later try's
             write_failure(output, JobReturnCode.ABORTED, reason)
         print(reason, file=sys.stderr, flush=True)
+        # The task process that created the result file is gone (or ending): nobody else removes it.
+        with contextlib.suppress(OSError):
+            os.unlink(os.environ.get(RESULT_FILE_ENV) or "")
         sys.exit(128 + killed.signum)
     finally:
         watch_done.set()

@@ -235,8 +235,9 @@ def test_site_run_json_round_trip(trainer, global_model, output) -> None:
 # ---------------------------------------------------------------- the command behind a site task
 
 
-def runner(site_run: SiteRun | None, **kw) -> subprocess.Popen:
+def runner(site_run: SiteRun | None, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != SPEC_ENV}
+    env.update(extra_env or {})
     if site_run is not None:
         env[SPEC_ENV] = site_run.to_json()
     return subprocess.Popen(
@@ -285,11 +286,11 @@ time.sleep(1000)
 """
 
 
-def start_hanger(write_script, tmp_path, global_model, output, kill_on_exit, wait, mode, **kw):
+def start_hanger(write_script, tmp_path, global_model, output, kill_on_exit, wait, mode, extra_env=None, **kw):
     script = write_script("hanger.py", HANGER)
     pids = tmp_path / "pids"
     site_run = make_run(script, global_model, output, str(pids), mode, **kw)
-    proc = runner(site_run)
+    proc = runner(site_run, extra_env)
     kill_on_exit(proc.pid)
     assert wait(pids.exists, 30), "the trainer did not start"
     trainer_pid, grandchild = (int(x) for x in pids.read_text().split())
@@ -549,3 +550,22 @@ def test_a_trainer_that_touches_its_input_global_model(tamper: str, tmp_path: pa
         assert not (store / "round-0001" / "sites" / "site-1.safetensors").exists()
     else:
         assert rc is RC.SUCCESS, result
+
+
+def test_a_killed_runner_removes_the_task_result_file(
+    write_script, tmp_path, global_model, output, alive, wait, kill_on_exit
+) -> None:
+    """The task process that made the file died with kill -9: nobody else would remove it."""
+    from flare_airflow.site_task.spec import RESULT_FILE_ENV
+
+    result_file = tmp_path / "flare-site-result-x"
+    result_file.write_text("")
+    proc, trainer_pid, _ = start_hanger(
+        write_script, tmp_path, global_model, output, kill_on_exit, wait, "default",
+        extra_env={RESULT_FILE_ENV: str(result_file)},
+    )  # fmt: skip
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert not result_file.exists()
+    assert wait(lambda: not alive(trainer_pid), 5)
