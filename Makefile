@@ -33,11 +33,16 @@ $(AIRFLOW_HOME)/airflow.db: | $(VENV)/.installed
 
 setup: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
 
-# What the integration tiers need from the system: PostgreSQL (scheduler tests) and a real
-# Kubernetes control plane built from Debian's source package (cached; ~7 min when cold).
+# What the integration tiers need from the system: PostgreSQL (scheduler tests), SLURM + munge
+# (the tests start a private cluster; nothing is started here) and a real Kubernetes control plane
+# built from Debian's source package (cached; ~7 min when cold).
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge
 system-deps:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
+	@dpkg-query -W -f='$${Status}\n' $(SYSTEM_PACKAGES) 2>/dev/null | grep -c '^install ok installed' \
+		| grep -qx $(words $(SYSTEM_PACKAGES)) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); }
 	bash k8s/build-control-plane.sh
 
 lock: | $(BIN)/uv
