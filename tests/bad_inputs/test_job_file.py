@@ -20,6 +20,7 @@ import yaml
 from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
 from flare_airflow.core.errors import ConfigError
 from tests.bad_inputs.cases import Case, assert_clear
+from tests.config_lines import without_lines
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 INITIAL_MODEL = REPO / "examples" / "digits" / "initial_model.safetensors"
@@ -733,7 +734,7 @@ def validate(path: pathlib.Path) -> str:
         job = load_job(path)
         load_initial_model(job)
         check_store_backend(job)
-    return str(info.value)
+    return without_lines(path, str(info.value))
 
 
 @pytest.mark.parametrize("bad_case", CASES, ids=lambda c: c.id)

@@ -24,6 +24,7 @@ from flare_airflow.core.spec import SiteJob
 from flare_airflow.launchers.kubernetes import ALLOWED_HOST_PATHS_ENV, job_pod
 from flare_airflow.launchers.process import LaunchError
 from tests.bad_inputs.cases import Case, assert_clear
+from tests.config_lines import without_lines
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 INITIAL_MODEL = REPO / "examples" / "digits" / "initial_model.safetensors"
@@ -594,7 +595,7 @@ def test_bad_kubernetes_spec(case: Case, tmp_path: pathlib.Path, monkeypatch: py
     if bad.stage == "validate":
         with pytest.raises(ConfigError) as info:
             load_job(path)
-        message = str(info.value)
+        message = without_lines(path, str(info.value))
         assert f"{path}: sites.site-1" in message, message  # the file, the field, the site
     else:
         job = load_job(path)  # valid as a job: the worker's policy or store refuses it

@@ -10,9 +10,14 @@ import reprlib
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
+
+
+class KeyLinesLike(Protocol):
+    def line(self, path: Sequence[Any]) -> int | None: ...
+
 
 MAX_REPR = 80
 MAX_ERROR_LINES = 20
@@ -123,22 +128,69 @@ def _message(err: Any, loc: tuple[Any, ...], root: type[BaseModel], root_keys: S
     return msg
 
 
-def describe(exc: ValidationError, source: str, root: type[BaseModel], root_keys: Sequence[str]) -> str:
-    """The errors of validating ``root`` (whose top level accepts ``root_keys``) from ``source``."""
-    lines = []
+def _candidates(loc: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """Where in the file a merged site field may have come from: the site, ``@default``, NVFlare's blocks."""
+    paths = [loc]
+    if len(loc) >= 2 and loc[0] == "sites":
+        site, rest = loc[1], loc[2:]
+        paths.append(("sites", "@default", *rest))
+        if rest[:1] == ("resource_spec",):
+            paths += [("resource_spec", site, *rest[1:]), ("resource_spec", "@default", *rest[1:])]
+        if rest[:1] == ("launcher_spec",):
+            paths += [("launcher_spec", site, *rest[1:]), ("launcher_spec", "default", *rest[1:])]
+    return paths
+
+
+def line_of(lines: KeyLinesLike | None, loc: tuple[Any, ...]) -> int | None:
+    """The line of the field at ``loc`` (or of its nearest enclosing key the file has)."""
+    if lines is None:
+        return None
+    for size in range(len(loc), 0, -1):
+        for path in _candidates(loc[:size]):
+            line = lines.line(path)
+            if line is not None:
+                return line
+    return None
+
+
+def field_in_message(msg: str) -> tuple[str, ...]:
+    """The field a whole-job message starts with (``min_clients is 5 ...`` -> ``("min_clients",)``)."""
+    head = msg.split(" ", 1)[0].rstrip(":")
+    return tuple(head.split(".")) if head and all(part for part in head.split(".")) else ()
+
+
+def located(source: str, lines: KeyLinesLike | None, loc: tuple[Any, ...]) -> str:
+    """``source:line`` when the field's line is known, else ``source``."""
+    line = line_of(lines, loc) if loc else None
+    return f"{source}:{line}" if line else source
+
+
+def describe(
+    exc: ValidationError,
+    source: str,
+    root: type[BaseModel],
+    root_keys: Sequence[str],
+    lines: KeyLinesLike | None = None,
+) -> str:
+    """The errors of validating ``root`` (whose top level accepts ``root_keys``) from ``source``.
+
+    With ``lines`` (a YAML file's :class:`~.yaml_loader.KeyLines`) every error names its line.
+    """
+    out = []
     errors = exc.errors()
     for err in errors[:MAX_ERROR_LINES]:
         loc = tuple(err["loc"])
         msg = _message(err, loc, root, root_keys)
         if not loc:
-            # raised before field validation (merging @default and NVFlare's blocks): names its block
-            lines.append(cap(f"{source}: {msg}"))
+            # a check across fields (or the merge of @default and NVFlare's blocks): its message
+            # starts with the field it is about
+            out.append(cap(f"{located(source, lines, field_in_message(msg))}: {msg}"))
             continue
         field = ".".join(str(p) for p in loc)
-        where = f"{source}: {short_repr(field, 200) if len(field) > 200 else field}"
+        where = f"{located(source, lines, loc)}: {short_repr(field, 200) if len(field) > 200 else field}"
         if len(loc) >= 2 and loc[0] == "sites":
             where += f" (site {short_repr(loc[1])})"
-        lines.append(cap(f"{where}: {msg}"))
+        out.append(cap(f"{where}: {msg}"))
     if len(errors) > MAX_ERROR_LINES:
-        lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more errors")
-    return "invalid job configuration:\n  " + "\n  ".join(lines)
+        out.append(f"... and {len(errors) - MAX_ERROR_LINES} more errors")
+    return "invalid job configuration:\n  " + "\n  ".join(out)

@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from flare_airflow.core.config.describe import cap, clip, describe, short_repr
+from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
 from flare_airflow.core.config.site import SiteSpec, merge_sites
 from flare_airflow.core.config.validators import DNS_LABEL, MAX_FORM_INT, MAX_SECONDS, Scalar, Strict, argv, no_nul
-from flare_airflow.core.config.yaml_loader import read_job_yaml
+from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
 
 _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
@@ -225,11 +225,18 @@ class JobConfig(Strict):
         return {name: site.weight for name, site in self.sites.items()}
 
 
-# NVFlare's top-level blocks are folded into the sites before validation, so they are no fields.
-TOP_LEVEL_KEYS = (*JobConfig.model_fields, "resource_spec", "launcher_spec")
+# NVFlare's top-level blocks are folded into the sites before validation, so they are no fields;
+# base_dir is set by the loader (the job file's folder), not written by authors.
+TOP_LEVEL_KEYS = (*(k for k in JobConfig.model_fields if k != "base_dir"), "resource_spec", "launcher_spec")
 
 
-def job_from_dict(data: Mapping[str, Any], *, source: str = "<python>", base_dir: str | None = None) -> JobConfig:
+def job_from_dict(
+    data: Mapping[str, Any],
+    *,
+    source: str = "<python>",
+    base_dir: str | None = None,
+    lines: KeyLines | None = None,
+) -> JobConfig:
     """Validate a job given as a Python mapping (the same shape as the YAML file)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: a job must be a mapping of keys to values, got {type(data).__name__}")
@@ -239,12 +246,17 @@ def job_from_dict(data: Mapping[str, Any], *, source: str = "<python>", base_dir
     try:
         return JobConfig.model_validate(payload)
     except ValidationError as exc:
-        raise ConfigError(describe(exc, source, JobConfig, TOP_LEVEL_KEYS)) from None
+        raise ConfigError(describe(exc, source, JobConfig, TOP_LEVEL_KEYS, lines)) from None
     except ValueError as exc:  # raised while merging sites, before field validation; names its block
-        raise ConfigError(f"invalid job configuration:\n  {cap(f'{source}: {exc}')}") from None
+        where = located(source, lines, field_in_message(str(exc)))
+        raise ConfigError(f"invalid job configuration:\n  {cap(f'{where}: {exc}')}") from None
 
 
 def load_job(path: str | pathlib.Path) -> JobConfig:
-    """Load and validate a job YAML file; relative paths in it are relative to the file."""
+    """Load and validate a job YAML file; relative paths in it are relative to the file.
+
+    Every error names the file and the line of the field it is about.
+    """
     path = pathlib.Path(path)
-    return job_from_dict(read_job_yaml(path), source=str(path), base_dir=str(path.parent.resolve()))
+    data, lines = read_job_yaml_with_lines(path)
+    return job_from_dict(data, source=str(path), base_dir=str(path.parent.resolve()), lines=lines)

@@ -1,12 +1,13 @@
 """Reading a job file: bounded in size, safe YAML only, no duplicate keys, aliases that cannot explode.
 
-Errors name the file and, for malformed YAML, the line and column.
+Errors name the file and, for malformed YAML, the line and column; :class:`KeyLines` gives the line
+of any field so that validation errors name it too.
 """
 
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -120,11 +121,48 @@ def _read_job_text(path: pathlib.Path) -> str:
         ) from None
 
 
+class KeyLines:
+    """The line of each key in a job file, looked up by a field path such as ``("sites", "s1", "retries")``.
+
+    Built from the composed YAML nodes and walked only when an error is reported, so a valid job
+    pays nothing for it.
+    """
+
+    def __init__(self, root: yaml.Node | None) -> None:
+        self._root = root
+
+    def line(self, path: Sequence[Any]) -> int | None:
+        """The 1-based line of the key at ``path``, or ``None`` when the file has no such key."""
+        node = self._root
+        line = None
+        for part in path:
+            if isinstance(node, yaml.MappingNode):
+                for key_node, value_node in node.value:
+                    if isinstance(key_node, yaml.ScalarNode) and key_node.value == str(part):
+                        line, node = key_node.start_mark.line + 1, value_node
+                        break
+                else:
+                    return None
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+                node = node.value[part]
+                line = node.start_mark.line + 1
+            else:
+                return None
+        return line
+
+
 def read_job_yaml(path: pathlib.Path) -> Mapping[str, Any]:
     """The job file at ``path`` as a mapping, or a ``ConfigError`` naming the file (and line)."""
+    return read_job_yaml_with_lines(path)[0]
+
+
+def read_job_yaml_with_lines(path: pathlib.Path) -> tuple[Mapping[str, Any], KeyLines]:
+    """The job file at ``path`` as a mapping and the lines of its keys (see :func:`read_job_yaml`)."""
     text = _read_job_text(path)
+    loader = _UniqueKeyLoader(text)
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -132,6 +170,8 @@ def read_job_yaml(path: pathlib.Path) -> Mapping[str, Any]:
         raise ConfigError(cap(f"{where}: malformed YAML: {problem}")) from None
     except RecursionError:
         raise ConfigError(f"{path}: malformed YAML: values are nested too deeply") from None
+    finally:
+        loader.dispose()
     if data is None:
         raise ConfigError(f"{path}: the job file is empty; see docs/dag-authors.md for the keys a job needs")
     if not isinstance(data, Mapping):
@@ -139,4 +179,4 @@ def read_job_yaml(path: pathlib.Path) -> Mapping[str, Any]:
             f"{path}: the job file must be a YAML mapping (job: ..., rounds: ..., sites: ...), "
             f"got a {type(data).__name__} {short_repr(data)}"
         )
-    return data
+    return data, KeyLines(root)

@@ -11,6 +11,7 @@ import yaml
 
 from flare_airflow.core.config import JobConfig, job_from_dict, load_job
 from flare_airflow.core.errors import ConfigError
+from tests.config_lines import without_lines
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -44,7 +45,7 @@ def load_error(job_dir: pathlib.Path, data: dict | str) -> tuple[pathlib.Path, s
     path = write_job(job_dir, data)
     with pytest.raises(ConfigError) as info:
         load_job(path)
-    return path, str(info.value)
+    return path, without_lines(path, str(info.value))
 
 
 def test_shipped_digits_job_validates() -> None:
@@ -427,3 +428,49 @@ def test_gpu_requests_need_a_resource_manager_and_must_fit_the_site(job_dir) -> 
     assert load_job(write_job(job_dir, data)).sites["site-1"].pool_name("site-1") == "flare_gpu_site-1_a100"
     data["sites"]["site-1"]["resource_manager"] = {"type": "passthrough"}
     assert load_job(write_job(job_dir, data)).sites["site-1"].pool_name("site-1") is None
+
+
+def test_every_field_error_names_its_line(tmp_path: pathlib.Path) -> None:
+    """Field errors, errors from @default, NVFlare's blocks and cross-field checks: all carry a line."""
+    model = REPO / "examples" / "digits" / "initial_model.safetensors"
+    script = REPO / "examples" / "digits" / "trainer.py"
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "job: demo\n"  # 1
+        "rounds: 0\n"  # 2
+        "min_clients: 9\n"  # 3
+        f"initial_model: {model}\n"  # 4
+        "trainer:\n"  # 5
+        f"  script: {script}\n"  # 6
+        "  colour: red\n"  # 7
+        "sites:\n"  # 8
+        '  "@default": {retries: -1}\n'  # 9
+        "  site-1: {}\n"  # 10
+        "resource_spec:\n"  # 11
+        "  site-1: {num_of_gpus: x}\n"  # 12
+    )
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    msg = str(info.value)
+    assert f"{path}:2: rounds: must be greater than or equal to 1" in msg
+    assert f"{path}:7: trainer.colour: unknown key 'colour'" in msg
+    assert f"{path}:9: sites.site-1.retries (site 'site-1')" in msg  # set in @default, reported there
+    assert f"{path}:12: sites.site-1.resource_spec.num_of_gpus (site 'site-1')" in msg  # NVFlare's block
+    path.write_text(
+        path.read_text()
+        .replace("rounds: 0", "rounds: 1")
+        .replace("  colour: red\n", "")
+        .replace("{retries: -1}", "{}")
+        .replace("{num_of_gpus: x}", "{num_of_gpus: 0}")
+    )
+    with pytest.raises(ConfigError) as info:
+        load_job(path)
+    assert f"{path}:3: min_clients is 9 but the job has only 1 site(s)" in str(info.value)  # a cross-field check
+
+
+def test_unknown_keys_do_not_offer_internal_keys(job_dir) -> None:
+    data = base_job()
+    data["colour"] = "red"
+    _, msg = load_error(job_dir, data)
+    assert "allowed keys: job, rounds" in msg
+    assert "base_dir" not in msg

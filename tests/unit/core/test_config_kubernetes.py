@@ -9,6 +9,7 @@ import yaml
 
 from flare_airflow.core.config import KubernetesLaunchSpec, SecretRef, StoreMount, VolumeSpec, load_job
 from flare_airflow.core.errors import ConfigError
+from tests.config_lines import without_lines
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def error(job_dir: pathlib.Path, data: dict) -> tuple[str, str]:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     with pytest.raises(ConfigError) as info:
         load_job(path)
-    return str(path), str(info.value)
+    return str(path), without_lines(path, str(info.value))
 
 
 def test_a_full_k8s_block_loads(job_dir) -> None:
