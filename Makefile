@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup system-deps demo test unit lint bench clean
+.PHONY: setup system-deps demo airflow test unit lint bench clean
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -50,6 +50,12 @@ lock: | $(BIN)/uv
 
 demo: setup
 	$(BIN)/flare-airflow run flare_digits
+
+# A local Airflow 3 on SQLite with this repository's DAGs and the Federated runs page, on
+# 127.0.0.1:$(AIRFLOW_PORT); prints the URL and login; Ctrl-C stops every process it started.
+AIRFLOW_PORT ?= 8080
+airflow: setup
+	$(BIN)/python -m flare_airflow.ui.local --port $(AIRFLOW_PORT)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check flare_airflow tests dags examples benchmarks
