@@ -1,4 +1,4 @@
-"""``flare-airflow``: validate jobs, run a federated DAG and check every task, resume a failed run, reports.
+"""``flare-airflow``: validate jobs, try a trainer, run a federated DAG and check every task, resume, reports.
 
 ``flare-airflow run DAG_ID`` runs Airflow's own ``airflow dags test`` command (which exits 0 even
 when a task failed) in this process and then reads every task instance's final state from the
@@ -275,6 +275,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_try_trainer(args: argparse.Namespace) -> int:
+    from flare_airflow.try_trainer import try_trainer
+
+    return try_trainer(
+        args.job,
+        args.site,
+        model=args.model,
+        round_num=args.round_num,
+        hparams=args.hparam,
+        workdir=args.workdir,
+        environ=os.environ,
+    )
+
+
 def _cmd_pools_sync(args: argparse.Namespace) -> int:
     from flare_airflow.airflow_pools import sync_pools
     from flare_airflow.core.pools import required_pools
@@ -331,6 +345,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-wait", action="store_true", help="with a scheduler: clear and return without waiting")
     p.add_argument("--timeout", type=float, default=24 * 3600, help="with a scheduler: seconds to wait (default 1 day)")
     p.set_defaults(func=_with_log(_resume))
+    p = sub.add_parser(
+        "try-trainer",
+        help="run the job's trainer by hand for one site and round, and check its update as a site task would",
+    )
+    p.add_argument("job", help="the job's YAML file")
+    p.add_argument("--site", required=True, help="the site to run as (its env and cwd apply)")
+    p.add_argument("--model", help="a plain safetensors file to start from (default: the job's initial_model)")
+    p.add_argument("--round", type=int, default=1, dest="round_num", help="the round to run as (default 1)")
+    p.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", help="override a hyper-parameter")
+    p.add_argument("--workdir", help="where the model store of this try goes (default: a new temp directory)")
+    p.set_defaults(func=_cmd_try_trainer)
     p = sub.add_parser("report", help="print the per-round table of a run's metrics.json")
     p.add_argument("metrics", help="path or URI of metrics.json")
     p.set_defaults(func=_cmd_report)

@@ -11,7 +11,7 @@ validation errors into short messages, :mod:`.checks` reads the initial model an
 The names below are the public ones; import them from here.
 """
 
-from flare_airflow.core.config.checks import check_store_backend, load_initial_model
+from flare_airflow.core.config.checks import check_store_backend, load_initial_model, load_model_file
 from flare_airflow.core.config.describe import MAX_ERROR_LINE, MAX_ERROR_LINES, MAX_REPR, reprlib_repr, short_repr
 from flare_airflow.core.config.job import STORE_SCHEMES, AggregatorSpec, JobConfig, TrainerSpec, job_from_dict, load_job
 from flare_airflow.core.config.kubernetes import (
@@ -102,6 +102,7 @@ __all__ = [
     "job_from_dict",
     "load_initial_model",
     "load_job",
+    "load_model_file",
     "merge_sites",
     "path_within",
     "reprlib_repr",

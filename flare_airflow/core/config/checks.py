@@ -6,6 +6,7 @@ run starts (the CLI, the run's ``prepare`` task).
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 from flare_airflow.core.config.describe import clip
@@ -19,11 +20,15 @@ def load_initial_model(job: JobConfig) -> dict[str, Any]:
     ``load_job`` only checks that the file exists (every task process parses the job); this reads
     it. Raises ``ConfigError`` naming the field, the file and what is wrong.
     """
+    path = job.initial_model_path()
+    return load_model_file(path, f"initial_model {job.initial_model!r} ({path})")
+
+
+def load_model_file(path: pathlib.Path, where: str) -> dict[str, Any]:
+    """A plain safetensors file's tensors, checked as a run checks an initial model; errors start with ``where``."""
     # numpy loads here, not when a task process merely parses its job
     from flare_airflow.core.model import all_finite, parse_safetensors
 
-    path = job.initial_model_path()
-    where = f"initial_model {job.initial_model!r} ({path})"
     try:
         params = parse_safetensors(path.read_bytes(), str(path))
     except OSError as exc:

@@ -1,0 +1,136 @@
+"""``flare-airflow try-trainer JOB --site S``: run a job's trainer by hand, as one site, in one round.
+
+What a trainer author runs before a whole federated run: the job's trainer, for one site, against
+the job's initial model (or any plain safetensors file), started exactly as a process site starts
+it -- the site runner, the Client API's variables, the site's ``env`` and ``cwd`` -- and its update
+put through the same checks the site task applies before an update may count. Nothing here needs
+Airflow, a database or a scheduler; everything lands in a work directory that is kept for reading.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flare_airflow.core.config import JobConfig, load_job, load_model_file
+from flare_airflow.core.errors import ConfigError
+from flare_airflow.core.model import FLModel, write_artifact
+from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.store import ModelStore
+from flare_airflow.launchers.trainer import trainer_argv
+from flare_airflow.site_task.runner import run_site
+from flare_airflow.site_task.spec import SiteRun
+
+RUN_ID = "try-trainer"
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def parse_hparams(job: JobConfig, pairs: Sequence[str]) -> dict[str, Any]:
+    """The job's hyper-parameters with ``key=value`` overrides (values in JSON: ``lr=0.1``, ``name="x"``)."""
+    hparams: dict[str, Any] = dict(job.trainer.hparams)
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--hparam {pair!r}: write KEY=VALUE, e.g. --hparam lr=0.1")
+        if key not in hparams:
+            known = ", ".join(hparams) or "none (the job's trainer.hparams is empty)"
+            raise ConfigError(f"--hparam {key!r}: not a hyper-parameter of job {job.job!r}; known: {known}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word is a string
+        default = hparams[key]
+        if type(value) is not type(default) and not (isinstance(default, float) and type(value) is int):
+            kind = _KINDS.get(type(default), type(default).__name__)
+            raise ConfigError(f"--hparam {key}={raw}: must be {kind} like the job's default {default!r}")
+        hparams[key] = float(value) if isinstance(default, float) else value
+    return hparams
+
+
+def site_run(
+    job: JobConfig, site: str, workdir: pathlib.Path, params: Mapping[str, Any], hparams: dict[str, Any], round_num: int
+) -> SiteRun:
+    """The site job a process site would run for (``try-trainer``, ``round_num``, ``site``), in ``workdir``."""
+    store = ModelStore(workdir)
+    global_model = store.global_model(job.job, RUN_ID, round_num - 1)
+    record = write_artifact(global_model, FLModel(params=dict(params)))
+    process = job.sites[site].launcher_spec.process
+    return SiteRun(
+        job=job.job,
+        run_id=RUN_ID,
+        round=round_num,
+        total_rounds=max(job.rounds, round_num),
+        site=site,
+        task="train",
+        argv=trainer_argv(job),
+        global_model=str(global_model),
+        output=str(store.site_update(job.job, RUN_ID, round_num, site)),
+        staging=str(store.staging(job.job, RUN_ID, round_num, site, 1)),
+        global_sha256=record.sha256,
+        env=dict(process.env),
+        cwd=str(job.resolve(process.cwd)) if process.cwd else None,
+        hparams=hparams,
+        launch_timeout=job.trainer.launch_timeout,
+        shutdown_timeout=job.trainer.shutdown_timeout,
+    )
+
+
+def try_trainer(
+    job_file: str,
+    site: str,
+    *,
+    model: str | None = None,
+    round_num: int = 1,
+    hparams: Sequence[str] = (),
+    workdir: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run the trainer once; 0 when its update passed every check, 1 when the trainer or its update failed."""
+    job = load_job(job_file)
+    if site not in job.sites:
+        raise ConfigError(f"--site {site!r}: job {job.job!r} has no such site; its sites: {', '.join(job.sites)}")
+    if not 1 <= round_num <= 1000:
+        raise ConfigError(f"--round {round_num}: must be from 1 to 1000")
+    if model is None:
+        params = load_model_file(job.initial_model_path(), f"initial_model {job.initial_model!r}")
+    else:
+        params = load_model_file(pathlib.Path(model), f"--model {model!r}")
+    spec = job.sites[site]
+    if spec.launcher != "process":
+        print(
+            f"note: site {site!r} runs {spec.launcher} jobs; try-trainer runs its trainer here as a local process "
+            f"({' '.join(trainer_argv(job))})",
+            file=sys.stderr,
+        )
+    environ = environ if environ is not None else {}
+    names = [*spec.launcher_spec.process.secret_env, *spec.launcher_spec.k8s.secret_env]
+    secrets = {name: environ[name] for name in names if name in environ}
+    missing = [name for name in names if name not in environ]
+    if missing:
+        print(
+            f"note: site {site!r} gives its trainer secret_env {', '.join(missing)}: try-trainer does not read "
+            "Airflow's connections or variables; export them in this shell to pass them",
+            file=sys.stderr,
+        )
+    root = pathlib.Path(workdir) if workdir else pathlib.Path(tempfile.mkdtemp(prefix=f"flare-try-{job.job}-"))
+    root.mkdir(parents=True, exist_ok=True)
+    run = site_run(job, site, root.resolve(), params, parse_hparams(job, hparams), round_num)
+    print(f"trainer: {' '.join(run.argv)}")
+    print(f"site {site}, round {round_num}, hparams {json.dumps(run.hparams)}")
+    print(f"global model: {run.global_model}")
+    sys.stdout.flush()
+    rc, result = run_site(run, secrets=secrets)
+    if rc is JobReturnCode.SUCCESS and isinstance(result, dict):
+        metrics = ", ".join(f"{k}={v:.6g}" for k, v in sorted(result["metrics"].items())) or "none"
+        print(
+            f"update accepted: {result['params_type']} update of {result['num_samples']} sample(s), "
+            f"metrics {metrics}\n  {run.output} (sha256 {result['sha256']})"
+        )
+        return 0
+    print(f"FAILED [{rc.name}]: {result}", file=sys.stderr)
+    print(f"work directory (kept): {root}", file=sys.stderr)
+    return 1
