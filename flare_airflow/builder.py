@@ -18,6 +18,7 @@ from typing import Any
 from airflow.sdk import DAG, Param, TaskGroup
 
 from flare_airflow.core.config import JobConfig, load_job
+from flare_airflow.core.errors import ConfigError
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, SweepPodsOperator
@@ -78,6 +79,10 @@ def site_task(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> Any:
         from flare_airflow.operators.pod import SitePodOperator
 
         return SitePodOperator(job=job, site=site, round_num=round_num, **kwargs)
+    if launcher == "slurm":
+        raise ConfigError(
+            f"site {site!r}: launcher slurm is validated but its Airflow site task is not in this build yet"
+        )
     return SiteTrainOperator(job=job, site=site, round_num=round_num, **kwargs)
 
 

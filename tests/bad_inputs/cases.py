@@ -12,6 +12,7 @@ CATEGORIES = {
     "update_file": "Update file",
     "site_env": "Site environment",
     "kubernetes": "Kubernetes spec",
+    "slurm": "SLURM spec",
     "cli": "CLI",
 }
 

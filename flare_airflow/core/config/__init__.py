@@ -6,7 +6,7 @@ and ``launcher_spec`` blocks per backend, merged shallowly (:mod:`.site`).
 
 One module per concern: :mod:`.yaml_loader` reads the file, :mod:`.job` holds the job and its
 trainer, :mod:`.site` the sites, :mod:`.resources` what a site job asks for, :mod:`.process` and
-:mod:`.kubernetes` (with :mod:`.volumes`) each backend's site policy, :mod:`.describe` turns
+:mod:`.kubernetes` (with :mod:`.volumes`) and :mod:`.slurm` each backend's site policy, :mod:`.describe` turns
 validation errors into short messages, :mod:`.checks` reads the initial model and the store backend.
 The names below are the public ones; import them from here.
 """
@@ -37,6 +37,7 @@ from flare_airflow.core.config.site import (
     SiteSpec,
     merge_sites,
 )
+from flare_airflow.core.config.slurm import SlurmLaunchSpec
 from flare_airflow.core.config.validators import (
     MAX_FORM_INT,
     MAX_SECONDS,
@@ -95,6 +96,7 @@ __all__ = [
     "Scalar",
     "SecretRef",
     "SiteSpec",
+    "SlurmLaunchSpec",
     "StoreMount",
     "TrainerSpec",
     "VolumeSpec",

@@ -198,7 +198,7 @@ class JobConfig(Strict):
                 f"min_clients is {self.min_clients} but the job has only {len(self.sites)} site(s) "
                 f"({', '.join(self.sites)}); lower min_clients or add sites"
             )
-        if any(s.launcher == "process" for s in self.sites.values()) and not self.script_path().is_file():
+        if any(s.runs_script_here for s in self.sites.values()) and not self.script_path().is_file():
             raise ValueError(
                 f"trainer.script {self.trainer.script!r} does not exist (looked at {self.script_path()}); "
                 "paths are relative to the job file"

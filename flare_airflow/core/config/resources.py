@@ -45,6 +45,14 @@ _QUANTITY_SUFFIXES = {
 }
 
 
+def quantity_bytes(text: str) -> float:
+    """Bytes of a validated ``memory`` quantity such as ``'4Gi'``, ``'512M'`` or ``'2e9'``."""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([EPTGMK]i?|[eE][0-9]+)?", text)
+    if not match:
+        raise ValueError(f"{text!r} is not a quantity like '512Mi', '4Gi' or '2G'")
+    return _quantity_bytes(match.group(1), match.group(2) or "")
+
+
 def _quantity_bytes(number: str, suffix: str) -> float:
     if suffix[:1] in ("e", "E") and suffix[1:].isdigit():
         exponent = int(suffix[1:])

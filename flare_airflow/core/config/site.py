@@ -16,13 +16,14 @@ from flare_airflow.core.config.describe import clip, short_repr
 from flare_airflow.core.config.kubernetes import KubernetesLaunchSpec
 from flare_airflow.core.config.process import ProcessLaunchSpec
 from flare_airflow.core.config.resources import ResourceManagerSpec, ResourceSpec
+from flare_airflow.core.config.slurm import SlurmLaunchSpec
 from flare_airflow.core.config.validators import MAX_SECONDS, MAX_WEIGHT, MIN_WEIGHT, Strict
 
 DEFAULT_SITE = "@default"
 NVFLARE_DEFAULT = "default"
-# The backends this version runs. NVFlare's job meta also names docker and slurm: a job that asks
-# for one of them is refused with the list below, never accepted and ignored.
-SUPPORTED_BACKENDS = ("process", "k8s")
+# The backends this version runs. NVFlare's job meta also names docker: a job that asks for it is
+# refused with the list below, never accepted and ignored.
+SUPPORTED_BACKENDS = ("process", "k8s", "slurm")
 NVFLARE_BACKENDS = ("process", "k8s", "docker", "slurm")
 BACKEND_ALIASES = {"kubernetes": "k8s"}
 
@@ -39,12 +40,13 @@ class LauncherSpec(Strict):
 
     process: ProcessLaunchSpec = Field(default_factory=ProcessLaunchSpec)
     k8s: KubernetesLaunchSpec = Field(default_factory=KubernetesLaunchSpec)
+    slurm: SlurmLaunchSpec = Field(default_factory=SlurmLaunchSpec)
 
 
 class SiteSpec(Strict):
     """One site of a job, after ``@default`` has been merged in."""
 
-    launcher: Literal["process", "k8s"] = "process"
+    launcher: Literal["process", "k8s", "slurm"] = "process"
     weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="multiplies num_samples in FedAvg")
     retries: int = Field(0, ge=0, le=20)
     retry_delay_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)
@@ -91,6 +93,15 @@ class SiteSpec(Strict):
                     "slots forever. Lower resource_spec.num_of_gpus or raise the site's capacity."
                 )
         return self
+
+    @property
+    def runs_script_here(self) -> bool:
+        """Whether the site runs ``trainer.script`` from this machine's file system (process sites,
+        and SLURM sites submitting locally without a ``trainer_script`` of their own)."""
+        slurm = self.launcher_spec.slurm
+        return self.launcher == "process" or (
+            self.launcher == "slurm" and slurm.ssh_conn_id is None and slurm.trainer_script is None
+        )
 
     def pool_name(self, site: str) -> str | None:
         """The Airflow pool bounding this site's GPU jobs, or ``None`` (no GPUs asked, passthrough)."""

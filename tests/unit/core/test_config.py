@@ -233,7 +233,7 @@ def test_trainer_args_numbers_become_strings_but_booleans_are_refused(job_dir) -
     assert "argument True must be a string or a number" in msg
 
 
-@pytest.mark.parametrize("launcher", ["slurm", "docker"])
+@pytest.mark.parametrize("launcher", ["docker"])
 def test_backends_not_in_this_version_are_refused_clearly(job_dir, launcher) -> None:
     data = base_job()
     data["sites"]["site-2"] = {"launcher": launcher}
@@ -241,7 +241,7 @@ def test_backends_not_in_this_version_are_refused_clearly(job_dir, launcher) -> 
     line = next(line for line in msg.splitlines() if "launcher" in line)
     assert line.strip().startswith(f"{path}: sites.site-2.launcher (site 'site-2'):")
     assert "is not available in this version of flare-airflow" in line
-    assert "supported: process, k8s" in line
+    assert "supported: process, k8s, slurm" in line
     assert "site-1" not in msg
 
 
