@@ -165,7 +165,11 @@ def receive() -> FLModel:
 
 
 def send(model: FLModel) -> None:
-    """Write this site's result: an update (train) or metrics (evaluate). Call once per receive()."""
+    """Write this site's result: an update (train) or metrics (evaluate). Call once per receive().
+
+    In a site job of several ranks (``RANK`` set, as torchrun and flare-airflow's multi-node SLURM
+    jobs set it) only rank 0 writes; the other ranks' ``send()`` returns without writing.
+    """
     if _session.received is None:
         raise ClientAPIError("send() called before receive(): receive the global model first")
     if _session.sent:
@@ -174,6 +178,10 @@ def send(model: FLModel) -> None:
         raise ClientAPIError(f"send() takes an FLModel, got {type(model).__name__}")
     if is_train() and not model.params:
         raise ClientAPIError("send() in a train task needs params (the updated weights or their DIFF)")
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        # A multi-rank site job (SLURM nodes / tasks_per_node > 1): the site's one update is rank 0's.
+        _session.sent = True
+        return
     out = path_from_uri(_env(FLARE_OUTPUT))
     write_artifact(out, model, where=f"update from site {get_site_name()} round {get_round()}")
     _session.sent = True
