@@ -127,13 +127,20 @@ def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
 
 
 def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> None:
-    """Task arguments every site task gets from the site's spec: pool, retries, timeout."""
+    """Task arguments every site task gets from the site's spec: pool, queue, executor, retries, timeout."""
     spec = job.sites[site]
     pool = spec.pool_name(site)
     if pool is not None:
         # One slot per GPU: the pool's slots are the site's GPUs (see docs/gpu-pools.md).
         kwargs.setdefault("pool", pool)
         kwargs.setdefault("pool_slots", spec.resource_spec.num_of_gpus)
+    # A site's queue and executor send its tasks to the site's own worker (docs/deploy-across-sites.md);
+    # the aggregation and bookkeeping tasks keep Airflow's defaults and run centrally.
+    queue = job.site_queue(site)
+    if queue is not None:
+        kwargs.setdefault("queue", queue)
+    if spec.executor is not None:
+        kwargs.setdefault("executor", spec.executor)
     kwargs.setdefault("retries", spec.retries)
     kwargs.setdefault("retry_delay", timedelta(seconds=spec.retry_delay_seconds))
     if job.trainer.timeout:

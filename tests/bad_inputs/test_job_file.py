@@ -78,6 +78,36 @@ def _safetensors(tensors: dict[str, np.ndarray]) -> bytes:
 
 
 # --- the file itself -------------------------------------------------------------------------
+# --- sites at the sites: queues and executors -------------------------------------------------
+case(
+    "site-queue-with-space",
+    "a site's queue with a space in it",
+    "sites.site-1.queue (site 'site-1'): queue 'site 1' is not a queue name",
+    field="sites.site-1.queue",
+    value="site 1",
+)
+case(
+    "site-queue-list",
+    "a site's queue given as a list of queues",
+    "sites.site-1.queue (site 'site-1'): must be a string",
+    field="sites.site-1.queue",
+    value=["site-1", "gpu"],
+)
+case(
+    "site-queues-string",
+    "site_queues: 'yes' (a string, not true/false)",
+    "site_queues: must be true or false",
+    field="site_queues",
+    value="yes",
+)
+case(
+    "site-executor-shell",
+    "a site's executor that is not an executor name",
+    "is not an Airflow executor name",
+    field="sites.site-1.executor",
+    value="EdgeExecutor; rm -rf /",
+)
+
 case(
     "file-missing",
     "the job file does not exist",

@@ -98,3 +98,35 @@ def test_a_dag_built_from_a_job_file_shows_the_file(tmp_path) -> None:
     assert "Job file `digits.yaml`:" in dag.doc_md
     assert "```yaml\n" in dag.doc_md and "min_clients: 3" in dag.doc_md
     assert dag.description.startswith("Federated job digits: 5 rounds of FedAvg over 4 sites")
+
+
+def test_without_site_queues_every_task_keeps_airflow_defaults(dag) -> None:
+    # The one-machine deployment: no queue, no executor set by flare-airflow anywhere.
+    assert {t.queue for t in dag.tasks} == {"default"}
+    assert {t.executor for t in dag.tasks} == {None}
+
+
+def test_site_queues_send_each_site_to_its_queue_and_keep_the_rest_central(tmp_path) -> None:
+    job = make_job(
+        tmp_path,
+        site_queues=True,
+        sites={
+            "@default": {"executor": "EdgeExecutor"},
+            "site-1": {},
+            "site-2": {"queue": "hospital-b.gpu"},
+        },
+    )
+    dag = build_dag(job)
+    for r in (1, 2):
+        assert dag.task_dict[f"round_{r}.site-1"].queue == "site-1"
+        assert dag.task_dict[f"round_{r}.site-2"].queue == "hospital-b.gpu"
+        assert dag.task_dict[f"round_{r}.site-1"].executor == "EdgeExecutor"
+    central = [t for t in dag.tasks if not isinstance(t, SiteTrainOperator)]
+    assert {t.task_id for t in central} == {"prepare", "publish", "round_1.global_model", "round_2.global_model"}
+    assert {(t.queue, t.executor) for t in central} == {("default", None)}
+
+
+def test_a_site_queue_alone_moves_only_that_site(tmp_path) -> None:
+    dag = build_dag(make_job(tmp_path, sites={"site-1": {"queue": "edge-a"}, "site-2": {}}))
+    assert dag.task_dict["round_1.site-1"].queue == "edge-a"
+    assert dag.task_dict["round_1.site-2"].queue == "default"

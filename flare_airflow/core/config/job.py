@@ -106,6 +106,9 @@ class JobConfig(Strict):
     schedule: str | None = Field(None, description="Airflow schedule for recurring runs")
     warm_start: bool = Field(False, description="default of the run form's warm-start switch")
     check_pools: bool = Field(True, description="check the sites' GPU pools when a run starts")
+    site_queues: bool = Field(
+        False, description="each site's tasks go to the Airflow queue named after the site (unless it sets queue)"
+    )
     sites: dict[str, SiteSpec]
     base_dir: str = Field(".", description="directory relative paths are resolved against")
 
@@ -220,6 +223,14 @@ class JobConfig(Strict):
 
     def initial_model_path(self) -> pathlib.Path:
         return self.resolve(self.initial_model)
+
+    def site_queue(self, site: str) -> str | None:
+        """The Airflow queue of ``site``'s tasks: its own ``queue``, else its name when ``site_queues``
+        is on, else ``None`` (Airflow's default queue: the one-machine deployment)."""
+        spec = self.sites[site]
+        if spec.queue is not None:
+            return spec.queue
+        return site if self.site_queues else None
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}

@@ -17,7 +17,14 @@ from flare_airflow.core.config.kubernetes import KubernetesLaunchSpec
 from flare_airflow.core.config.process import ProcessLaunchSpec
 from flare_airflow.core.config.resources import ResourceManagerSpec, ResourceSpec
 from flare_airflow.core.config.slurm import SlurmLaunchSpec
-from flare_airflow.core.config.validators import MAX_SECONDS, MAX_WEIGHT, MIN_WEIGHT, Strict
+from flare_airflow.core.config.validators import (
+    MAX_SECONDS,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    Strict,
+    airflow_executor,
+    queue_name,
+)
 
 DEFAULT_SITE = "@default"
 NVFLARE_DEFAULT = "default"
@@ -53,6 +60,22 @@ class SiteSpec(Strict):
     resource_spec: ResourceSpec = Field(default_factory=ResourceSpec)
     resource_manager: ResourceManagerSpec | None = None
     launcher_spec: LauncherSpec = Field(default_factory=LauncherSpec)
+    queue: str | None = Field(
+        None, description="Airflow queue of this site's tasks (its Edge or Celery worker); default: see site_queues"
+    )
+    executor: str | None = Field(
+        None, description="Airflow executor of this site's tasks (e.g. EdgeExecutor); default: Airflow's default"
+    )
+
+    @field_validator("queue")
+    @classmethod
+    def _queue(cls, value: str | None) -> str | None:
+        return None if value is None else queue_name(value, "queue")
+
+    @field_validator("executor")
+    @classmethod
+    def _executor(cls, value: str | None) -> str | None:
+        return None if value is None else airflow_executor(value, "executor")
 
     @field_validator("launcher", mode="before")
     @classmethod

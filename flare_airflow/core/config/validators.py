@@ -25,12 +25,36 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# What every executor's queues accept (Celery, Edge: `airflow edge worker --queues a,b` splits on ',').
+_QUEUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# An executor as a task names it: its class name, an alias from [core] executor, or a module path.
+_EXECUTOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class Strict(BaseModel):
     # strict: no silent coercion (`rounds: true` is not 1, `evaluate: "no"` is not True);
     # allow_inf_nan=False: `.inf` / `.nan` are no timeout, weight or CPU count.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def queue_name(value: str, what: str) -> str:
+    if not _QUEUE.match(value):
+        raise ValueError(
+            f"{what} {short_repr(value)} is not a queue name: use letters, digits, '.', '_' and '-', starting "
+            "with a letter or digit, at most 128 characters (the site's worker runs `airflow edge worker "
+            "--queues <name>`)"
+        )
+    return value
+
+
+def airflow_executor(value: str, what: str) -> str:
+    if not _EXECUTOR.match(value) or len(value) > 200:
+        raise ValueError(
+            f"{what} {short_repr(value)} is not an Airflow executor name: give its class name or alias as in "
+            "[core] executor (e.g. EdgeExecutor) or its module path "
+            "(airflow.providers.edge3.executors.EdgeExecutor)"
+        )
+    return value
 
 
 def dns_label(value: str, what: str) -> str:
