@@ -37,7 +37,13 @@ from flare_airflow.launchers.kubernetes import (
     unreachable_store,
 )
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.site import check_site_task_may_run, make_site_run, site_failed, site_task_defaults
+from flare_airflow.operators.site import (
+    check_site_task_may_run,
+    job_at_site,
+    make_site_run,
+    site_failed,
+    site_task_defaults,
+)
 from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.site_task.tries import Superseded, claim_try
@@ -155,6 +161,17 @@ class SitePodOperator(KubernetesPodOperator):
 
     def execute(self, context: Context) -> Any:
         check_site_task_may_run(context, self.job, self.site, self.round_num)
+        if job_at_site(self.job, self.site, context, self.round_num) is not self.job:
+            # The pod's image, namespace and volumes are fixed when the DAG is parsed (KPO fields):
+            # a policy read here could not change them, and ignoring it would be worse than failing.
+            raise site_failed(
+                context,
+                self.site,
+                self.round_num,
+                f"this worker has a site policy for Kubernetes site {self.site!r}, which this version applies to "
+                "process sites only; set the site's Kubernetes settings in the job file, or unset "
+                "FLARE_SITE_CONFIG / [flare] site_config on this worker [CONFIG_ERROR]",
+            )
         run = self._site_run(context)
         if run.staging:
             claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it

@@ -22,8 +22,15 @@ from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
-from flare_airflow.core.config import AirflowSecretRef, JobConfig
-from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.config import (
+    SITE_CONFIG_ENV,
+    AirflowSecretRef,
+    JobConfig,
+    SitePolicy,
+    apply_site_policy,
+    load_site_policy,
+)
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.trainer import trainer_argv
@@ -124,6 +131,40 @@ def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
         mask_secret(value, name)
         values[name] = value
     return values
+
+
+def site_policy_path() -> str | None:
+    """This worker's site policy file: ``$FLARE_SITE_CONFIG``, else Airflow's ``[flare] site_config``."""
+    path = os.environ.get(SITE_CONFIG_ENV)
+    if path:
+        return path
+    from airflow.configuration import conf
+
+    return conf.get("flare", "site_config", fallback=None) or None
+
+
+def site_policy() -> SitePolicy | None:
+    """This worker's site policy, or ``None`` when it has none (the central, one-machine default)."""
+    path = site_policy_path()
+    return load_site_policy(path) if path else None
+
+
+def job_at_site(job: JobConfig, site: str, context: Context, round_num: int) -> JobConfig:
+    """The job as this worker runs ``site``: the job's request on top of the site's policy.
+
+    A policy that cannot be read or that the request does not fit fails the task with the reason
+    (also in XCom and in the site's failure record, where the aggregation reads it).
+    """
+    try:
+        policy = site_policy()
+        return job if policy is None else apply_site_policy(job, site, policy)
+    except ConfigError as exc:
+        reason = str(exc)
+        store = store_for(job)
+        write_failure(
+            store.site_update(job.job, run_id_of(context), round_num, site), JobReturnCode.CONFIG_ERROR, reason
+        )
+        raise site_failed(context, site, round_num, reason) from None
 
 
 def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> None:
@@ -329,6 +370,7 @@ class SiteTrainOperator(BashOperator):
 
     def execute(self, context: Context) -> Any:
         check_site_task_may_run(context, self.job, self.site, self.round_num)
+        self.job = job_at_site(self.job, self.site, context, self.round_num)
         run = self.site_run(context)
         self._spec_json = run.to_json()
         if self.job.sites[self.site].launcher == "process":

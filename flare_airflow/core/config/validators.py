@@ -47,6 +47,14 @@ def queue_name(value: str, what: str) -> str:
     return value
 
 
+def conn_id_name(value: str, what: str) -> str:
+    if not value.strip() or len(value) > 250 or any(c.isspace() or c == "\0" for c in value):
+        raise ValueError(
+            f"{what} {short_repr(value)} must be an Airflow connection id (no spaces, at most 250 characters)"
+        )
+    return value
+
+
 def airflow_executor(value: str, what: str) -> str:
     if not _EXECUTOR.match(value) or len(value) > 200:
         raise ValueError(

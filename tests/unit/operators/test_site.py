@@ -87,3 +87,34 @@ def test_the_site_job_spec_carries_references_never_secret_values(tmp_path) -> N
     assert "API_TOKEN" not in json.dumps(spec)
     assert spec["argv"] == trainer_argv(job)
     assert task.bash_command.endswith("-m flare_airflow.site_task")
+
+
+def test_the_worker_applies_its_site_policy_at_run_time(tmp_path, monkeypatch) -> None:
+    from flare_airflow.operators.site import job_at_site
+
+    job = make_job(tmp_path, sites={"site-1": {"launcher_spec": {"process": {"env": {"FROM_JOB": "1"}}}}, "site-2": {}})
+    assert job_at_site(job, "site-1", context(), 1) is job  # no policy on this worker: the job as written
+    policy = tmp_path / "site.yaml"
+    policy.write_text("sites:\n  site-1: {launcher_spec: {process: {env: {FROM_SITE: '1'}}}}\n")
+    monkeypatch.setenv("FLARE_SITE_CONFIG", str(policy))
+    at_site = job_at_site(job, "site-1", context(), 1)
+    assert at_site.sites["site-1"].launcher_spec.process.env == {"FROM_SITE": "1"}
+    run = make_site_run(at_site, "site-1", 1, context(), argv=["python", "t.py"])
+    assert run.env == {"FROM_SITE": "1"}
+
+
+def test_a_policy_the_job_does_not_fit_fails_the_site_with_its_failure_record(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    from flare_airflow.operators.site import SiteJobFailed, job_at_site
+    from flare_airflow.site_task.checks import read_failure
+
+    job = make_job(tmp_path)
+    policy = tmp_path / "site.yaml"
+    policy.write_text("sites:\n  site-1: {}\n")
+    monkeypatch.setenv("FLARE_SITE_CONFIG", str(policy))
+    ti = FakeTI()
+    with pytest.raises(SiteJobFailed, match="covers only site-1"):
+        job_at_site(job, "site-2", context(ti), 1)
+    output = store_for(job).site_update(job.job, RUN_ID, 1, "site-2")
+    assert "which queues this worker serves (--queues) [CONFIG_ERROR]" in (read_failure(output) or "")

@@ -1,0 +1,141 @@
+"""Site policy: what a site's admin decides, read at the site (on the site's worker) at run time.
+
+A policy file (YAML, the path in ``$FLARE_SITE_CONFIG`` or Airflow's ``[flare] site_config`` on the
+worker) holds one entry per site the worker serves::
+
+    sites:
+      site-1:
+        launcher: process
+        resource_manager: {type: gpu, num_of_gpus: 2}      # the site's GPUs: the most a job may ask
+        launcher_spec:
+          process: {cwd: /data/site-1, env: {OMP_NUM_THREADS: "4"}, secret_env: {...}}
+        store_conn_id: flare_store                         # the Airflow connection to the model store
+
+The job asks, the site decides. For a site with a policy, the job's ``resource_spec`` (GPUs, CPUs,
+memory), ``weight``, ``retries`` and queue still come from the job; the launcher, the resource
+manager (GPU limit) and the whole ``launcher_spec`` (paths, environment, secrets, images, volumes)
+come from the policy only -- whatever the job file says for them is not used. A request beyond
+the policy's limits fails that site's task with a :class:`~flare_airflow.core.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
+
+from flare_airflow.core import envvars
+from flare_airflow.core.config.describe import cap, describe
+from flare_airflow.core.config.job import JobConfig
+from flare_airflow.core.config.resources import ResourceManagerSpec
+from flare_airflow.core.config.site import SUPPORTED_BACKENDS, LauncherSpec, SiteSpec, merge_sites
+from flare_airflow.core.config.validators import Strict, conn_id_name
+from flare_airflow.core.config.yaml_loader import read_job_yaml
+from flare_airflow.core.errors import ConfigError
+
+SITE_CONFIG_ENV = envvars.FLARE_SITE_CONFIG
+# What the policy owns: the job's values for these are replaced, never merged.
+POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec")
+
+
+class SitePolicyEntry(Strict):
+    """One site's policy: its backend, its GPUs, its launcher blocks, its store connection."""
+
+    launcher: Literal["process", "k8s"] = "process"
+    resource_manager: ResourceManagerSpec | None = None
+    launcher_spec: dict[str, Any] = Field(default_factory=dict, description="process / k8s blocks")
+    store_conn_id: str | None = Field(None, description="Airflow connection of the model store at this site")
+
+    @field_validator("store_conn_id")
+    @classmethod
+    def _conn(cls, value: str | None) -> str | None:
+        return None if value is None else conn_id_name(value, "store_conn_id")
+
+    @field_validator("launcher_spec")
+    @classmethod
+    def _backends(cls, value: dict[str, Any]) -> dict[str, Any]:
+        LauncherSpec.model_validate(value)  # each block checked now, where the admin reads the error
+        unknown = [k for k in value if k not in SUPPORTED_BACKENDS]
+        if unknown:
+            raise ValueError(
+                f"unknown backend(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(SUPPORTED_BACKENDS)}"
+            )
+        return value
+
+
+class SitePolicy(Strict):
+    """A site policy file: the sites this worker serves."""
+
+    sites: dict[str, SitePolicyEntry]
+    _source: str = PrivateAttr("<python>")
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def entry(self, site: str) -> SitePolicyEntry:
+        if site not in self.sites:
+            covered = ", ".join(self.sites) or "no site"
+            raise ConfigError(
+                f"site {site!r}: this worker's site policy {self.source} covers only {covered}"
+                f"; a task of site {site!r} reached a worker of another site -- check the site's queue "
+                f"(site_queues / sites.{site}.queue) and which queues this worker serves (--queues)"
+            )
+        return self.sites[site]
+
+
+def site_policy_from_dict(data: Mapping[str, Any], *, source: str = "<python>") -> SitePolicy:
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{source}: a site policy must be a mapping (sites: {{<site>: ...}}), got {type(data).__name__}"
+        )
+    try:
+        policy = SitePolicy.model_validate(data)
+    except ValidationError as exc:
+        text = describe(exc, source, SitePolicy, ("sites",))
+        raise ConfigError(text.replace("invalid job configuration", "invalid site policy", 1)) from None
+    policy._source = source
+    return policy
+
+
+def load_site_policy(path: str | pathlib.Path) -> SitePolicy:
+    """Read and validate a site policy file (the same YAML reader and limits as job files)."""
+    path = pathlib.Path(path)
+    try:
+        data = read_job_yaml(path)
+    except ConfigError as exc:
+        text = (
+            str(exc)
+            .replace("the job file", "the site policy file")
+            .replace("(job: ..., rounds: ..., sites: ...)", "(sites: ...)")
+        )
+        raise ConfigError(f"site policy ({SITE_CONFIG_ENV} / [flare] site_config): {text}") from None
+    return site_policy_from_dict(data, source=str(path))
+
+
+def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfig:
+    """The job as ``site`` runs it: the job's request on top of the site's policy.
+
+    Raises :class:`ConfigError` naming the policy file and the site when the job's request does not
+    fit the policy (more GPUs than the site has, a launcher other than the site's).
+    """
+    entry = policy.entry(site)
+    asked = job.sites[site]
+    where = f"site {site!r} (site policy {policy.source})"
+    if asked.launcher != entry.launcher:
+        raise ConfigError(
+            f"{where}: the site runs its jobs with launcher {entry.launcher!r} but this job's DAG built a "
+            f"{asked.launcher!r} task for it; set sites.{site}.launcher: {entry.launcher} in the job file"
+        )
+    request = asked.model_dump(exclude=set(POLICY_FIELDS), exclude_none=True)
+    merged = {**request, "launcher": entry.launcher, "launcher_spec": entry.launcher_spec}
+    if entry.resource_manager is not None:
+        merged["resource_manager"] = entry.resource_manager.model_dump()
+    try:
+        spec = SiteSpec.model_validate(merge_sites({site: merged}, None, None)[site])
+    except ValidationError as exc:
+        reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        raise ConfigError(cap(f"{where}: the job's request does not fit the site's policy: {reasons}")) from None
+    return job.model_copy(update={"sites": {**job.sites, site: spec}})
