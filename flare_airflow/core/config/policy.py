@@ -43,7 +43,7 @@ POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec")
 class SitePolicyEntry(Strict):
     """One site's policy: its backend, its GPUs, its launcher blocks, its store connection."""
 
-    launcher: Literal["process", "k8s"] = "process"
+    launcher: Literal["process", "k8s", "slurm"] = "process"
     resource_manager: ResourceManagerSpec | None = None
     launcher_spec: dict[str, Any] = Field(default_factory=dict, description="process / k8s blocks")
     store_conn_id: str | None = Field(None, description="Airflow connection of the model store at this site")
