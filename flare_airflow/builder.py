@@ -41,7 +41,10 @@ def job_params(job: JobConfig) -> dict[str, Param]:
             minimum=1,
             maximum=job.rounds,
             title="Rounds",
-            description=f"Federated rounds to run (at most {job.rounds}); later rounds are skipped.",
+            # Airflow 3.3's form (a NumberInput with min/max) moves an out-of-range value to the
+            # nearest bound when the field loses focus, without a message: say the range here.
+            description=f"Federated rounds to run: 1 to {job.rounds} (the form moves other values into this "
+            "range); later rounds are skipped.",
         ),
         "min_clients": Param(
             job.min_clients,
@@ -51,7 +54,8 @@ def job_params(job: JobConfig) -> dict[str, Param]:
             title="Minimum clients",
             # Not the site names: Airflow copies params into every task, so this text is stored
             # (sites x tasks) times in the serialized DAG.
-            description=f"Valid site updates a round needs (of the job's {len(job.sites)} sites).",
+            description=f"Valid site updates a round needs: 1 to {len(job.sites)}, the job's number of sites "
+            "(the form moves other values into this range).",
         ),
         "warm_start": Param(
             job.warm_start,

@@ -31,6 +31,9 @@ def get_provider_info() -> dict[str, Any]:
                 ],
             }
         ],
+        # The Federated runs page (also registered through the ``airflow.plugins`` entry point;
+        # Airflow loads a plugin name once).
+        "plugins": [{"name": "flare_airflow", "plugin-class": "flare_airflow.ui.plugin.FlareAirflowPlugin"}],
         "triggers": [
             {
                 "integration-name": "Federated learning",

@@ -138,7 +138,10 @@ def environment(home: pathlib.Path, port: int) -> dict[str, str]:
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__AUTH_MANAGER": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+        "AIRFLOW__CORE__AUTH_MANAGER": os.environ.get(
+            "AIRFLOW__CORE__AUTH_MANAGER",
+            "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+        ),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": os.environ.get(
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", f"{USER}:admin"
         ),

@@ -85,6 +85,16 @@ def test_trigger_form(dag) -> None:
     assert schema["warm_start"]["type"] == "boolean"
 
 
+def test_the_form_states_the_allowed_range(dag) -> None:
+    # Airflow 3.3's form moves an out-of-range number to the nearest bound on blur, silently:
+    # the field's description is where the user reads the range.
+    described = {key: dag.params.get_param(key).description for key in ("rounds", "min_clients")}
+    for key, text in described.items():
+        schema = dag.params.get_param(key).schema
+        assert f"{schema['minimum']} to {schema['maximum']}" in text, (key, text)
+        assert "moves other values into this range" in text
+
+
 def test_the_dag_list_and_docs_say_what_the_dag_runs(dag) -> None:
     assert dag.description == "Federated job unit: 2 rounds of FedAvg over 2 sites, quorum 2"
     assert "over 2 sites (site-1, site-2)" in dag.doc_md

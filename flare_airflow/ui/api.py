@@ -1,0 +1,287 @@
+"""The Federated runs FastAPI app, mounted by Airflow's api-server at ``/flare``.
+
+Authentication and authorisation are Airflow's own: every route depends on
+``airflow.api_fastapi.core_api.security`` (``get_user`` -> 401 without a valid token or session
+cookie; ``requires_access_dag`` -> 403 for a user who may not read the DAG's runs). The data come
+from Airflow's public REST API, called on the caller's behalf with the caller's own credential (so
+the REST API's own checks apply too), and from the model store; nothing here opens the metadata
+database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+from urllib.parse import quote, urlparse
+
+import httpx
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+from airflow.api_fastapi.core_api.security import GetUserDep, requires_access_dag
+from airflow.configuration import conf
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+
+from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.model import read_record
+from flare_airflow.core.store import ModelStore, run_component
+from flare_airflow.operators.common import default_store_uri
+from flare_airflow.ui import page
+from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view
+
+PREFIX = "/flare"
+MAX_METRICS_BYTES = 16 << 20
+CHUNK = 1 << 20
+FILES = {
+    # name -> (publish XCom key, label, media type)
+    "model": ("final_model", "final model (safetensors)", "application/octet-stream"),
+    "metrics": ("metrics", "metrics.json", "application/json"),
+    "plot": ("plot", "metrics.png", "image/png"),
+}
+COOKIE = "_token"  # Airflow's session cookie (base_auth_manager.COOKIE_NAME_JWT_TOKEN)
+
+app = FastAPI(title="flare-airflow: Federated runs", docs_url=None, redoc_url=None, openapi_url=None)
+read_runs = Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))
+
+
+def ui_base() -> str:
+    """The path Airflow's UI lives under (``[api] base_url``'s path, usually empty)."""
+    return urlparse(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
+
+
+def store_roots() -> list[ModelStore]:
+    """The stores the page may read from: ``[flare_airflow] store_roots`` (comma-separated URIs),
+    else the default store under AIRFLOW_HOME. A URI from an XCom outside them is refused."""
+    configured = conf.get("flare_airflow", "store_roots", fallback="") or ""
+    uris = [u.strip() for u in configured.split(",") if u.strip()] or [default_store_uri()]
+    return [ModelStore.from_uri(u) for u in uris]
+
+
+class AirflowAPI:
+    """Airflow's public REST API (``/api/v2``), called as the user who called us."""
+
+    def __init__(self, request: Request) -> None:
+        configured = conf.get("flare_airflow", "api_url", fallback="") or ""
+        if configured:
+            base = configured.rstrip("/")
+        else:
+            # The socket this request came in on: the same api-server, on loopback here.
+            host, port = request.scope["server"]
+            host = f"[{host}]" if ":" in host else host
+            base = f"{request.url.scheme}://{host}:{port}{ui_base()}"
+        header = request.headers.get("authorization")
+        if not header and (cookie := request.cookies.get(COOKIE)):
+            header = f"Bearer {cookie}"
+        self.client = httpx.AsyncClient(base_url=f"{base}/api/v2", headers={"Authorization": header or ""}, timeout=30)
+
+    async def __aenter__(self) -> AirflowAPI:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
+
+    async def get(self, path: str, missing_ok: bool = False, **params: Any) -> Any:
+        r = await self.client.get(path, params=params or None)
+        if r.status_code == 404 and missing_ok:
+            return None
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise HTTPException(r.status_code, f"Airflow API {path}: {detail}")
+        return r.json()
+
+    async def task_instances(self, dag_id: str, run_id: str) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        while True:
+            body = await self.get(
+                f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}/taskInstances",
+                limit=100,
+                offset=len(out),
+            )
+            out.update((ti["task_id"], ti) for ti in body["task_instances"] if ti.get("map_index", -1) == -1)
+            if not body["task_instances"] or len(out) >= body["total_entries"]:
+                return out
+
+    async def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
+        path = (
+            f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}/taskInstances/"
+            f"{quote(task_id, safe='')}/xcomEntries/return_value"
+        )
+        body = await self.get(path, missing_ok=True)
+        value = None if body is None else body.get("value")
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = json.loads(value)
+        return value
+
+
+def _final_path(uri: Any, run_id: str, name: str) -> Any:
+    """The path of a published output named in the publish task's XCom, if it is where publish
+    writes (``<store>/<job>/<run>/final/<name>`` in a configured store); else None."""
+    if not isinstance(uri, str):
+        return None
+    for store in store_roots():
+        try:
+            path = store.resolve_uri(uri)
+        except FlareAirflowError:
+            continue
+        if path.name == name and path.parent.name == "final" and path.parent.parent.name == run_component(run_id):
+            return path
+    return None
+
+
+_NAMES = {"model": "model.safetensors", "metrics": "metrics.json", "plot": "metrics.png"}
+
+
+def _sha256_of(path: Any) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as fh:
+        while piece := fh.read(CHUNK):
+            digest.update(piece)
+            size += len(piece)
+    return digest.hexdigest(), size
+
+
+def _outputs(run_id: str, published: Any) -> dict[str, Any]:
+    """name -> path of the run's published outputs that exist in a configured store."""
+    if not isinstance(published, Mapping):
+        return {}
+    found = {}
+    for name, (key, _, _) in FILES.items():
+        path = _final_path(published.get(key), run_id, _NAMES[name])
+        if path is not None and path.exists():
+            found[name] = path
+    return found
+
+
+def _describe(base: str, dag_id: str, run_id: str, outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Download links with sha256: the model's from its record (what the store vouches for), the
+    others hashed now."""
+    out = []
+    for name, path in outputs.items():
+        if name == "model":
+            try:
+                record = read_record(path)
+            except FlareAirflowError as exc:
+                raise HTTPException(500, f"the final model's record is unusable: {exc}") from None
+            sha, size, source = record.sha256, path.stat().st_size, "record (model.json)"
+        else:
+            (sha, size), source = _sha256_of(path), "computed now"
+        out.append(
+            {
+                "name": name,
+                "label": FILES[name][1],
+                "href": f"{base}/api/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}/files/{name}",
+                "sha256": sha,
+                "sha256_from": source,
+                "size": size,
+            }
+        )
+    return out
+
+
+def _read_metrics(path: Any) -> dict[str, Any] | None:
+    with path.open("rb") as fh:
+        data = fh.read(MAX_METRICS_BYTES + 1)
+    if len(data) > MAX_METRICS_BYTES:
+        raise HTTPException(500, f"{path} is larger than {MAX_METRICS_BYTES} bytes")
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise HTTPException(500, f"{path} is not valid JSON: {exc}") from None
+    return value if isinstance(value, dict) else None
+
+
+async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView, list[dict[str, Any]]]:
+    async with AirflowAPI(request) as api:
+        run = await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}")
+        tis = await api.task_instances(dag_id, run_id)
+        wanted = [t for t, ti in tis.items() if ti.get("state") in ("success", "failed") or t == "prepare"]
+        values = await asyncio.gather(*(api.xcom(dag_id, run_id, t) for t in wanted))
+    xcoms = {t: v for t, v in zip(wanted, values, strict=True) if v is not None}
+    outputs = await run_in_threadpool(_outputs, run_id, xcoms.get("publish"))
+    metrics = await run_in_threadpool(_read_metrics, outputs["metrics"]) if "metrics" in outputs else None
+    view = build_run_view(dag_id, run, tis, xcoms, metrics)
+    downloads = await run_in_threadpool(_describe, ui_base() + PREFIX, dag_id, run_id, outputs)
+    return view, downloads
+
+
+@app.get("/", response_class=HTMLResponse)
+async def index(request: Request, user: GetUserDep) -> str:
+    """The federated DAGs the user may read, with their latest run."""
+    async with AirflowAPI(request) as api:
+        dags = (await api.get("/dags", tags=FEDERATED_TAG, limit=100, order_by="dag_id"))["dags"]
+        runs = await asyncio.gather(
+            *(api.get(f"/dags/{quote(d['dag_id'], safe='')}/dagRuns", limit=1, order_by="-run_after") for d in dags)
+        )
+    for dag, found in zip(dags, runs, strict=True):
+        dag["runs"] = found["dag_runs"]
+    return page.index_page(ui_base() + PREFIX, dags)
+
+
+@app.get("/dags/{dag_id}", response_class=HTMLResponse, dependencies=[read_runs])
+async def dag_runs(request: Request, dag_id: str) -> str:
+    async with AirflowAPI(request) as api:
+        body = await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns", limit=50, order_by="-run_after")
+    return page.dag_page(ui_base() + PREFIX, ui_base(), dag_id, body["dag_runs"])
+
+
+@app.get("/dags/{dag_id}/runs/{run_id}", response_class=HTMLResponse, dependencies=[read_runs])
+async def run_html(request: Request, dag_id: str, run_id: str, fragment: bool = False) -> str:
+    view, downloads = await _run_data(request, dag_id, run_id)
+    if fragment:
+        return page.run_content(view, ui_base() + PREFIX, ui_base(), downloads)
+    return page.run_page(view, ui_base() + PREFIX, ui_base(), downloads)
+
+
+@app.get("/api/dags/{dag_id}/runs/{run_id}", dependencies=[read_runs])
+async def run_json(request: Request, dag_id: str, run_id: str) -> JSONResponse:
+    """The page's data as JSON: rounds x sites, the per-round rows, the charts' series, downloads."""
+    from dataclasses import asdict
+
+    from flare_airflow.ui.view import charts
+
+    view, downloads = await _run_data(request, dag_id, run_id)
+    return JSONResponse(
+        {
+            **asdict(view),
+            "finished": view.finished,
+            "charts": [asdict(c) for c in charts(view)],
+            "downloads": downloads,
+        }
+    )
+
+
+def _chunks(path: Any) -> Iterator[bytes]:
+    with path.open("rb") as fh:
+        while piece := fh.read(CHUNK):
+            yield piece
+
+
+@app.get("/api/dags/{dag_id}/runs/{run_id}/files/{name}", dependencies=[read_runs])
+async def download(request: Request, dag_id: str, run_id: str, name: str) -> StreamingResponse:
+    """One published output of the run, streamed from the store (any scheme the store supports)."""
+    if name not in FILES:
+        raise HTTPException(404, f"no output {name!r}; one of {', '.join(FILES)}")
+    async with AirflowAPI(request) as api:
+        await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}")
+        published = await api.xcom(dag_id, run_id, "publish")
+    outputs = await run_in_threadpool(_outputs, run_id, published)
+    if name not in outputs:
+        raise HTTPException(404, f"run {run_id} of {dag_id} has no published {FILES[name][1]} (did publish succeed?)")
+    path = outputs[name]
+    headers = {"Content-Disposition": f'attachment; filename="{run_component(run_id)}-{_NAMES[name]}"'}
+    if name == "model":
+        headers["X-Flare-Sha256"] = (await run_in_threadpool(read_record, path)).sha256
+
+    async def body() -> AsyncIterator[bytes]:
+        async for piece in iterate_in_threadpool(_chunks(path)):
+            yield piece
+
+    return StreamingResponse(body(), media_type=FILES[name][2], headers=headers)

@@ -1,0 +1,224 @@
+"""What the Federated runs page shows for one run, computed from what Airflow's REST API returns
+(task instances, XComs, the run) and from the run's ``metrics.json``. No Airflow import: the
+FastAPI app fetches, this module shapes, :mod:`flare_airflow.ui.page` renders.
+
+Per-round rows are :func:`flare_airflow.core.report.round_row` rows -- the same rows the publish
+task writes into ``metrics.json`` -- so the page and the file cannot disagree: once a run is
+published the page reads the file; while it runs it builds the rows of the finished rounds from
+their aggregation summaries (XCom) with the same function.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flare_airflow.core.report import TRAIN_LOSS_KEYS, round_row
+
+AGGREGATE_TASK = "global_model"  # the builder's name for a round's aggregation task
+_ROUND_TASK = re.compile(r"^round_(\d+)\.(.+)$")
+FINISHED_RUN_STATES = frozenset({"success", "failed"})
+FEDERATED_TAG = "federated-learning"
+
+
+@dataclass
+class SiteCell:
+    """One site job (one site, one round): its task's state and what it sent."""
+
+    task_id: str
+    state: str  # the task's state, or "not counted" when it succeeded but the round rejected its update
+    try_number: int = 0
+    num_samples: int | None = None
+    train_loss: float | None = None
+    reason: str | None = None  # why it did not count / failed (from the round's summary)
+
+
+@dataclass
+class RoundView:
+    round: int
+    aggregate_task_id: str
+    aggregate_state: str
+    sites: dict[str, SiteCell] = field(default_factory=dict)
+    valid: int | None = None  # updates counted (from the summary), None while not aggregated
+
+
+@dataclass
+class RunView:
+    dag_id: str
+    run_id: str
+    state: str
+    sites: list[str]
+    rounds: list[RoundView]
+    rows: list[dict[str, Any]]  # report rows (core.report.round_row) of the aggregated rounds
+    min_clients: int | None
+    params: dict[str, Any]
+    rows_from: str  # "metrics.json" or "xcom"
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED_RUN_STATES
+
+
+def task_layout(task_ids: list[str]) -> tuple[list[int], list[str]]:
+    """Rounds and sites of a federated DAG from its task ids (``round_<n>.<site>``, ``round_<n>.global_model``)."""
+    rounds: set[int] = set()
+    sites: list[str] = []
+    for task_id in task_ids:
+        m = _ROUND_TASK.match(task_id)
+        if not m:
+            continue
+        rounds.add(int(m.group(1)))
+        if m.group(2) != AGGREGATE_TASK and m.group(2) not in sites:
+            sites.append(m.group(2))
+    return sorted(rounds), sorted(sites)
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def train_loss(metrics: Mapping[str, Any] | None) -> float | None:
+    for key in TRAIN_LOSS_KEYS:
+        value = (metrics or {}).get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def build_run_view(
+    dag_id: str,
+    run: Mapping[str, Any],
+    task_instances: Mapping[str, Mapping[str, Any]],
+    xcoms: Mapping[str, Any],
+    metrics: Mapping[str, Any] | None,
+) -> RunView:
+    """The page's model of one run.
+
+    ``task_instances``: task id -> the REST API's task instance (``state``, ``try_number``).
+    ``xcoms``: task id -> that task's ``return_value`` XCom (absent when it has none).
+    ``metrics``: the published ``metrics.json`` or None.
+    """
+    rounds, sites = task_layout(list(task_instances))
+    prepare = _mapping(xcoms.get("prepare"))
+    requested = prepare.get("rounds") if isinstance(prepare.get("rounds"), int) else None
+    summaries: dict[int, Mapping[str, Any]] = {}
+    for r in rounds:
+        summary = xcoms.get(f"round_{r}.{AGGREGATE_TASK}")
+        if isinstance(summary, Mapping) and summary.get("round") == r:
+            summaries[r] = summary
+    if metrics and isinstance(metrics.get("rounds"), list):
+        rows = [dict(row) for row in metrics["rounds"]]
+        rows_from = "metrics.json"
+    else:
+        rows = [round_row(summaries[r], len(sites)) for r in sorted(summaries)]
+        rows_from = "xcom"
+    views = []
+    for r in rounds:
+        summary = summaries.get(r, {})
+        rejected = dict(summary.get("rejected") or {})
+        agg_id = f"round_{r}.{AGGREGATE_TASK}"
+        view = RoundView(
+            round=r,
+            aggregate_task_id=agg_id,
+            aggregate_state=str(task_instances.get(agg_id, {}).get("state") or "none"),
+            valid=len(summary["accepted"]) if isinstance(summary.get("accepted"), list) else None,
+        )
+        site_metrics = dict(summary.get("site_metrics") or {})
+        for site in sites:
+            task_id = f"round_{r}.{site}"
+            ti = task_instances.get(task_id, {})
+            sent = _mapping(xcoms.get(task_id))
+            state = str(ti.get("state") or "none")
+            reason = rejected.get(site)
+            if state == "success" and reason is not None:
+                state = "not counted"
+            samples = sent.get("num_samples")
+            view.sites[site] = SiteCell(
+                task_id=task_id,
+                state=state,
+                try_number=int(ti.get("try_number") or 0),
+                num_samples=samples if isinstance(samples, int) else None,
+                train_loss=train_loss(sent.get("metrics")) if sent else train_loss(site_metrics.get(site)),
+                reason=str(reason) if reason is not None else None,
+            )
+        views.append(view)
+    params = {
+        "conf": dict(run.get("conf") or {}),
+        "rounds": requested,
+        "min_clients": prepare.get("min_clients"),
+        "hparams": dict(prepare.get("hparams") or {}),
+        "round 0 model": prepare.get("source"),
+    }
+    return RunView(
+        dag_id=dag_id,
+        run_id=str(run.get("dag_run_id") or run.get("run_id")),
+        state=str(run.get("state") or "none"),
+        sites=sites,
+        rounds=views,
+        rows=rows,
+        min_clients=prepare.get("min_clients") if isinstance(prepare.get("min_clients"), int) else None,
+        params=params,
+        rows_from=rows_from,
+    )
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    points: list[tuple[int, float]]  # (round, value), one per round that has the value
+
+
+@dataclass(frozen=True)
+class Chart:
+    key: str
+    title: str
+    y_label: str
+    series: list[Series]
+    reference: tuple[str, float] | None = None  # a horizontal line (name, value): the quorum
+    integer_y: bool = False
+
+
+def _points(rows: list[dict[str, Any]], value: Any) -> list[tuple[int, float]]:
+    out = []
+    for row in rows:
+        v = value(row)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out.append((int(row["round"]), float(v)))
+    return out
+
+
+def charts(view: RunView) -> list[Chart]:
+    """The four per-round charts, one point per aggregated round."""
+    rows = view.rows
+    site_series = [
+        Series(site, _points(rows, lambda row, s=site: train_loss((row.get("site_metrics") or {}).get(s))))
+        for site in view.sites
+    ]
+    return [
+        Chart(
+            "accuracy",
+            "Global model accuracy (held-out)",
+            "accuracy",
+            [Series("global accuracy", _points(rows, lambda row: (row.get("evaluation") or {}).get("accuracy")))],
+        ),
+        Chart(
+            "loss",
+            "Global model loss (held-out) and mean training loss",
+            "loss",
+            [
+                Series("global loss", _points(rows, lambda row: (row.get("evaluation") or {}).get("loss"))),
+                Series("mean train loss", _points(rows, lambda row: row.get("train_loss"))),
+            ],
+        ),
+        Chart("site_loss", "Training loss per site", "train loss", site_series),
+        Chart(
+            "valid",
+            "Valid updates per round",
+            "updates",
+            [Series("valid updates", _points(rows, lambda row: row.get("sites_valid")))],
+            reference=("min_clients", float(view.min_clients)) if view.min_clients is not None else None,
+            integer_y=True,
+        ),
+    ]

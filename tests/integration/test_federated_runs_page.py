@@ -1,0 +1,277 @@
+"""The Federated runs page in real Airflow (api-server, scheduler, dag-processor, triggerer on
+SQLite, started by `make airflow`'s launcher) and a real browser (Debian's headless Chromium,
+driven by Playwright; no browser download).
+
+One Airflow for the module: the demo DAG (digits, 3 of its 5 rounds) and a job whose site-4 fails
+every round run side by side; the page is opened while the demo run is still running and must
+update itself to the final numbers. Screenshots are saved in the module's tmp dir (path printed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+import yaml
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from tests.harness import behave_job
+from tests.local_airflow import REPO, Api, LocalAirflow, process_tree, started
+
+CHROMIUM = "/usr/bin/chromium"
+PASSWORDS = {"admin": "admin-pw-for-test", "outsider": "outsider-pw-for-test"}
+DEMO, ONE_DOWN = "flare_digits", "flare_one_down"
+
+
+class Stack:
+    def __init__(self, airflow: LocalAirflow, root: pathlib.Path) -> None:
+        self.airflow, self.root, self.base = airflow, root, airflow.base
+        self.admin = airflow.token("admin", PASSWORDS["admin"])
+        self.outsider = airflow.token("outsider", PASSWORDS["outsider"])
+        self.api = Api(self.base, self.admin)
+        self.runs: dict[str, str] = {}
+
+    def run_url(self, dag_id: str) -> str:
+        return f"{self.base}/flare/dags/{dag_id}/runs/{quote(self.runs[dag_id], safe='')}"
+
+    def store_run_dir(self, dag_id: str) -> pathlib.Path:
+        run = quote(self.runs[dag_id], safe="")
+        published = self.api("GET", f"/dags/{dag_id}/dagRuns/{run}/taskInstances/publish/xcomEntries/return_value")
+        published = published["value"]
+        return pathlib.Path(published["metrics"].removeprefix("file://")).parent
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("ui")
+    dags = root / "dags"
+    dags.mkdir()
+    (dags / "digits_dag.py").write_text(
+        f"from flare_airflow.builder import build_dag\ndag = build_dag({str(REPO / 'dags' / 'digits.yaml')!r})\n"
+    )
+    job = behave_job(root, "one-down", sites=4, rounds=2, min_clients=3, args=["--fail", "site-4"])
+    (dags / "one_down.yaml").write_text(yaml.safe_dump(job))
+    (dags / "one_down_dag.py").write_text(
+        "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
+        "dag = build_dag(Path(__file__).with_name('one_down.yaml'))\n"
+    )
+    passwords = root / "passwords.json"
+    passwords.write_text(json.dumps(PASSWORDS))
+    airflow = LocalAirflow(
+        root,
+        dags,
+        env={
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,outsider:viewer",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+            # A test-only SimpleAuthManager subclass: the outsider may not read the demo DAG
+            # (SimpleAuthManager alone has no per-DAG permissions; see its docstring).
+            "AIRFLOW__CORE__AUTH_MANAGER": "tests.integration.dag_denying_auth_manager.DagDenyingAuthManager",
+            "FLARE_TEST_DENIED_DAGS": f"outsider:{DEMO}",
+            "PYTHONPATH": str(REPO),
+        },
+    )
+    airflow.start()
+    try:
+        s = Stack(airflow, root)
+        s.runs[DEMO] = s.api.trigger(DEMO, {"rounds": 3})
+        s.runs[ONE_DOWN] = s.api.trigger(ONE_DOWN, {"rounds": 2})
+        yield s
+    finally:
+        print(airflow.stop())
+
+
+@pytest.fixture(scope="module")
+def browser(stack: Stack) -> Iterator[Browser]:
+    with sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+        )
+        # The Playwright driver and the browser are this process's descendants.
+        ours = {
+            pid: when
+            for pid, when in process_tree(os.getpid()).items()
+            if b"chromium" in _cmdline(pid) or b"playwright" in _cmdline(pid)
+        }
+        assert any(b"chromium" in _cmdline(pid) for pid in ours), "no chromium process found"
+        try:
+            yield b
+        finally:
+            b.close()
+    deadline = time.monotonic() + 10
+    while (left := [pid for pid, when in ours.items() if started(pid) == when]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"browser processes left: {left}"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _page(browser: Browser, stack: Stack, token: str) -> Page:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    # Airflow's UI keeps the user's token in this cookie; the plugin's page (in an iframe of the
+    # UI, same origin) is authenticated by it like every API call of the UI.
+    context.add_cookies([{"name": "_token", "value": token, "url": stack.base}])
+    return context.new_page()
+
+
+def _shot(page: Page, stack: Stack, name: str) -> None:
+    path = stack.root / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    print(f"screenshot: {path}")
+
+
+def _points(page: Page, chart: str) -> dict[str, list[tuple[int, float]]]:
+    found: dict[str, list[tuple[int, float]]] = {}
+    for el in page.locator(f'svg[data-chart="{chart}"] circle.point').all():
+        series = el.get_attribute("data-series") or ""
+        found.setdefault(series, []).append(
+            (int(el.get_attribute("data-round") or 0), float(el.get_attribute("data-value") or "nan"))
+        )
+    return found
+
+
+def _metrics(stack: Stack, dag_id: str) -> dict[str, Any]:
+    return json.loads((stack.store_run_dir(dag_id) / "metrics.json").read_text())
+
+
+def test_demo_run_page_updates_while_running_and_matches_metrics_json(stack: Stack, browser: Browser) -> None:
+    page = _page(browser, stack, stack.admin)
+    page.goto(stack.run_url(DEMO))
+    assert page.locator('[data-finished="false"]').count() == 1  # opened while the run goes on
+    _shot(page, stack, "demo-running")
+    # No reload: the page refreshes its content itself until the run has finished.
+    page.wait_for_selector('[data-finished="true"]', timeout=240_000)
+    assert stack.api.wait(DEMO, stack.runs[DEMO]) == "success"
+    page.reload()  # the refreshed content and a fresh render must agree; assert on the fresh one
+    _shot(page, stack, "demo-finished")
+    states = stack.api.task_states(DEMO, stack.runs[DEMO])
+    sites = ["site-1", "site-2", "site-3", "site-4"]
+    for r in range(1, 6):
+        row = page.locator(f'table.rounds tr[data-round="{r}"]')
+        assert row.count() == 1, r
+        for site in sites:
+            cell = row.locator(f'td[data-site="{site}"]')
+            expected = states[f"round_{r}.{site}"]
+            assert cell.get_attribute("data-state") == expected == ("success" if r <= 3 else "skipped")
+            log = cell.locator("a.log").get_attribute("href")
+            assert log == f"/dags/{DEMO}/runs/{quote(stack.runs[DEMO], safe='')}/tasks/round_{r}.{site}?try_number=1"
+            if r <= 3:
+                assert "samples" in cell.inner_text() and "train loss" in cell.inner_text()
+        aggregate = row.locator("td.aggregate")
+        assert aggregate.get_attribute("data-state") == ("success" if r <= 3 else "skipped")
+    rows = _metrics(stack, DEMO)["rounds"]
+    assert [row["round"] for row in rows] == [1, 2, 3]
+
+    def per_round(value: Any) -> list[tuple[int, float]]:
+        return [(row["round"], float(value(row))) for row in rows]
+
+    assert _points(page, "accuracy") == {"global accuracy": per_round(lambda row: row["evaluation"]["accuracy"])}
+    assert _points(page, "loss") == {
+        "global loss": per_round(lambda row: row["evaluation"]["loss"]),
+        "mean train loss": per_round(lambda row: row["train_loss"]),
+    }
+    assert _points(page, "site_loss") == {
+        site: per_round(lambda row, s=site: row["site_metrics"][s]["train_loss"]) for site in sites
+    }
+    assert _points(page, "valid") == {"valid updates": per_round(lambda row: row["sites_valid"])}
+    quorum = page.locator('svg[data-chart="valid"] line.reference')
+    assert (
+        quorum.get_attribute("data-reference") == "min_clients" and float(quorum.get_attribute("data-value") or 0) == 3
+    )
+    params = page.locator("h2:text('Parameters') + table").inner_text()
+    assert '{"rounds": 3}' in params and "lr" in params
+    # Each download link names the sha256 the page shows.
+    files = {
+        el.get_attribute("data-file"): el.locator("td.sha").inner_text() for el in page.locator("tr[data-file]").all()
+    }
+    assert set(files) == {"model", "metrics", "plot"}
+    assert files["model"] == _metrics(stack, DEMO)["sha256"]
+
+
+def test_page_in_airflow_ui_nav_and_admin_plugins(stack: Stack, browser: Browser) -> None:
+    page = _page(browser, stack, stack.admin)
+    page.goto(f"{stack.base}/plugin/federated-runs")
+    frame = page.frame_locator("iframe")
+    frame.locator(f'tr[data-dag="{DEMO}"]').wait_for(timeout=60_000)
+    assert frame.locator(f'tr[data-dag="{ONE_DOWN}"]').count() == 1
+    _shot(page, stack, "airflow-nav")
+    plugins = stack.api("GET", "/plugins")["plugins"]
+    (ours,) = [p for p in plugins if p["name"] == "flare_airflow"]
+    assert ours["fastapi_apps"][0]["url_prefix"] == "/flare"
+    assert ours["external_views"][0]["url_route"] == "federated-runs"
+
+
+def test_failing_site_fails_every_round_and_the_round_still_counts(stack: Stack, browser: Browser) -> None:
+    assert stack.api.wait(ONE_DOWN, stack.runs[ONE_DOWN]) == "success"
+    page = _page(browser, stack, stack.admin)
+    page.goto(stack.run_url(ONE_DOWN))
+    page.wait_for_selector('[data-finished="true"]')
+    _shot(page, stack, "one-site-down")
+    for r in (1, 2):
+        row = page.locator(f'table.rounds tr[data-round="{r}"]')
+        assert row.locator('td[data-site="site-4"]').get_attribute("data-state") == "failed"
+        assert "exit code 3" in row.locator('td[data-site="site-4"]').inner_text()
+        for i in (1, 2, 3):
+            assert row.locator(f'td[data-site="site-{i}"]').get_attribute("data-state") == "success"
+        aggregate = row.locator("td.aggregate")
+        assert aggregate.get_attribute("data-state") == "success" and "3/4 valid" in aggregate.inner_text()
+    assert _points(page, "valid") == {"valid updates": [(1, 3.0), (2, 3.0)]}
+    assert [row["sites_valid"] for row in _metrics(stack, ONE_DOWN)["rounds"]] == [3, 3]
+
+
+def test_endpoints_need_a_token_and_dag_access(stack: Stack) -> None:
+    assert stack.api.wait(DEMO, stack.runs[DEMO]) == "success"
+    demo = quote(stack.runs[DEMO], safe="")
+    other = quote(stack.runs[ONE_DOWN], safe="")
+    urls = [
+        f"/flare/dags/{DEMO}",
+        f"/flare/dags/{DEMO}/runs/{demo}",
+        f"/flare/api/dags/{DEMO}/runs/{demo}",
+        f"/flare/api/dags/{DEMO}/runs/{demo}/files/model",
+    ]
+    for url in ["/flare/", *urls]:
+        assert httpx.get(stack.base + url, timeout=30).status_code == 401, url
+    outsider = {"Authorization": f"Bearer {stack.outsider}"}
+    for url in urls:
+        r = httpx.get(stack.base + url, headers=outsider, timeout=30)
+        assert r.status_code == 403, (url, r.status_code, r.text[:300])
+    # The same user reads the DAG it may read: the denial is per DAG, decided by the auth manager.
+    r = httpx.get(f"{stack.base}/flare/api/dags/{ONE_DOWN}/runs/{other}", headers=outsider, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    index = httpx.get(f"{stack.base}/flare/", headers=outsider, timeout=30).text
+    assert ONE_DOWN in index and DEMO not in index
+
+
+def test_downloads_stream_the_published_bytes(stack: Stack) -> None:
+    assert stack.api.wait(DEMO, stack.runs[DEMO]) == "success"
+    admin = {"Authorization": f"Bearer {stack.admin}"}
+    run = quote(stack.runs[DEMO], safe="")
+    final = stack.store_run_dir(DEMO)
+    record = json.loads((final / "model.json").read_text())
+    with httpx.stream("GET", f"{stack.base}/flare/api/dags/{DEMO}/runs/{run}/files/model", headers=admin) as r:
+        assert r.status_code == 200
+        digest = hashlib.sha256()
+        for piece in r.iter_bytes():
+            digest.update(piece)
+    assert digest.hexdigest() == record["sha256"] == r.headers["x-flare-sha256"]
+    for name, file in (("metrics", "metrics.json"), ("plot", "metrics.png")):
+        body = httpx.get(f"{stack.base}/flare/api/dags/{DEMO}/runs/{run}/files/{name}", headers=admin).content
+        assert body == (final / file).read_bytes()
+    data = httpx.get(f"{stack.base}/flare/api/dags/{DEMO}/runs/{run}", headers=admin).json()
+    shas = {d["name"]: d["sha256"] for d in data["downloads"]}
+    assert shas["model"] == record["sha256"]
+    assert shas["metrics"] == hashlib.sha256((final / "metrics.json").read_bytes()).hexdigest()
+    assert httpx.get(f"{stack.base}/flare/api/dags/{DEMO}/runs/{run}/files/secrets", headers=admin).status_code == 404

@@ -1,0 +1,94 @@
+"""The Federated runs page's model of a run and its SVG charts (pure functions, no Airflow)."""
+
+from __future__ import annotations
+
+import re
+
+from flare_airflow.core.report import round_row
+from flare_airflow.ui import page, svg
+from flare_airflow.ui.view import build_run_view, charts, task_layout
+
+SITES = ["site-1", "site-2", "site-3"]
+
+
+def _summary(r: int, rejected: dict[str, str] | None = None) -> dict:
+    rejected = rejected or {}
+    accepted = [s for s in SITES if s not in rejected]
+    return {
+        "round": r,
+        "accepted": accepted,
+        "rejected": rejected,
+        "num_samples": 10 * len(accepted),
+        "metrics": {"train_loss": 1.0 / r},
+        "site_metrics": {s: {"train_loss": 1.0 / r + i} for i, s in enumerate(accepted)},
+        "evaluation": {"accuracy": 0.5 + r / 10, "loss": 2.0 / r},
+        "global_uri": f"file:///s/round-{r:04d}/global.safetensors",
+        "sha256": "0" * 64,
+    }
+
+
+def _tis(rounds: int, states: dict[str, str]) -> dict[str, dict]:
+    tis = {"prepare": {"state": "success", "try_number": 1}}
+    for r in range(1, rounds + 1):
+        for s in SITES:
+            tis[f"round_{r}.{s}"] = {"state": states.get(f"round_{r}.{s}", "success"), "try_number": 1}
+        tis[f"round_{r}.global_model"] = {"state": states.get(f"round_{r}.global_model", "success"), "try_number": 1}
+    return tis
+
+
+def _xcoms(rounds: int, rejected: dict[str, str]) -> dict:
+    x: dict = {"prepare": {"rounds": rounds, "min_clients": 2, "hparams": {"lr": 0.1}, "source": "initial"}}
+    for r in range(1, rounds + 1):
+        x[f"round_{r}.global_model"] = _summary(r, rejected)
+        for s in SITES:
+            x[f"round_{r}.{s}"] = {"num_samples": 10, "metrics": {"train_loss": 0.25}, "sha256": "1" * 64}
+    return x
+
+
+def test_layout_from_task_ids() -> None:
+    ids = ["prepare", "round_2.b", "round_1.a", "round_1.global_model", "round_10.a", "publish"]
+    assert task_layout(ids) == ([1, 2, 10], ["a", "b"])
+
+
+def test_a_running_run_reads_rows_from_xcom_with_core_report() -> None:
+    tis = _tis(3, {"round_3.site-1": "running", "round_3.global_model": "none"})
+    xcoms = _xcoms(2, {})
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "running", "conf": {"rounds": 3}}, tis, xcoms, None)
+    assert view.rows_from == "xcom" and not view.finished
+    assert view.rows == [round_row(_summary(1), 3), round_row(_summary(2), 3)]
+    assert view.rounds[2].sites["site-1"].state == "running" and view.rounds[2].valid is None
+    assert view.min_clients == 2 and view.params["hparams"] == {"lr": 0.1}
+
+
+def test_a_site_whose_update_was_rejected_is_not_counted_and_a_failed_one_failed() -> None:
+    rejected = {"site-2": "update has NaN", "site-3": "trainer failed: exit code 3"}
+    tis = _tis(1, {"round_1.site-3": "failed"})
+    view = build_run_view("d", {"dag_run_id": "r", "state": "failed"}, tis, _xcoms(1, rejected), None)
+    cells = view.rounds[0].sites
+    assert (cells["site-1"].state, cells["site-2"].state, cells["site-3"].state) == ("success", "not counted", "failed")
+    assert cells["site-2"].reason == "update has NaN" and cells["site-3"].reason == rejected["site-3"]
+    assert cells["site-1"].num_samples == 10 and cells["site-1"].train_loss == 0.25
+    assert view.rounds[0].valid == 1
+
+
+def test_published_metrics_json_wins_and_charts_have_one_point_per_round() -> None:
+    metrics = {"rounds": [round_row(_summary(r), 3) for r in (1, 2)]}
+    metrics["rounds"][1]["evaluation"]["accuracy"] = 0.123456789
+    view = build_run_view("d", {"dag_run_id": "r", "state": "success"}, _tis(2, {}), _xcoms(2, {}), metrics)
+    assert view.rows_from == "metrics.json"
+    found = {c.key: c for c in charts(view)}
+    assert found["accuracy"].series[0].points == [(1, 0.6), (2, 0.123456789)]
+    assert [s.name for s in found["site_loss"].series] == SITES
+    assert found["valid"].reference == ("min_clients", 2.0)
+    html = svg.render(found["accuracy"])
+    values = re.findall(r'<circle class="point"[^>]*data-round="(\d+)" data-value="([^"]+)"', html)
+    assert values == [("1", "0.6"), ("2", "0.123456789")]
+
+
+def test_an_empty_chart_says_so_and_names_are_escaped() -> None:
+    view = build_run_view("d<x>", {"dag_run_id": "r&1", "state": "queued"}, _tis(1, {}), {}, None)
+    assert all("no round aggregated yet" in svg.render(c) for c in charts(view))
+    html = page.run_page(view, "/flare", "", [])
+    assert "d<x>" not in html and "d&lt;x&gt;" in html
+    assert "setInterval" in html  # a run not finished refreshes itself
+    assert "/dags/d%3Cx%3E/runs/r%261/tasks/round_1.site-1?try_number=1" in html
