@@ -17,6 +17,9 @@
    the same updates vs NVFlare's ``WeightedAggregationHelper`` (~10 min; ``--only nvflare`` writes
    ``benchmarks/results/nvflare.md``; ``--only nvflare-aggregation`` runs its aggregation part alone,
    ~3 min, into ``benchmarks/results/nvflare_aggregation.md``).
+6. **rounds** -- a run of R of a job's M rounds next to a job of exactly R rounds under the real
+   scheduler (PostgreSQL, LocalExecutor): what the rounds a run does not ask for cost (~4 min;
+   ``benchmarks/results/skipped_rounds.md``).
 
 The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details
 (``--only k8s``: to ``benchmarks/results/k8s_api.md``, ``--only fedavg``: ``fedavg.md``, and so on,
@@ -38,6 +41,7 @@ import bench_e2e
 import bench_fedavg
 import bench_k8s_api
 import bench_nvflare
+import bench_rounds
 import bench_scale
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
 
@@ -52,6 +56,7 @@ OWN_OUTPUTS = {
     "scale": SCALE_OUTPUT,
     "nvflare": NVFLARE_OUTPUT,
     "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
+    "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
 }
 
 
@@ -62,7 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--only",
-        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation"),
+        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation", "rounds"),
         help="run one benchmark (all but e2e write a report of their own)",
     )
     p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
@@ -116,6 +121,10 @@ def main(argv: list[str]) -> int:
             log("[nvflare] side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("5. Side by side with NVIDIA FLARE 2.9.0", tables))
+        if args.only in (None, "rounds"):
+            log("[rounds] R of M rounds vs exactly R rounds under the real scheduler ...")
+            tables = bench_rounds.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("6. Rounds a run does not ask for, under the real scheduler", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(

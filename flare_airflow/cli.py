@@ -112,6 +112,14 @@ def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
             print(f"  {path}:\n    " + text.replace("\n", "\n    "), file=sys.stderr)
         print(f"(Airflow's output: {log_path})", file=sys.stderr)
         return 1
+    if "ParamValidationError:" in error:
+        detail = error.split("ParamValidationError:", 1)[1].strip().splitlines()[0]
+        print(
+            f"error: --conf refused before a run was created: {detail}; the trigger form's fields and their ranges "
+            "are in docs/dag-authors.md (The trigger form)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         state = run_state(args.dag_id, newer_than=before)
     except FlareAirflowError as exc:
@@ -143,8 +151,13 @@ def _verdict(state: dict[str, Any], log_path: str) -> int:
     elif not ok:
         print(f"FAILED: run {state['run_id']} ended {state['state']}; see {log_path}", file=sys.stderr)
     failed = {t: i for t, i in bad.items() if i["state"] == "failed"}
-    # The failing aggregation first (its reason names the round and every failed site), then sites.
-    for task_id, info in sorted(failed.items(), key=lambda kv: (not kv[0].endswith("global_model"), kv[0])):
+
+    # prepare (nothing ran), then the failing aggregation (its reason names the round and every
+    # failed site), then sites.
+    def order(task_id: str) -> tuple[int, str]:
+        return (0 if task_id.endswith("prepare") else 1 if task_id.endswith("global_model") else 2, task_id)
+
+    for task_id, info in sorted(failed.items(), key=lambda kv: order(kv[0])):
         print(f"  {task_id}: {info.get('reason') or 'no reason recorded (see the log)'}", file=sys.stderr)
     not_run = sorted(t for t in bad if t not in failed)
     if not_run:

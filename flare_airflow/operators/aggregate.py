@@ -18,6 +18,7 @@ from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
     FAILURE_XCOM_KEY,
     FINISHED_STATES,
+    RunParamsError,
     failure_to_xcom,
     run_id_of,
     run_params,
@@ -70,8 +71,12 @@ class AggregateOperator(BaseOperator):
 
     @failure_to_xcom
     def execute(self, context: Context) -> dict[str, Any]:
-        params = run_params(context, self.job)
         job, r = self.job, self.round_num
+        try:
+            params = run_params(context, job)
+        except RunParamsError as exc:
+            # prepare failed on the same and nothing of this round ran: not a second failure.
+            raise AirflowSkipException(f"round {r} not aggregated: invalid run parameters ({exc})") from None
         if r > params.rounds:
             raise AirflowSkipException(f"round {r} skipped: this run asked for {params.rounds} rounds")
         store = store_for(job)

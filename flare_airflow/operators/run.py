@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow.sdk import Asset, BaseOperator, Context
+from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.airflow_pools import live_pools_from_api
@@ -41,11 +42,13 @@ def final_model_asset(job: JobConfig) -> Asset:
     return Asset(name=f"flare_airflow.{job.job}.global_model", uri=str(store_for(job).latest_pointer(job.job)))
 
 
-class PrepareRunOperator(BaseOperator):
+class PrepareRunOperator(BaseOperator, SkipMixin):
     """Check the run's form values and write the round-0 global model.
 
     The round-0 model is the job's ``initial_model`` or, with ``warm_start``, the final model of
-    the job's last successful run (verified against its recorded sha256).
+    the job's last successful run (verified against its recorded sha256). A run that asks for
+    fewer rounds than the job has gets the later rounds' tasks skipped here, all at once: under
+    the scheduler each skipped task would otherwise cost a task process of its own.
     """
 
     ui_color = "#e5e5ff"
@@ -101,7 +104,7 @@ class PrepareRunOperator(BaseOperator):
         target = store.global_model(self.job.job, run_id, 0)
         record = write_artifact(target, FLModel(params=model_params, meta={"source": source}))
         self.log.info("round 0 global model: %s (%s)", target, source)
-        return {
+        result = {
             "global_uri": str(target),
             "sha256": record.sha256,
             "source": source,
@@ -109,6 +112,29 @@ class PrepareRunOperator(BaseOperator):
             "min_clients": params.min_clients,
             "hparams": params.hparams,
         }
+        self._skip_later_rounds(context, params.rounds, result)
+        return result
+
+    def _skip_later_rounds(self, context: Context, rounds: int, result: dict[str, Any]) -> None:
+        """Skip every task of the rounds beyond ``rounds`` in one call (the task itself succeeds)."""
+        later = [
+            task
+            for task in self.get_flat_relatives(upstream=False)
+            if isinstance(round_num := getattr(task, "round_num", None), int) and round_num > rounds
+        ]
+        if not later:
+            return
+        self.log.info(
+            "this run asked for %d of %d rounds: skipping rounds %d-%d",
+            rounds,
+            self.job.rounds,
+            rounds + 1,
+            self.job.rounds,
+        )
+        ti: Any = context["ti"]
+        # skip() ends execute with an exception, so the return value is pushed here.
+        ti.xcom_push(key="return_value", value=result)
+        self.skip(ti=ti, tasks=later)
 
 
 _POINTER_KEYS = {"run_id": str, "model_uri": str, "sha256": str, "round": int}
@@ -216,7 +242,12 @@ class PublishOperator(BaseOperator):
         updates its site tasks hold now.
         """
         ti = context["ti"]
-        rounds = run_params(context, self.job).rounds
+        try:
+            rounds = run_params(context, self.job).rounds
+        except RunParamsError as exc:
+            # prepare failed on the same and no round ran. Failed, not skipped: publish is the
+            # leaf that decides the run's state, and a skipped leaf would make the run a success.
+            raise AirflowFailException(f"nothing published: invalid run parameters ({exc})") from None
         requested = self.aggregate_task_ids[:rounds]
         states = task_states(context, requested)
         summaries: list[dict[str, Any]] = []

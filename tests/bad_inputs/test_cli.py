@@ -210,6 +210,18 @@ case(
     code=1,
 )
 
+case(
+    "run-conf-out-of-range",
+    "flare-airflow run --conf '{\"rounds\": 99}' for a 3-round job (was: a JSON schema dump)",
+    "--conf refused before a run was created: Invalid input for param rounds: 99 is greater than the maximum of 3",
+    ["run", "flare_demo", "--dagfile", "{dir}/demo_dag.py", "--conf", '{"rounds": 99}', "--log", "{dir}/run.log"],
+    {
+        "job.yaml": JOB,
+        "demo_dag.py": "from flare_airflow.builder import build_dag\n\n"
+        "dag = build_dag(__file__.rsplit('/', 1)[0] + '/job.yaml', dag_id='flare_demo')\n",
+    },
+)
+
 
 def _nan_model() -> bytes:
     import numpy as np

@@ -32,8 +32,11 @@ def test_one_site_failing_every_round_still_completes(airflow_home: AirflowHome)
         assert tasks[f"round_{r}.site-4"] == "failed"
         assert all(tasks[f"round_{r}.site-{i}"] == "success" for i in (1, 2, 3))
         assert tasks[f"round_{r}.global_model"] == "success"
-    # rounds beyond the form's value are skipped, visibly
+    # rounds beyond the form's value are skipped, visibly, all at once by prepare: none of their
+    # tasks ran (under the scheduler each would cost a task process)
     assert {tasks[f"round_3.{t}"] for t in ("site-1", "site-4", "global_model")} == {"skipped"}
+    assert "asked for 2 of 3 rounds: skipping rounds 3-3" in result.log
+    assert "round 3 skipped" not in result.log
     assert tasks["publish"] == "success"
     report = result.metrics()
     assert [row["sites_valid"] for row in report["rounds"]] == [3, 3]

@@ -127,3 +127,20 @@ def test_a_dag_file_outside_the_dags_folder_runs(airflow_home: AirflowHome, tmp_
     result = airflow_home.run("flare_outside", dag_file)
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(result.tasks.values()) == {"success"}, result.tasks
+
+
+def test_an_unknown_conf_key_fails_the_run_at_prepare_only(airflow_home: AirflowHome) -> None:
+    """A typo in the conf: prepare fails naming it; nothing trains; the aggregations skip instead of
+    failing a second time; publish fails (a skipped leaf would make the run a success)."""
+    job = behave_job(airflow_home.root, "typo", sites=2, rounds=2, min_clients=2, args=[])
+    result = airflow_home.run("flare_typo", airflow_home.write_job("typo", job), conf={"round": 1})
+    assert result.state["state"] == "failed"
+    tasks = result.tasks
+    assert tasks["prepare"] == "failed" and tasks["publish"] == "failed"
+    assert {tasks[f"round_{r}.global_model"] for r in (1, 2)} == {"skipped"}
+    assert {tasks["round_1.site-1"], tasks["round_1.site-2"]} == {"upstream_failed"}
+    assert result.returncode == 1
+    reasons = [line for line in result.stderr.splitlines() if line.startswith("  ")]
+    assert reasons[0].startswith(
+        "  prepare: invalid run parameters: unknown run parameter(s) 'round' (did you mean 'rounds'?)"
+    )
