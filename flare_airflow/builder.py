@@ -5,7 +5,8 @@ Shape (one TaskGroup per round, one task per site and round)::
     prepare >> round_1.[site-1, site-2, ...] >> round_1.global_model
             >> round_2.[...] >> round_2.global_model >> ... >> publish
 
-Site tasks are chosen by each site's launcher (process sites: a BashOperator-based task). Rounds
+Site tasks are chosen by each site's launcher (process sites: a BashOperator-based task; k8s: a
+KubernetesPodOperator; slurm: a deferrable batch-job task). Rounds
 beyond the run's ``rounds`` form value are skipped, visibly, in the grid.
 """
 
@@ -18,7 +19,6 @@ from typing import Any
 from airflow.sdk import DAG, Param, TaskGroup
 
 from flare_airflow.core.config import JobConfig, load_job
-from flare_airflow.core.errors import ConfigError
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, SweepPodsOperator
@@ -84,9 +84,9 @@ def site_task(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> Any:
 
         return SitePodOperator(job=job, site=site, round_num=round_num, **kwargs)
     if launcher == "slurm":
-        raise ConfigError(
-            f"site {site!r}: launcher slurm is validated but its Airflow site task is not in this build yet"
-        )
+        from flare_airflow.operators.slurm import SiteSlurmOperator
+
+        return SiteSlurmOperator(job=job, site=site, round_num=round_num, **kwargs)
     return SiteTrainOperator(job=job, site=site, round_num=round_num, **kwargs)
 
 
@@ -124,6 +124,13 @@ def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
         # change the run's outcome.
         sweep = SweepPodsOperator(task_id="sweep_pods", job=job, doc_md="Delete pods this run left behind.")
         publish >> sweep.as_teardown()
+    if any(spec.launcher == "slurm" for spec in job.sites.values()):
+        from flare_airflow.operators.slurm import SweepSlurmJobsOperator
+
+        sweep_jobs = SweepSlurmJobsOperator(
+            task_id="sweep_slurm_jobs", job=job, doc_md="Cancel SLURM jobs this run left queued or running."
+        )
+        publish >> sweep_jobs.as_teardown()
     return prepare, publish
 
 

@@ -26,6 +26,7 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": [
                     "flare_airflow.operators.site",
                     "flare_airflow.operators.pod",
+                    "flare_airflow.operators.slurm",
                     "flare_airflow.operators.aggregate",
                     "flare_airflow.operators.run",
                 ],
@@ -37,7 +38,7 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {
                 "integration-name": "Federated learning",
-                "python-modules": ["flare_airflow.triggers.pod_state"],
+                "python-modules": ["flare_airflow.triggers.pod_state", "flare_airflow.triggers.slurm_state"],
             }
         ],
     }

@@ -6,14 +6,16 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the configuration layer (pydantic) is not loaded by the process backend
-    from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec
+    from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec, SlurmLaunchSpec
     from flare_airflow.core.spec import SiteJob
 
 # What the trainer image runs the script with when the site names no trainer_command.
 IMAGE_DEFAULT_COMMAND = ("python",)
 
 
-def trainer_argv(job: JobConfig, image: KubernetesLaunchSpec | None = None) -> list[str]:
+def trainer_argv(
+    job: JobConfig, image: KubernetesLaunchSpec | None = None, *, cluster: SlurmLaunchSpec | None = None
+) -> list[str]:
     """The trainer's exact argv, ``command + [script] + trainer.args`` (never a shell string).
 
     On this host (``image`` is ``None``): the job's ``trainer.command``, by default this Python,
@@ -21,8 +23,18 @@ def trainer_argv(job: JobConfig, image: KubernetesLaunchSpec | None = None) -> l
     (``image``, the site's ``launcher_spec.k8s`` block): ``image.trainer_command``, by default
     ``python`` (the job's ``trainer.command`` names the worker's interpreter, which the image
     does not have), and ``image.trainer_script``, by default ``trainer.script`` as given.
+
+    On a SLURM cluster (``cluster``, the site's ``launcher_spec.slurm`` block):
+    ``cluster.trainer_command`` and ``cluster.trainer_script`` when given; otherwise, submitting
+    locally, this host's argv (the compute nodes share its file system and Python); through SSH,
+    the job's ``trainer.command`` (default ``python3``) and ``trainer.script`` as given.
     """
     trainer = job.trainer
+    if cluster is not None:
+        local = cluster.ssh_conn_id is None
+        cluster_command = cluster.trainer_command or trainer.command or ([sys.executable] if local else ["python3"])
+        script = cluster.trainer_script or (str(job.script_path()) if local else trainer.script)
+        return [*cluster_command, script, *trainer.args]
     if image is None:
         return [*(trainer.command or [sys.executable]), str(job.script_path()), *trainer.args]
     command = image.trainer_command or IMAGE_DEFAULT_COMMAND

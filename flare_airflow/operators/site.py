@@ -108,7 +108,8 @@ def _secret_value(ref: AirflowSecretRef) -> str:
 
 
 def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
-    """The site's ``launcher_spec.process.secret_env``, resolved on this worker and masked in logs.
+    """The site's ``launcher_spec.process.secret_env`` (``.slurm`` for SLURM sites), resolved on this
+    worker and masked in logs.
 
     Raises :class:`SiteJobFailed` naming the site, the variable and the reference it could not
     resolve. The values go to the site runner in its environment (never argv, XCom or the store).
@@ -116,7 +117,9 @@ def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
     from airflow.sdk.log import mask_secret
 
     values: dict[str, str] = {}
-    for name, ref in job.sites[site].launcher_spec.process.secret_env.items():
+    spec = job.sites[site]
+    refs = spec.launcher_spec.slurm.secret_env if spec.launcher == "slurm" else spec.launcher_spec.process.secret_env
+    for name, ref in refs.items():
         try:
             value = _secret_value(ref)
         except Exception as exc:  # the Task SDK raises several types for "not found"
@@ -281,7 +284,7 @@ def make_site_run(
         output=str(store.site_update(job.job, run_id, round_num, site)),
         staging=str(store.staging(job.job, run_id, round_num, site, try_number)),
         global_sha256=produced_sha256(context, global_task_id),
-        env=dict(process.env) if local else {},
+        env=dict(process.env) if local else dict(spec.launcher_spec.slurm.env) if spec.launcher == "slurm" else {},
         cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
         assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
         num_gpus=spec.resource_spec.num_of_gpus,

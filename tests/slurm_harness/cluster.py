@@ -251,6 +251,14 @@ class SlurmCluster:
         out = self.run("squeue", "-h", "-o", "%i %j %T").stdout
         return [line for line in out.splitlines() if line.strip()]
 
+    def settled_jobs(self, timeout: float = 10.0) -> list[str]:
+        """:meth:`jobs` once the queue is empty or ``timeout`` passed (a cancelled job is listed
+        while its steps end, up to KillWait)."""
+        deadline = time.monotonic() + timeout
+        while (left := self.jobs()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
     def cancel_all(self, timeout: float = 20.0) -> None:
         ids = [line.split()[0] for line in self.jobs()]
         if not ids:

@@ -26,9 +26,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
 
 @pytest.fixture
 def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The session's cluster; at teardown the test FAILS if any job is still queued or running."""
+    """The session's cluster; at teardown the test FAILS if any job is still queued or running
+    (10 s after the test: a cancelled job takes up to KillWait to leave the queue)."""
     yield slurm_cluster
-    left = slurm_cluster.jobs()
+    left = slurm_cluster.settled_jobs()
     if left:
         slurm_cluster.cancel_all()
         pytest.fail(f"SLURM jobs left in the queue after the test: {'; '.join(left)}")

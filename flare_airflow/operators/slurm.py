@@ -1,0 +1,302 @@
+"""Site job task for SLURM sites: the site job is one batch job on the site's cluster.
+
+The job is submitted by :class:`flare_airflow.launchers.slurm.SlurmLauncher` (the one script and
+``sbatch`` builder) from this worker or through the site's SSH connection, then watched by
+:class:`flare_airflow.triggers.slurm_state.SlurmJobTrigger` -- in the triggerer when deferrable
+(``[operators] default_deferrable``, or ``deferrable=``), in the worker otherwise; both modes run
+the same trigger, so they share one state table. Around the job, the same steps as a Kubernetes
+site's task: claim the try and clear the site's previous result before submitting, and check and
+publish what the trainer sent after it succeeded (:mod:`flare_airflow.site_task`).
+
+A job never outlives its task: a later try cancels the jobs of earlier tries (found by name) before
+submitting; ``on_kill`` (sync mode), the trigger's ``on_kill`` (deferred: marked failed, cleared),
+an execution timeout, a pending timeout and every failure path ``scancel`` it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from airflow.providers.common.compat.sdk import conf
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.bases.xcom import BaseXCom
+from airflow.sdk.exceptions import TaskDeferred
+
+from flare_airflow.core.config import JobConfig
+from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.store import path_from_uri
+from flare_airflow.hooks.slurm import slurm_commands
+from flare_airflow.launchers.errors import LaunchError
+from flare_airflow.launchers.slurm import (
+    SlurmCommandError,
+    SlurmLauncher,
+    SubmittedJob,
+    cancel,
+    list_jobs,
+    site_job_prefix,
+    try_of,
+)
+from flare_airflow.launchers.trainer import output_prefix, trainer_argv
+from flare_airflow.operators.site import (
+    SiteJobFailed,
+    check_site_task_may_run,
+    make_site_run,
+    resolve_secret_env,
+    site_failed,
+    site_task_defaults,
+)
+from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
+from flare_airflow.site_task.spec import SiteRun
+from flare_airflow.site_task.tries import Superseded, claim_try
+from flare_airflow.triggers.slurm_state import SlurmJobTrigger
+
+
+class SiteSlurmOperator(BaseOperator):
+    """Train one site for one round as a SLURM batch job.
+
+    :param job: the validated job.
+    :param site: the site (its launcher is ``slurm``).
+    :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
+    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
+    :param deferrable: wait in the triggerer (``True``) or in the worker; by default what
+        ``[operators] default_deferrable`` says.
+
+    Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
+    """
+
+    ui_color = "#b8e0d2"
+    # The Rendered Templates tab: which site job this is, and where it is submitted. The job's
+    # environment (secrets resolved per try) is never a template field.
+    template_fields: Sequence[str] = ("job_name", "site", "round_num", "connection", "partition", "account", "qos")
+
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        site: str,
+        round_num: int,
+        global_task_id: str | None = None,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        **kwargs: Any,
+    ) -> None:
+        site_task_defaults(job, site, kwargs)
+        super().__init__(**kwargs)
+        spec = job.sites[site].launcher_spec.slurm
+        self.job = job
+        self.job_name = job.job
+        self.site = site
+        self.round_num = round_num
+        self.global_task_id = global_task_id
+        self.deferrable = deferrable
+        self.connection = spec.connection
+        self.partition = spec.partition
+        self.account = spec.account
+        self.qos = spec.qos
+        self._run: SiteRun | None = None
+        self._submitted: SubmittedJob | None = None
+
+    @property
+    def spec(self) -> Any:
+        return self.job.sites[self.site].launcher_spec.slurm
+
+    def _site_run(self, context: Context) -> SiteRun:
+        if self._run is None:
+            self._run = make_site_run(
+                self.job,
+                self.site,
+                self.round_num,
+                context,
+                argv=trainer_argv(self.job, cluster=self.spec),
+                global_task_id=self.global_task_id,
+            )
+        return self._run
+
+    def _fail(self, context: Context, rc: JobReturnCode, reason: str) -> SiteJobFailed:
+        write_failure(path_from_uri(self._site_run(context).output), rc, reason)
+        return site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]")
+
+    def execute(self, context: Context) -> Any:
+        check_site_task_may_run(context, self.job, self.site, self.round_num)
+        run = self._site_run(context)
+        if run.staging:
+            claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it
+        clear_outputs(path_from_uri(run.output))
+        try:
+            secrets = resolve_secret_env(self.job, self.site)
+        except SiteJobFailed as exc:
+            raise self._fail(context, JobReturnCode.CONFIG_ERROR, str(exc)) from None
+        try_number = int(context["ti"].try_number or 1)
+        commands = slurm_commands(self.spec)
+        spec = self.job.sites[self.site]
+        launcher = SlurmLauncher(
+            self.spec, spec.resource_spec, commands=commands, try_number=try_number, hidden=secrets.values()
+        )
+        job = run.site_job()
+        try:
+            self.cancel_earlier_tries(commands, run, try_number)
+            self._submitted = launcher.submit(job, extra_env=secrets)
+        except (LaunchError, SlurmCommandError) as exc:
+            raise self._fail(context, JobReturnCode.CONFIG_ERROR, str(exc)) from None
+        submitted = self._submitted
+        self.log.info(
+            "site %s round %d: SLURM job %s (%s) submitted%s; output %s",
+            self.site,
+            self.round_num,
+            submitted.job_id,
+            submitted.name,
+            f" through {self.connection}" if self.spec.ssh_conn_id else "",
+            submitted.output,
+        )
+        trigger = self._trigger(context, submitted, prefix=output_prefix(job))
+        if self.deferrable:
+            deadline = trigger.execution_deadline
+            timeout = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.time()) + 60)
+            try:
+                self.defer(trigger=trigger, method_name="execute_complete", timeout=timeout)
+            except TaskDeferred:
+                raise
+            except BaseException:
+                self._cancel_quietly(submitted.job_id)
+                raise
+        return self._wait_here(context, trigger)
+
+    def _wait_here(self, context: Context, trigger: SlurmJobTrigger) -> Any:
+        async def first_event() -> dict[str, Any]:
+            async for event in trigger.run():
+                return dict(event.payload)
+            return {"status": "error", "reason": "the SLURM job trigger ended without an event"}
+
+        trigger.stream_to(lambda line: self.log.info("%s", line))
+        try:
+            event = asyncio.run(first_event())
+        except BaseException:
+            # Killed (SIGTERM -> on_kill) or interrupted while waiting: the job must not outlive us.
+            if self._submitted is not None:
+                self._cancel_quietly(self._submitted.job_id)
+            raise
+        return self.execute_complete(context, event)
+
+    def _trigger(self, context: Context, submitted: SubmittedJob, prefix: str = "", offset: int = 0) -> SlurmJobTrigger:
+        start = getattr(context["ti"], "start_date", None)
+        deadline = None
+        if self.execution_timeout is not None and start is not None:
+            deadline = float(start.timestamp() + self.execution_timeout.total_seconds())
+        spec = self.spec
+        return SlurmJobTrigger(
+            job_id=submitted.job_id,
+            name=submitted.name,
+            output=submitted.output,
+            submitted_at=submitted.submitted_at,
+            connection=spec.connection,
+            pending_timeout=spec.pending_timeout,
+            startup_timeout=spec.startup_timeout,
+            poll_interval=spec.poll_interval,
+            execution_deadline=deadline,
+            offset=offset,
+            prefix=prefix,
+        )
+
+    def cancel_earlier_tries(self, commands: Any, run: SiteRun, try_number: int) -> list[str]:
+        """Cancel this site job's jobs of earlier tries (found by name) before this try submits its
+        own: a try whose worker was killed left its job queued or running, unwatched."""
+        prefix = site_job_prefix(self.job.job, run.run_id, self.round_num, self.site)
+        earlier = [
+            (job_id, name)
+            for job_id, name, _ in list_jobs(commands, prefix)
+            if (number := try_of(name, prefix)) is not None and number < try_number
+        ]
+        if earlier:
+            cancel(commands, [job_id for job_id, _ in earlier])
+            self.log.info(
+                "site %s round %d try %d: cancelled the SLURM jobs of earlier tries: %s",
+                self.site,
+                self.round_num,
+                try_number,
+                ", ".join(f"{job_id} ({name})" for job_id, name in earlier),
+            )
+        return [job_id for job_id, _ in earlier]
+
+    def _cancel_quietly(self, job_id: str) -> None:
+        try:
+            cancel(slurm_commands(self.spec), [job_id])
+        except SlurmCommandError as exc:  # the original error matters more; say why the job may remain
+            self.log.warning("could not cancel SLURM job %s: %s", job_id, exc)
+
+    def on_kill(self) -> None:
+        if self._submitted is not None:
+            self.log.info("task killed: cancelling SLURM job %s", self._submitted.job_id)
+            self._cancel_quietly(self._submitted.job_id)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        run = self._site_run(context)
+        output = path_from_uri(run.output)
+        status = event.get("status")
+        job_id = str(event.get("job_id") or "")
+        self.log.info(
+            "site %s round %d SLURM job %s: %s (%s)", self.site, self.round_num, job_id, status, event.get("native")
+        )
+        if status != "success":
+            if job_id and status in ("error", "timeout"):
+                self._cancel_quietly(job_id)  # it may still run: it must not outlive the task
+            rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
+            raise self._fail(context, rc, str(event.get("reason") or status))
+        try:
+            summary = check_result(run, output)
+        except Superseded as exc:  # the published update is the later try's: leave it
+            raise site_failed(context, self.site, self.round_num, f"{exc} [ABORTED]") from None
+        except FlareAirflowError as exc:
+            clear_outputs(output)
+            write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
+            raise site_failed(context, self.site, self.round_num, str(exc)) from None
+        context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=summary)
+        return summary
+
+
+class SweepSlurmJobsOperator(BaseOperator):
+    """Cancel every SLURM job of this run still queued or running, on every SLURM site's cluster.
+
+    The builder adds it as the run's teardown (for jobs with SLURM sites), as ``sweep_pods`` for
+    Kubernetes sites. Such a job belongs to a try that can no longer cancel it: a task marked
+    failed while deferred before the triggerer started its trigger, or a killed worker's try that
+    was the last one. Jobs are found by name (every round and site of this run); best effort: a
+    cluster that cannot be reached is logged and the run's result stands.
+    """
+
+    ui_color = "#eeeeee"
+
+    def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.job = job
+
+    def execute(self, context: Context) -> list[str]:
+        return self.sweep_site_jobs(context)
+
+    def sweep_site_jobs(self, context: Context) -> list[str]:
+        """The jobs cancelled, as ``<connection>:<job id> (<name>)``."""
+        from flare_airflow.operators.common import run_id_of
+
+        run_id = run_id_of(context)
+        by_connection: dict[str, list[str]] = {}
+        for site, spec in self.job.sites.items():
+            if spec.launcher != "slurm":
+                continue
+            prefixes = by_connection.setdefault(spec.launcher_spec.slurm.connection, [])
+            prefixes += [site_job_prefix(self.job.job, run_id, r, site) for r in range(1, self.job.rounds + 1)]
+        cancelled: list[str] = []
+        for connection, prefixes in sorted(by_connection.items()):
+            commands = slurm_commands(connection)
+            try:
+                found = [(i, n) for i, n, _ in list_jobs(commands, "fl-") if n.startswith(tuple(prefixes))]
+                cancel(commands, [i for i, _ in found])
+            except SlurmCommandError as exc:
+                self.log.warning("could not sweep the SLURM jobs of this run through %s: %s", connection, exc)
+                continue
+            cancelled += [f"{connection}:{job_id} ({name})" for job_id, name in found]
+        if cancelled:
+            self.log.warning("cancelled SLURM jobs this run left queued or running: %s", ", ".join(cancelled))
+        return cancelled
