@@ -45,6 +45,7 @@ from flare_airflow.launchers.trainer import output_prefix, trainer_argv
 from flare_airflow.operators.site import (
     SiteJobFailed,
     check_site_task_may_run,
+    job_at_site,
     make_site_run,
     resolve_secret_env,
     site_failed,
@@ -122,6 +123,8 @@ class SiteSlurmOperator(BaseOperator):
 
     def execute(self, context: Context) -> Any:
         check_site_task_may_run(context, self.job, self.site, self.round_num)
+        # The worker's site policy (if any) decides the launcher_spec.slurm block: read at run time.
+        self.job = job_at_site(self.job, self.site, context, self.round_num)
         run = self._site_run(context)
         if run.staging:
             claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it
@@ -233,6 +236,7 @@ class SiteSlurmOperator(BaseOperator):
             self._cancel_quietly(self._submitted.job_id)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        self.job = job_at_site(self.job, self.site, context, self.round_num)
         run = self._site_run(context)
         output = path_from_uri(run.output)
         status = event.get("status")
