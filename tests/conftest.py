@@ -11,7 +11,7 @@ from tests.harness import AirflowHome
 from tests.k8s_harness.fixtures import audit, control_plane, core, namespace, node_agent  # noqa: F401
 
 # The real single-node SLURM cluster (munged, slurmctld, slurmd, fake GPUs), session-scoped.
-from tests.slurm_harness.fixtures import slurm, slurm_cluster  # noqa: F401
+from tests.slurm_harness.fixtures import slurm, slurm_cluster, sshd  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import yaml
 from tests.e2e.test_kubernetes_sites import k8s_block
 from tests.harness import REPO, AirflowHome, behave_job
 from tests.slurm_harness.cluster import SlurmCluster
+from tests.slurm_harness.sshd import Sshd
 
 pytestmark = pytest.mark.e2e
 
@@ -119,3 +120,35 @@ def test_mixed_process_kubernetes_and_slurm_sites(
     assert "site job digits-mixed3/site-1 round 1/2 (train)" in result.log
     assert slurm.jobs() == []
     shutil.rmtree(dag_file.parent)
+
+
+def test_slurm_sites_through_an_ssh_connection(
+    airflow_home: AirflowHome, slurm: SlurmCluster, sshd: Sshd, tmp_path: pathlib.Path
+) -> None:
+    """The same flow through the login node: sbatch, scontrol, scancel and the output file over SSH
+    (the worker itself has no SLURM_CONF: only the login node knows the cluster)."""
+    job = behave_job(airflow_home.root, "slurm-ssh", sites=2, rounds=1, min_clients=1, args=["--fail", "site-2"])
+    job["trainer"]["command"] = [sys.executable]
+    block = slurm_block(tmp_path, connection="ssh:hpc_login")
+    job["sites"]["@default"] = {"launcher": "slurm", "launcher_spec": {"slurm": block}}
+    saved = dict(airflow_home.env)
+    airflow_home.env["AIRFLOW_CONN_HPC_LOGIN"] = sshd.connection_uri_json()
+    airflow_home.env.pop("SLURM_CONF", None)
+    try:
+        result = airflow_home.run("flare_slurm_ssh", airflow_home.write_job("slurm_ssh", job))
+    finally:
+        airflow_home.env.clear()
+        airflow_home.env.update(saved)
+    tasks = result.tasks
+    assert tasks == {
+        "prepare": "success",
+        "round_1.site-1": "success",
+        "round_1.site-2": "failed",
+        "round_1.global_model": "success",
+        "publish": "success",
+        "sweep_slurm_jobs": "success",
+    }, result.log[-4000:]
+    assert "submitted through ssh:hpc_login" in result.log
+    rejected = result.metrics()["rounds"][0]["rejected"]["site-2"]
+    assert "exit code 3" in rejected and "site-2: failing on purpose" in rejected
+    assert slurm.jobs() == []

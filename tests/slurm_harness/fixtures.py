@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.slurm_harness.cluster import SlurmCluster
+from tests.slurm_harness.sshd import Sshd
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +34,13 @@ def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     if left:
         slurm_cluster.cancel_all()
         pytest.fail(f"SLURM jobs left in the queue after the test: {'; '.join(left)}")
+
+
+@pytest.fixture(scope="session")
+def sshd(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    """A real sshd on loopback (key auth) whose sessions reach the test cluster (SLURM_CONF)."""
+    server = Sshd(tmp_path_factory.mktemp("sshd"), slurm_cluster.env).start()
+    try:
+        yield server
+    finally:
+        server.stop()
