@@ -9,6 +9,11 @@ node declares more CPUs and memory than the machine has (``SlurmdParameters=conf
 so GPUs are the scarce resource and ``--gres=gpu:1`` jobs really queue ``PENDING (Resources)``
 and each gets its own ``CUDA_VISIBLE_DEVICES``.
 
+``nodes > 1``: one slurmd per node, each in its own network namespace (entered with ``nsenter``)
+with its own address on a private bridge whose host side (``10.X.Y.1``) slurmctld and the clients
+use: the nodes reach each other and the controller as separate machines would, so ``srun`` across
+nodes and a trainer's TCP rendezvous really cross a network. Removed at stop.
+
 Ports are free ports picked at start; clients need ``SLURM_CONF`` (:attr:`SlurmCluster.env`).
 Daemons run in the foreground in their own sessions; :meth:`stop` ends each one's process group
 and checks that nothing of the cluster is left. Never skipped: a daemon that cannot start raises
@@ -61,14 +66,17 @@ def _require(program: str) -> str:
 class SlurmCluster:
     """munged + slurmctld + slurmd with ``gpus`` fake GPUs, under ``run_dir``."""
 
-    def __init__(self, run_dir: Path, *, gpus: int = GPUS, cpus: int = CPUS) -> None:
+    def __init__(self, run_dir: Path, *, gpus: int = GPUS, cpus: int = CPUS, nodes: int = 1) -> None:
         self.run_dir = Path(run_dir)
         self.gpus = gpus
         self.cpus = cpus
+        self.nodes = nodes
+        self.net: NodeNetwork | None = NodeNetwork(nodes) if nodes > 1 else None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.start_seconds = 0.0
         self.partition = PARTITION
         self.node = NODE
+        self.node_names = [NODE] if nodes == 1 else [f"{NODE}n{i}" for i in range(1, nodes + 1)]
         # munged runs as user munge and checks every directory above its socket and key: pytest's
         # temp dirs are private (0700), so its files live in a directory of their own under /tmp.
         self.munge_dir = Path(tempfile.mkdtemp(prefix="flare-munge-"))
@@ -93,9 +101,16 @@ class SlurmCluster:
         self._layout()
         try:
             self._start_munge(programs["munged"])
+            if self.net is not None:
+                self.net.create()
             self._write_config()
             self._spawn("slurmctld", [programs["slurmctld"], "-D", "-i", "-f", str(self.conf)])
-            self._spawn("slurmd", [programs["slurmd"], "-D", "-N", self.node, "-f", str(self.conf)])
+            for i, name in enumerate(self.node_names):
+                slurmd = [programs["slurmd"], "-D", "-N", name, "-f", str(self.conf)]
+                # Several slurmd cannot share one network namespace (one SlurmdPort each): each node
+                # gets its own namespace and address on a bridge, as separate machines would.
+                argv = slurmd if self.net is None else self.net.exec_argv(i, slurmd)
+                self._spawn("slurmd" if i == 0 else f"slurmd-{name}", argv)
             self._wait_idle(programs["sinfo"], started + timeout)
         except BaseException:
             self.stop()
@@ -105,7 +120,7 @@ class SlurmCluster:
 
     def _layout(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for sub in ("etc", "state", "spool", "log", "dev", "jobcomp", f"spool/slurmd-{self.node}"):
+        for sub in ("etc", "state", "spool", "log", "dev", "jobcomp", *(f"spool/slurmd-{n}" for n in self.node_names)):
             (self.run_dir / sub).mkdir(exist_ok=True)
         for n in range(self.gpus):
             dev = self.run_dir / "dev" / f"nvidia{n}"
@@ -150,10 +165,11 @@ class SlurmCluster:
     def _write_config(self) -> None:
         d = self.run_dir
         host = socket.gethostname().split(".")[0]
+        ctld_addr = "127.0.0.1" if self.net is None else self.net.gateway
         gpus = f"{d}/dev/nvidia[0-{self.gpus - 1}]" if self.gpus > 1 else f"{d}/dev/nvidia0"
         lines = {
             "ClusterName": "flaretest",
-            "SlurmctldHost": f"{host}(127.0.0.1)",
+            "SlurmctldHost": f"{host}({ctld_addr})",
             "SlurmctldPort": free_port(),
             "SlurmdPort": free_port(),
             "AuthType": "auth/munge",
@@ -188,13 +204,18 @@ class SlurmCluster:
             "JobCompLoc": d / "jobcomp" / "jobcomp.txt",
         }
         text = "".join(f"{k}={v}\n" for k, v in lines.items())
-        text += (
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={MEMORY_MB} "
-            f"Gres=gpu:{self.gpus} State=UNKNOWN\n"
-            f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP\n"
-        )
+        for i, name in enumerate(self.node_names):
+            addr = "127.0.0.1" if self.net is None else self.net.address(i)
+            text += (
+                f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} RealMemory={MEMORY_MB} "
+                f"Gres=gpu:{self.gpus} State=UNKNOWN\n"
+            )
+        nodes = ",".join(self.node_names)
+        text += f"PartitionName={self.partition} Nodes={nodes} Default=YES MaxTime=INFINITE State=UP\n"
         self.conf.write_text(text)
-        (self.conf.parent / "gres.conf").write_text(f"NodeName={self.node} Name=gpu File={gpus}\n")
+        (self.conf.parent / "gres.conf").write_text(
+            "".join(f"NodeName={name} Name=gpu File={gpus}\n" for name in self.node_names)
+        )
 
     def _spawn(self, name: str, argv: list[str], user: int | None = None, group: int | None = None) -> None:
         log = self.log(name).with_suffix(".out")
@@ -226,13 +247,14 @@ class SlurmCluster:
     def _wait_idle(self, sinfo: str, deadline: float) -> None:
         out = ""
         while time.monotonic() < deadline:
-            for name in ("slurmctld", "slurmd"):
+            for name in self.procs:
                 self._check_alive(name)
             res = subprocess.run(
                 [sinfo, "-h", "-N", "-o", "%N %t"], env={**_base_env(), **self.env}, capture_output=True, text=True
             )
             out = res.stdout.strip() + res.stderr.strip()
-            if res.returncode == 0 and out.split()[-1:] == ["idle"]:
+            states = [line.split()[-1] for line in res.stdout.splitlines() if line.strip()]
+            if res.returncode == 0 and len(states) == len(self.node_names) and set(states) == {"idle"}:
                 return
             time.sleep(0.2)
         raise SlurmClusterError(
@@ -274,10 +296,8 @@ class SlurmCluster:
         if self.procs.get("slurmctld") is not None and self.procs["slurmctld"].poll() is None:
             with contextlib.suppress(SlurmClusterError, subprocess.TimeoutExpired):
                 self.cancel_all()
-        for name in reversed(_DAEMONS):
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
+        for name in reversed(list(self.procs)):
+            proc = self.procs[name]
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -294,8 +314,58 @@ class SlurmCluster:
                 os.kill(pid, signal.SIGKILL)
         self.procs.clear()
         shutil.rmtree(self.munge_dir, ignore_errors=True)
+        if self.net is not None:
+            self.net.delete()
         if left:
             raise SlurmClusterError(f"processes of the cluster were left running: {left}")
+
+
+class NodeNetwork:
+    """One network namespace per node on a private bridge: ``10.X.Y.1`` (this host: slurmctld,
+    clients) and ``10.X.Y.(10 + i)`` (node i). Names and subnet are random per cluster; nothing
+    but the cluster's own daemons and jobs uses them, and :meth:`delete` removes them all."""
+
+    def __init__(self, nodes: int) -> None:
+        tag = secrets.token_hex(3)
+        self.nodes = nodes
+        self.bridge = f"flbr{tag}"
+        self.namespaces = [f"flare-{tag}-{i}" for i in range(nodes)]
+        rnd = secrets.randbelow(200 * 250)
+        self.prefix = f"10.{20 + rnd // 250}.{rnd % 250}"
+        self.gateway = f"{self.prefix}.1"
+
+    def address(self, i: int) -> str:
+        return f"{self.prefix}.{10 + i}"
+
+    def _ip(self, *args: str) -> None:
+        res = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SlurmClusterError(f"ip {' '.join(args)} failed: {res.stderr.strip()}")
+
+    def create(self) -> None:
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.namespaces):
+            host_end, node_end = f"{self.bridge}v{i}", f"{self.bridge}p{i}"
+            self._ip("netns", "add", ns)
+            self._ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            self._ip("link", "set", host_end, "master", self.bridge)
+            self._ip("link", "set", host_end, "up")
+            self._ip("link", "set", node_end, "netns", ns)
+            self._ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", node_end)
+            self._ip("-n", ns, "link", "set", node_end, "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+            self._ip("-n", ns, "route", "add", "default", "via", self.gateway)
+
+    def exec_argv(self, i: int, argv: list[str]) -> list[str]:
+        # nsenter, not `ip netns exec`: that also remounts /sys, hiding the cgroup mount slurmd reads.
+        return ["nsenter", f"--net=/var/run/netns/{self.namespaces[i]}", "--", *argv]
+
+    def delete(self) -> None:
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
 def _base_env() -> Mapping[str, str]:
