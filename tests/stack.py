@@ -79,7 +79,9 @@ class AirflowStack:
 
     USER = "admin"
 
-    def __init__(self, root: pathlib.Path, db_url: str, parallelism: int = 4) -> None:
+    def __init__(
+        self, root: pathlib.Path, db_url: str, parallelism: int = 4, extra_env: dict[str, str] | None = None
+    ) -> None:
         self.root = root
         self.home = root / "airflow"
         self.dags = root / "dags"
@@ -116,6 +118,7 @@ class AirflowStack:
                 {"conn_type": "http", "host": self.base, "login": self.USER, "password": self.password}
             ),
             "PYTHONWARNINGS": "ignore::DeprecationWarning",
+            **(extra_env or {}),
         }
         self.procs: list[subprocess.Popen[bytes]] = []
         self.airflow("db", "migrate")

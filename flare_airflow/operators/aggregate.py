@@ -26,6 +26,7 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.site import make_evaluation_run, produced_sha256
+from flare_airflow.operators.staging import staged
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
@@ -219,7 +220,8 @@ class AggregateOperator(BaseOperator):
         def sink(line: str) -> None:
             print(line, file=sys.stdout, flush=True)
 
-        rc, result = run_site(run, ProcessLauncher(sink=sink), handle_signals=False, on_launch=self._track)
+        with staged(run, store_for(self.job)) as local:
+            rc, result = run_site(local, ProcessLauncher(sink=sink), handle_signals=False, on_launch=self._track)
         self._handle = None
         if rc is not JobReturnCode.SUCCESS or not isinstance(result, dict):
             raise FlareAirflowError(f"evaluation of the round {self.round_num} global model failed: {result}")

@@ -30,12 +30,13 @@ def default_store_uri() -> str:
     return "file://" + os.path.join(os.path.abspath(home), "flare_store")
 
 
-def store_for(job: JobConfig) -> ModelStore:
-    """The job's model store on Airflow's ObjectStoragePath (file:// under AIRFLOW_HOME by default)."""
+def store_for(job: JobConfig, conn_id: str | None = None) -> ModelStore:
+    """The job's model store on Airflow's ObjectStoragePath (file:// under AIRFLOW_HOME by default),
+    reached through the Airflow connection ``conn_id`` (a site's own), else the job's ``store_conn_id``."""
     uri = job.store or default_store_uri()
     if "://" not in uri:
         uri = "file://" + str(job.resolve(uri))
-    return ModelStore(ObjectStoragePath(uri))
+    return ModelStore(ObjectStoragePath(uri, conn_id=conn_id or job.store_conn_id))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
+from flare_airflow.operators.staging import is_local, staged
 from flare_airflow.site_task.checks import read_failure, write_failure
 from flare_airflow.site_task.owners import owners_value
 from flare_airflow.site_task.spec import OWNERS_ENV, RESULT_FILE_ENV, SECRETS_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
@@ -375,24 +376,44 @@ class SiteTrainOperator(BashOperator):
         check_site_task_may_run(context, self.job, self.site, self.round_num)
         self.job = job_at_site(self.job, self.site, context, self.round_num)
         run = self.site_run(context)
-        self._spec_json = run.to_json()
+        store = store_for(self.job)
         if self.job.sites[self.site].launcher == "process":
             try:
                 secrets = resolve_secret_env(self.job, self.site)
             except SiteJobFailed as exc:
-                write_failure(path_from_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
+                write_failure(store.resolve_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
                 raise site_failed(context, self.site, self.round_num, str(exc)) from None
             self._secrets_json = json.dumps(secrets) if secrets else ""
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
         fd, self._result_file = tempfile.mkstemp(prefix="flare-site-result-")
         os.close(fd)
         try:
-            return super().execute(context)
-        except AirflowException as exc:
-            if isinstance(exc, AirflowSkipException):
+            with staged(run, store) as local:
+                self._spec_json = local.to_json()
+                try:
+                    result = super().execute(context)
+                except AirflowException as exc:
+                    if isinstance(exc, AirflowSkipException):
+                        raise
+                    reason = _runner_reason(self._result_file) or read_failure(path_from_uri(local.output)) or str(exc)
+                    raise site_failed(context, self.site, self.round_num, reason) from None
+        except (AirflowException, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            if is_local(store):
                 raise
-            reason = _runner_reason(self._result_file) or read_failure(path_from_uri(run.output)) or str(exc)
+            # Reading the global model or uploading the update: a wrong or missing credential, a
+            # bucket that is not there, the endpoint unreachable. The site fails, the round holds.
+            detail = " ".join(str(exc).split())[:400] or type(exc).__name__
+            reason = (
+                f"the model store {store.root} could not be used from this worker "
+                f"(connection {self.job.store_conn_id or 'default'!r}): {type(exc).__name__}: {detail}; "
+                "check the connection's credentials and endpoint on the site's worker [INFRASTRUCTURE_ERROR]"
+            )
             raise site_failed(context, self.site, self.round_num, reason) from None
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self._result_file)
+        if isinstance(result, dict) and "uri" in result:
+            result["uri"] = run.output  # the update's place in the store, not the worker's local copy
+        return result

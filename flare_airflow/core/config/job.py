@@ -16,7 +16,16 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
 from flare_airflow.core.config.site import SiteSpec, merge_sites
-from flare_airflow.core.config.validators import DNS_LABEL, MAX_FORM_INT, MAX_SECONDS, Scalar, Strict, argv, no_nul
+from flare_airflow.core.config.validators import (
+    DNS_LABEL,
+    MAX_FORM_INT,
+    MAX_SECONDS,
+    Scalar,
+    Strict,
+    argv,
+    conn_id_name,
+    no_nul,
+)
 from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
 
@@ -101,6 +110,9 @@ class JobConfig(Strict):
     trainer: TrainerSpec
     initial_model: str = Field(description="safetensors file with the initial global model")
     store: str | None = Field(None, description="model store URI; default <AIRFLOW_HOME>/flare_store")
+    store_conn_id: str | None = Field(
+        None, description="Airflow connection of an object store (a name: each side defines its own credentials)"
+    )
     aggregator: AggregatorSpec = Field(default_factory=AggregatorSpec)
     evaluate: bool = Field(True, description="evaluate each new global model with the trainer (task 'evaluate')")
     schedule: str | None = Field(None, description="Airflow schedule for recurring runs")
@@ -163,6 +175,11 @@ class JobConfig(Strict):
         if scheme != "file" and not rest.split("/")[0]:
             raise ValueError(f"store {short_repr(value)}: name the bucket or host ({scheme}://<bucket>/<prefix>)")
         return value
+
+    @field_validator("store_conn_id")
+    @classmethod
+    def _store_conn_id(cls, value: str | None) -> str | None:
+        return None if value is None else conn_id_name(value, "store_conn_id")
 
     @field_validator("initial_model", "base_dir")
     @classmethod

@@ -138,4 +138,7 @@ def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfi
     except ValidationError as exc:
         reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
         raise ConfigError(cap(f"{where}: the job's request does not fit the site's policy: {reasons}")) from None
-    return job.model_copy(update={"sites": {**job.sites, site: spec}})
+    update: dict[str, Any] = {"sites": {**job.sites, site: spec}}
+    if entry.store_conn_id is not None:
+        update["store_conn_id"] = entry.store_conn_id  # the site's own credentials to the store
+    return job.model_copy(update=update)

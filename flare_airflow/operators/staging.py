@@ -1,0 +1,99 @@
+"""Object-store models for trainers that read and write local files.
+
+A site job's trainer, and the site runner that checks its result, work on local files: a trainer
+image needs neither Airflow nor an object-store client, and the store's credentials stay with the
+site task (an Airflow connection on the site's worker). On a local store nothing is staged. On
+an object store (``s3://`` ...) the site task downloads the round's input global model and its
+record into a private temporary directory, runs the job there, then uploads what the runner left
+-- the accepted update, then its record (an artifact without a record is never read), or the
+failure record -- to the site's place in the store, and removes the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from flare_airflow.core.errors import StoreError
+from flare_airflow.core.store import ModelStore, failure_path, record_path
+from flare_airflow.site_task.checks import clear_outputs
+from flare_airflow.site_task.spec import SiteRun
+
+CHUNK = 8 << 20
+
+
+def is_local(store: ModelStore) -> bool:
+    return isinstance(store.root, pathlib.Path) or getattr(store.root, "protocol", "file") in ("file", "local", "")
+
+
+def _copy(src: Any, dst: Any) -> int:
+    """Stream ``src`` to ``dst`` (either side a local or store path); returns the bytes copied."""
+    copied = 0
+    with src.open("rb") as fi, dst.open("wb") as fo:
+        while chunk := fi.read(CHUNK):
+            fo.write(chunk)
+            copied += len(chunk)
+    return copied
+
+
+def _download(store: ModelStore, uri: str, local: Any) -> None:
+    """The artifact at ``uri`` and its record, as local files; a missing one is left missing (the
+    runner's input check says what is wrong, as on a local store)."""
+    remote = store.resolve_uri(uri)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    for src, dst in ((record_path(remote), record_path(local)), (remote, local)):
+        try:
+            _copy(src, dst)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StoreError(f"cannot read {src} from the model store: {exc}") from exc
+
+
+def upload_result(local_output: Any, remote_output: Any) -> None:
+    """What the runner left at ``local_output`` to the store: tensors, then record, or the failure record."""
+    if record_path(local_output).exists() and local_output.exists():
+        remote_output.parent.mkdir(parents=True, exist_ok=True)
+        _copy(local_output, remote_output)
+        _copy(record_path(local_output), record_path(remote_output))  # last: the artifact is complete
+    if failure_path(local_output).exists():
+        _copy(failure_path(local_output), failure_path(remote_output))
+
+
+@contextlib.contextmanager
+def staged(run: SiteRun, store: ModelStore) -> Iterator[SiteRun]:
+    """``run`` with local paths when the store is an object store (else ``run`` itself).
+
+    On exit, whatever happened, the runner's result goes to the store and the local copy is removed.
+    """
+    if is_local(store):
+        yield run
+        return
+    remote_output = store.resolve_uri(run.output)
+    try:
+        clear_outputs(remote_output)  # a re-run overwrites this site's round and nothing else
+    except OSError as exc:
+        raise StoreError(f"cannot prepare {remote_output} in the model store: {exc}") from exc
+    root = pathlib.Path(tempfile.mkdtemp(prefix=f"flare-{run.site}-r{run.round}-"))
+    try:
+        local_global = root / "global" / pathlib.PurePosixPath(run.global_model).name
+        _download(store, run.global_model, local_global)
+        local_output = root / "out" / pathlib.PurePosixPath(run.output).name
+        local_output.parent.mkdir()
+        local_staging = None
+        if run.staging:
+            parts = pathlib.PurePosixPath(run.staging).parts
+            local_staging = str(root.joinpath("staging", *parts[-3:]))  # <site>/try-<n>/update.safetensors
+        yield dataclasses.replace(run, global_model=str(local_global), output=str(local_output), staging=local_staging)
+        upload_result(local_output, remote_output)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            upload_result(root / "out" / pathlib.PurePosixPath(run.output).name, remote_output)
+        raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""Sites at the sites: the demo job's 4 sites on 4 Airflow Edge workers, models through S3.
+
+Real components: api-server, scheduler (LocalExecutor + EdgeExecutor), dag-processor and triggerer
+on PostgreSQL; one ``airflow edge worker --queues site-N`` per site, each with its own Airflow
+home, DAGs copy, site policy and store credentials and no database; moto's S3 server (an emulator,
+see tests/s3_server.py) with signatures enforced. Follows docs/deploy-across-sites.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any
+
+import pytest
+
+from tests.edge_sites import EdgeDeployment
+from tests.harness import REPO, AirflowHome
+
+pytestmark = pytest.mark.e2e
+
+SITES = ["site-1", "site-2", "site-3", "site-4"]
+DAG = "flare_digits"
+ROUNDS = 3
+CENTRAL_TASKS = {"prepare", "publish"} | {f"round_{r}.global_model" for r in range(1, ROUNDS + 1)}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    dep = EdgeDeployment(tmp_path_factory.mktemp("edge"), SITES, rounds=ROUNDS)
+    try:
+        dep.start()
+        yield dep
+    finally:
+        dep.stop()
+
+
+@pytest.fixture(scope="module")
+def one_machine_sha256(airflow_home: AirflowHome) -> str:
+    """The final model of the same job, rounds and seed on one machine (local store, no queues)."""
+    folder = airflow_home.dags / "edge_reference"
+    shutil.copytree(REPO / "dags", folder, ignore=shutil.ignore_patterns("__pycache__"))
+    if not (airflow_home.dags / "examples").exists():
+        shutil.copytree(REPO / "examples", airflow_home.dags / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    result = airflow_home.run(DAG, folder / "digits_dag.py", conf={"rounds": ROUNDS})
+    assert result.returncode == 0 and result.state["state"] == "success", result.log[-3000:]
+    return str(result.state["published"]["sha256"])
+
+
+def _run(dep: EdgeDeployment, conf: dict[str, Any] | None = None, timeout: float = 240) -> tuple[str, dict]:
+    run_id = dep.stack.trigger(DAG, conf)
+    dep.stack.wait_for_run(DAG, run_id, timeout=timeout)
+    return run_id, dep.stack.task_instances(DAG, run_id)
+
+
+def _xcom(dep: EdgeDeployment, run_id: str, task_id: str, key: str) -> Any:
+    from urllib.parse import quote
+
+    path = f"/dags/{DAG}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/xcomEntries/{key}"
+    return dep.stack.api("GET", path)["value"]
+
+
+def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
+    deployment: EdgeDeployment, one_machine_sha256: str
+) -> None:
+    run_id, tis = _run(deployment)
+    assert {t: ti["state"] for t, ti in tis.items()} == dict.fromkeys(
+        CENTRAL_TASKS | {f"round_{r}.{s}" for r in range(1, ROUNDS + 1) for s in SITES}, "success"
+    )
+    workers = {w.name for w in deployment.workers.values()}
+    for task_id, ti in tis.items():
+        if task_id in CENTRAL_TASKS:
+            # The central side runs the aggregation; never on a site's worker.
+            assert ti["hostname"] not in workers and ti["queue"] == "default", ti
+        else:
+            site = task_id.split(".", 1)[1]
+            assert (ti["hostname"], ti["queue"], ti["executor"]) == (f"{site}-worker", site, "EdgeExecutor"), ti
+    published = _xcom(deployment, run_id, "publish", "return_value")
+    assert published["sha256"] == one_machine_sha256, "the edge run's final model differs from the one-machine run"
+    assert published["final_model"].startswith("s3://")
+    # Every accepted update is in the store with its record; nothing was staged in the bucket.
+    keys = deployment.s3.keys("store/digits/")
+    for r in range(1, ROUNDS + 1):
+        for site in SITES:
+            assert any(k.endswith(f"round-{r:04d}/sites/{site}.safetensors") for k in keys), (r, site)
+            assert any(k.endswith(f"round-{r:04d}/sites/{site}.json") for k in keys), (r, site)
+    assert not [k for k in keys if "/staging/" in k]
+
+
+def test_wrong_store_credentials_fail_that_site_with_the_reason_and_the_round_holds(
+    deployment: EdgeDeployment,
+) -> None:
+    worker = deployment.workers["site-4"]
+    worker.stop()
+    worker.start(secret="not-the-secret")
+    deployment.wait_workers({"site-4"})
+    try:
+        run_id, tis = _run(deployment, {"rounds": 1})
+    finally:
+        worker.stop()
+        worker.start()
+    assert tis["round_1.site-4"]["state"] == "failed"
+    assert tis["round_1.site-4"]["hostname"] == "site-4-worker"
+    assert {tis[f"round_1.{s}"]["state"] for s in SITES[:3]} == {"success"}
+    assert tis["round_1.global_model"]["state"] == "success" and tis["publish"]["state"] == "success"
+    reason = _xcom(deployment, run_id, "round_1.site-4", "failure")
+    assert "the model store s3://site_store@flare/store could not be used from this worker" in reason, reason
+    assert "connection 'site_store'" in reason and "Forbidden" in reason, reason
+    assert _xcom(deployment, run_id, "round_1.global_model", "return_value")["accepted"] == SITES[:3]
+    deployment.wait_workers({"site-4"})
+
+
+def test_a_worker_stopped_mid_round_the_round_completes_within_quorum_and_its_next_round_runs_there(
+    deployment: EdgeDeployment,
+) -> None:
+    worker = deployment.workers["site-3"]
+    run_id = deployment.stack.trigger(DAG, {"rounds": 2})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = deployment.stack.task_instances(DAG, run_id).get("round_1.site-3", {}).get("state")
+        if state == "running":
+            break
+        assert state in (None, "scheduled", "queued"), state
+        time.sleep(0.2)
+    else:
+        pytest.fail("round_1.site-3 never started")
+    worker.kill()  # mid-round: its task process goes with it
+    while deployment.stack.task_instances(DAG, run_id)["round_1.global_model"]["state"] != "success":
+        assert time.monotonic() < deadline + 120, "round 1 did not complete without site-3"
+        time.sleep(1)
+    worker.start()
+    deployment.stack.wait_for_run(DAG, run_id, timeout=180)
+    tis = deployment.stack.task_instances(DAG, run_id)
+    assert tis["round_1.site-3"]["state"] == "failed"
+    assert _xcom(deployment, run_id, "round_1.global_model", "return_value")["accepted"] == [
+        "site-1",
+        "site-2",
+        "site-4",
+    ]
+    assert (tis["round_2.site-3"]["state"], tis["round_2.site-3"]["hostname"]) == ("success", "site-3-worker")
+    assert all(tis[t]["state"] == "success" for t in ("round_2.global_model", "publish")), tis
+    assert {ti["hostname"] for t, ti in tis.items() if t.endswith("site-3")} <= {"site-3-worker", None, ""}

@@ -1,0 +1,205 @@
+"""Sites at the sites, for the tests: the central Airflow with the Edge executor, one Edge worker per
+site, and an S3 store (tests/s3_server.py), set up as docs/deploy-across-sites.md says.
+
+Central: api-server (with the Edge worker API), scheduler (``LocalExecutor,EdgeExecutor``: the
+central tasks on the first, the site tasks on the Edge workers), dag-processor and triggerer on
+PostgreSQL (tests/stack.py). A site: ``airflow edge worker --queues <site>`` with an Airflow home,
+DAGs folder and site policy of its own, and no database: it reaches the central side only through
+the API server's URL and the shared JWT secret, and the store only through its own connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import time
+from typing import Any
+
+import yaml
+
+from tests.harness import REPO
+from tests.s3_server import S3Server
+from tests.stack import BIN, AirflowStack, Postgres, start_triggerer
+
+EDGE_EXECUTOR = "airflow.providers.edge3.executors.EdgeExecutor"
+STORE = "s3://flare/store"
+CENTRAL_CONN = "flare_store"  # the job's store_conn_id: the central side's credentials
+SITE_CONN = "site_store"  # each site's policy names its own connection (its own credentials)
+
+
+def central_env() -> dict[str, str]:
+    """What the central side adds to an Airflow deployment (docs/deploy-across-sites.md, 'Central side')."""
+    return {
+        "AIRFLOW__CORE__EXECUTOR": f"LocalExecutor,{EDGE_EXECUTOR}",
+        "AIRFLOW__EDGE__API_ENABLED": "True",
+        # A worker silent for 5 heartbeats is 'unknown' (and may register again under its name).
+        "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2",
+        # A site task whose worker died is failed after this many seconds without a heartbeat
+        # (default 300): the round goes on with the others.
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "15",
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3",
+    }
+
+
+def edge_job(dags: pathlib.Path, *, rounds: int) -> pathlib.Path:
+    """The demo job (dags/digits.yaml) with sites at the sites: queues, the Edge executor, the S3 store."""
+    shutil.copytree(REPO / "dags", dags, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "examples", dags.parent / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    path = dags / "digits.yaml"
+    job: dict[str, Any] = yaml.safe_load(path.read_text())
+    job.update(rounds=rounds, site_queues=True, store=STORE, store_conn_id=CENTRAL_CONN)
+    # No retries: a site whose worker is gone fails at once and the round goes on within quorum.
+    job["sites"]["@default"].update(executor="EdgeExecutor", retries=0)
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+class EdgeWorker:
+    """One site's worker: ``airflow edge worker --queues <site>``, in its own session."""
+
+    def __init__(self, root: pathlib.Path, site: str, stack: AirflowStack, s3: S3Server) -> None:
+        self.site = site
+        self.name = f"{site}-worker"
+        self.root = root / self.name
+        self.root.mkdir(parents=True)
+        # The site's own copy of the DAGs and trainer (what a site admin deploys).
+        shutil.copytree(stack.dags.parent / "examples", self.root / "examples")
+        shutil.copytree(stack.dags, self.root / "dags", ignore=shutil.ignore_patterns("__pycache__"))
+        self.policy = self.root / "site.yaml"
+        self.policy.write_text(
+            yaml.safe_dump(
+                {"sites": {site: {"launcher": "process", "store_conn_id": SITE_CONN, "launcher_spec": {"process": {}}}}}
+            )
+        )
+        self.stack, self.s3 = stack, s3
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def env(self, secret: str | None = None) -> dict[str, str]:
+        """A site worker's whole configuration (docs/deploy-across-sites.md, 'A site's worker')."""
+        keep = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "PYTHONWARNINGS")
+        env = {k: v for k, v in os.environ.items() if k in keep}
+        env.update(
+            {
+                "AIRFLOW_HOME": str(self.root / "airflow"),
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.root / "dags"),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__EXECUTOR": EDGE_EXECUTOR,
+                "AIRFLOW__EDGE__API_URL": f"{self.stack.base}/edge_worker/v1/rpcapi",
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.stack.base}/execution/",
+                "AIRFLOW__API_AUTH__JWT_SECRET": self.stack.env["AIRFLOW__API_AUTH__JWT_SECRET"],
+                "AIRFLOW__EDGE__JOB_POLL_INTERVAL": "1",
+                "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2",
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port()),
+                "AIRFLOW_CONN_" + SITE_CONN.upper(): self.s3.connection(secret),
+                "FLARE_SITE_CONFIG": str(self.policy),
+            }
+        )
+        return env
+
+    def start(self, secret: str | None = None) -> None:
+        log = open(self.root / "worker.log", "ab")  # noqa: SIM115 - lives as long as the process
+        cmd = [str(BIN / "airflow"), "edge", "worker", "--queues", self.site, "--edge-hostname", self.name]
+        self.proc = subprocess.Popen(
+            [*cmd, "--concurrency", "2"],
+            env=self.env(secret),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=self.root,
+        )
+
+    def kill(self) -> None:
+        """The site's machine goes away: the worker and every task process it runs, at once.
+
+        By session, not process group: the worker puts each task's supervisor in a group of its own.
+        """
+        if self.proc is not None:
+            for pid in _session(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(20)
+        self.kill()
+
+
+def _session(sid: int) -> list[int]:
+    """Every process of session ``sid`` (field 6 of /proc/PID/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            continue
+        if int(raw[raw.rfind(b")") + 2 :].split()[3]) == sid:
+            found.append(int(entry))
+    return found
+
+
+def _free_port() -> int:
+    from tests.stack import free_port
+
+    return free_port()
+
+
+class EdgeDeployment:
+    """PostgreSQL, the central Airflow, the S3 endpoint and one worker per site."""
+
+    def __init__(self, root: pathlib.Path, sites: list[str], rounds: int) -> None:
+        self.s3 = S3Server()
+        self.pg = Postgres()
+        self.stack = AirflowStack(root, self.pg.url, extra_env=central_env())
+        self.stack.env["AIRFLOW__EDGE__API_URL"] = f"{self.stack.base}/edge_worker/v1/rpcapi"
+        self.stack.env["AIRFLOW_CONN_" + CENTRAL_CONN.upper()] = self.s3.connection()
+        self.job = edge_job(self.stack.dags, rounds=rounds)
+        self.workers = {site: EdgeWorker(root, site, self.stack, self.s3) for site in sites}
+
+    def start(self) -> None:
+        self.stack.start()
+        start_triggerer(self.stack)
+        for worker in self.workers.values():
+            worker.start()
+        self.wait_workers(set(self.workers))
+
+    def wait_workers(self, sites: set[str], timeout: float = 90) -> None:
+        """Until the workers of ``sites`` are registered and idle (the API's worker list)."""
+        names = {self.workers[s].name for s in sites}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            up = {w["worker_name"] for w in self.edge_workers() if w.get("state") in ("idle", "running")}
+            if names <= up:
+                return
+            time.sleep(1)
+        raise RuntimeError(f"edge workers {sorted(names)} did not come up; see {self.stack.root}/*/worker.log")
+
+    def edge_workers(self) -> list[dict[str, Any]]:
+        import httpx
+
+        r = httpx.get(
+            f"{self.stack.base}/edge_worker/ui/worker",
+            headers={"Authorization": f"Bearer {self.stack._token}"},
+            timeout=10,
+        )
+        r.raise_for_status()
+        return list(r.json().get("workers", []))
+
+    def stop(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
+        self.stack.stop()
+        self.pg.stop()
+        self.s3.stop()

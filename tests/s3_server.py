@@ -1,0 +1,101 @@
+"""An S3 endpoint for the tests: moto's standalone server (``moto_server``, an S3 *emulator* from
+PyPI, ``moto[server]``), on loopback on a free port, with request signing enforced.
+
+Why moto: it installs from the registries here (no MinIO binary can be fetched), speaks the S3 REST
+API that s3fs/aiobotocore use, and checks signatures when ``INITIAL_NO_AUTH_ACTION_COUNT`` is set:
+the first requests create an IAM user and its access key, every later request must be signed with
+it, so a site with a wrong secret gets a real 403 (SignatureDoesNotMatch / InvalidAccessKeyId).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.stack import free_port
+
+BIN = Path(sys.executable).parent
+BUCKET = "flare"
+# Requests moto serves before it enforces signatures: the setup below makes exactly these.
+_SETUP_REQUESTS = 4
+_ADMIN_POLICY = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+
+
+class S3Server:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = free_port()
+        self.endpoint = f"http://{host}:{self.port}"
+        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_SETUP_REQUESTS)}
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            env.pop(name, None)
+        self.proc = subprocess.Popen(
+            [str(BIN / "moto_server"), "-H", host, "-p", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{self.endpoint}/moto-api/", timeout=1)
+                break
+            except httpx.HTTPError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto_server did not start on {self.endpoint}") from None
+                time.sleep(0.1)
+        import boto3
+
+        anon = {"endpoint_url": self.endpoint, "region_name": "us-east-1"}
+        iam = boto3.client("iam", aws_access_key_id="setup", aws_secret_access_key="setup", **anon)
+        iam.create_user(UserName="flare")
+        iam.put_user_policy(UserName="flare", PolicyName="all", PolicyDocument=json.dumps(_ADMIN_POLICY))
+        key = iam.create_access_key(UserName="flare")["AccessKey"]
+        self.key_id, self.secret = str(key["AccessKeyId"]), str(key["SecretAccessKey"])
+        self.client().create_bucket(Bucket=BUCKET)
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=self.key_id,
+            aws_secret_access_key=self.secret,
+        )
+
+    def connection(self, secret: str | None = None) -> str:
+        """An Airflow connection (the JSON of ``AIRFLOW_CONN_<ID>``) to this endpoint."""
+        return json.dumps(
+            {
+                "conn_type": "aws",
+                "login": self.key_id,
+                "password": self.secret if secret is None else secret,
+                "extra": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            }
+        )
+
+    def keys(self, prefix: str = "") -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
