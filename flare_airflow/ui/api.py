@@ -31,9 +31,9 @@ from flare_airflow.core.model import read_record
 from flare_airflow.core.store import ModelStore, run_component
 from flare_airflow.operators.common import default_store_uri
 from flare_airflow.ui import page
+from flare_airflow.ui.plugin import PREFIX
 from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view
 
-PREFIX = "/flare"
 MAX_METRICS_BYTES = 16 << 20
 CHUNK = 1 << 20
 FILES = {

@@ -1,17 +1,33 @@
-"""The flare-airflow Airflow plugin: the Federated runs page (entry point ``airflow.plugins``)."""
+"""The flare-airflow Airflow plugin: the Federated runs page (entry point ``airflow.plugins``).
+
+Airflow loads every plugin in every process, task processes included (for their macros), so this
+module stays light: the FastAPI app (FastAPI, Airflow's API security, the store) is imported only
+when the api-server first routes a request to it.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from airflow.plugins_manager import AirflowPlugin
 
-from flare_airflow.ui.api import PREFIX, app
+PREFIX = "/flare"
+
+
+class FederatedRunsApp:
+    """An ASGI app that imports :data:`flare_airflow.ui.api.app` on the first request it gets."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        from flare_airflow.ui.api import app
+
+        await app(scope, receive, send)
 
 
 class FlareAirflowPlugin(AirflowPlugin):
     """A FastAPI app mounted by the api-server at ``/flare`` and a nav entry showing it in the UI."""
 
     name = "flare_airflow"
-    fastapi_apps = [{"app": app, "url_prefix": PREFIX, "name": "Federated runs"}]
+    fastapi_apps = [{"app": FederatedRunsApp(), "url_prefix": PREFIX, "name": "Federated runs"}]
     external_views = [
         {
             "name": "Federated runs",

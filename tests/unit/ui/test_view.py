@@ -92,3 +92,18 @@ def test_an_empty_chart_says_so_and_names_are_escaped() -> None:
     assert "d<x>" not in html and "d&lt;x&gt;" in html
     assert "setInterval" in html  # a run not finished refreshes itself
     assert "/dags/d%3Cx%3E/runs/r%261/tasks/round_1.site-1?try_number=1" in html
+
+
+def test_the_plugin_module_stays_light_for_task_processes() -> None:
+    # Airflow loads every plugin in every task process (macros): the page's app, FastAPI and
+    # Airflow's API security must not come with it; the api-server imports them on first use.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, flare_airflow.ui.plugin as p; "
+        "print([m for m in ('flare_airflow.ui.api', 'airflow.api_fastapi.core_api.security') if m in sys.modules]); "
+        "print(p.FlareAirflowPlugin.fastapi_apps[0]['url_prefix'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "/flare"]
