@@ -192,6 +192,7 @@ def test_the_dags_folder_unpause_and_trigger(walkthrough) -> None:
     assert "flare_my_job" in result(walkthrough, "airflow dags unpause flare_my_job", 0)
     out = result(walkthrough, """airflow dags trigger flare_my_job --conf '{"rounds": 2}'""", 0)
     assert "queued" in out and "flare_my_job" in out
+    assert "flare_airflow" in result(walkthrough, "airflow plugins", 0)
 
 
 def test_the_client_api_installs_and_runs_without_airflow(tmp_path: pathlib.Path) -> None:

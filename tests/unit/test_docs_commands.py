@@ -1,0 +1,153 @@
+"""Every command in README.md and docs/*.md is run by a test, or says why it cannot be run here.
+
+Commands are the lines of ``bash``/``sh`` blocks and the inline code that starts with a command
+(``flare-airflow ...``, ``airflow ...``, ``make ...``, ``pip ...``, ``kubectl ...``, ...). The lines of
+blocks marked ``<!-- walkthrough: ... -->`` or ``<!-- client-install -->`` are run as written by
+``tests/e2e/test_walkthrough.py``. Every other command must match an entry of :data:`COVERAGE`:
+either the test that runs it (that test's file must contain the given text, so the entry cannot go
+stale silently) or the reason it is not run here. A new command in the docs fails this test until
+it is covered.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from dataclasses import dataclass
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+COMMAND_WORDS = ("flare-airflow", "airflow", "make", "pip", "kubectl", "python", "python3.11", "export", "podman")
+_FENCE = re.compile(r"(<!-- ([\w-]+)(?::[^>]*)? -->\n)?```(\w*)\n(.*?)```", re.S)
+_RUN_AS_WRITTEN = {"walkthrough", "client-install"}
+
+
+@dataclass(frozen=True)
+class RunBy:
+    """A test runs this command (or the exact code path it names); ``evidence`` is in that test's file."""
+
+    test: str
+    evidence: str
+
+
+@dataclass(frozen=True)
+class NotRun:
+    reason: str
+
+
+WALKTHROUGH = RunBy("tests/e2e/test_walkthrough.py", "walkthrough_blocks()")
+COVERAGE: list[tuple[str, RunBy | NotRun]] = [
+    (
+        r"^flare-airflow (validate|run|report)\b",
+        RunBy("tests/e2e/test_walkthrough.py", "flare-airflow run flare_my_job"),
+    ),
+    (r"^flare-airflow validate\b", RunBy("tests/bad_inputs/test_cli.py", '["validate",')),
+    (r"^flare-airflow try-trainer\b", RunBy("tests/unit/test_try_trainer.py", '"try-trainer"')),
+    (r"^flare-airflow resume\b", RunBy("tests/e2e/test_resume.py", '"resume", dag_id, run_id')),
+    (r"^flare-airflow pools sync\b", RunBy("tests/integration/test_gpu_pools.py", '"pools", "sync"')),
+    (r"^airflow (db migrate|dags (trigger|unpause|reserialize))\b", WALKTHROUGH),
+    # `flare-airflow run` is `airflow dags test` in-process; every e2e test runs it (tests/harness.py)
+    (r"^airflow dags test$", RunBy("tests/harness.py", '"flare-airflow"), "run"')),
+    (
+        r"^airflow standalone$",
+        NotRun(
+            "Airflow's own all-in-one command, named as an alternative; `make airflow` starts the same "
+            "components and is tested (tests/integration/test_make_airflow.py)"
+        ),
+    ),
+    (r"^airflow edge worker\b", RunBy("tests/edge_sites.py", '"edge", "worker", "--queues"')),
+    (r"^make airflow$", RunBy("tests/integration/test_make_airflow.py", '"airflow", f"AIRFLOW_HOME={home}"')),
+    (r"^make test$", NotRun("the command that runs this suite (.ci/run calls it)")),
+    (
+        r"^make (setup|lint|unit)$",
+        NotRun(
+            "parts of `make test` (test: setup system-deps lint, then pytest over tests/unit and the rest): "
+            "they ran before and around this test"
+        ),
+    ),
+    (
+        r"^make demo$",
+        NotRun(
+            "`make setup` (done by `make test` before this test) then `flare-airflow run flare_digits`, "
+            "which tests/e2e/test_demo.py runs on the same DAG"
+        ),
+    ),
+    (
+        r"^make bench$",
+        NotRun("~35 min of measurements on a quiet machine: run by hand, reports in benchmarks/results/"),
+    ),
+    (r"^make lock$", NotRun("re-resolves every dependency from the registry and rewrites requirements.lock")),
+    (
+        r"^kubectl\b",
+        NotRun(
+            "no kubectl binary here: the Kubernetes tests drive the real API server with the Python client "
+            "(tests/k8s_harness); these are a site admin's cluster commands"
+        ),
+    ),
+    (
+        r'^pip install "\./flare-airflow\[sites\]"$',
+        NotRun(
+            "the `sites` extra's packages are in requirements.lock and installed by `make setup` for the "
+            "Edge tier (tests/e2e/test_edge_sites.py); this line installs them into a deployment"
+        ),
+    ),
+    (r"^airflow plugins$", WALKTHROUGH),
+    # a site worker's settings: the Edge tier's workers are started with exactly these variables
+    (r"^(AIRFLOW\w*|FLARE_SITE_CONFIG)=", RunBy("tests/edge_sites.py", '"AIRFLOW__EDGE__API_URL"')),
+    (r"^python -m tests\.bad_inputs\.table$", RunBy("tests/bad_inputs/test_table.py", "render(all_cases())")),
+    (r"^export FLARE_K8S_ALLOWED_HOST_PATHS=", RunBy("tests/bad_inputs/test_kubernetes.py", "ALLOWED_HOST_PATHS_ENV")),
+    (r"^export NAME='value'$", NotRun("the shape of a variable a site admin sets, not a command")),
+    (r"^python -m flare_airflow\.site_task$", RunBy("tests/unit/site_task/test_runner.py", "flare_airflow.site_task")),
+    (r"^python -m compileall$", NotRun("for image builders; docker/Dockerfile.trainer runs it")),
+]
+
+
+def doc_commands() -> list[tuple[str, str, bool]]:
+    """(doc, command, run_as_written) for every command in the docs."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in _FENCE.finditer(text):
+            if m.group(3) not in ("bash", "sh", "shell"):
+                continue
+            for line in m.group(4).splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line and not line.startswith("#"):
+                    found.append((doc.name, line, m.group(2) in _RUN_AS_WRITTEN))
+        prose = _FENCE.sub("", text)
+        for m in re.finditer(r"`([^`\n]+)`", prose):
+            span = m.group(1).strip()
+            if span.split(" ")[0] in COMMAND_WORDS and " " in span:
+                found.append((doc.name, span, False))
+    return found
+
+
+def coverage_of(command: str) -> list[RunBy | NotRun]:
+    return [how for pattern, how in COVERAGE if re.search(pattern, command)]
+
+
+@pytest.mark.parametrize(("doc", "command"), [(d, c) for d, c, as_written in doc_commands() if not as_written])
+def test_every_doc_command_is_run_by_a_test_or_says_why_not(doc: str, command: str) -> None:
+    assert coverage_of(command), (
+        f"{doc}: `{command}` is run by no test: add it to a walkthrough block, or add an entry to "
+        f"COVERAGE in {pathlib.Path(__file__).name} naming the test that runs it or why it cannot run here"
+    )
+
+
+@pytest.mark.parametrize(("pattern", "how"), COVERAGE, ids=[p for p, _ in COVERAGE])
+def test_each_coverage_entry_is_real_and_used(pattern: str, how: RunBy | NotRun) -> None:
+    assert any(re.search(pattern, c) for _, c, _ in doc_commands()), f"no doc command matches {pattern!r} any more"
+    if isinstance(how, RunBy):
+        path = REPO / how.test
+        assert path.is_file(), f"{how.test} does not exist"
+        assert how.evidence in path.read_text(), f"{how.test} no longer contains {how.evidence!r}"
+    else:
+        assert len(how.reason) > 20
+
+
+def test_run_as_written_blocks_are_the_ones_the_walkthrough_runs() -> None:
+    walkthrough = (REPO / "tests" / "e2e" / "test_walkthrough.py").read_text()
+    assert "<!-- walkthrough: (\\S+) -->" in walkthrough and "<!-- client-install -->" in walkthrough
+    assert any(as_written for _, _, as_written in doc_commands())
