@@ -29,10 +29,10 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import read_record
 from flare_airflow.core.store import ModelStore, run_component
-from flare_airflow.operators.common import default_store_uri
+from flare_airflow.operators.common import FAILURE_XCOM_KEY, default_store_uri
 from flare_airflow.ui import page
 from flare_airflow.ui.plugin import PREFIX
-from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view
+from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view, federated_prefix
 
 MAX_METRICS_BYTES = 16 << 20
 CHUNK = 1 << 20
@@ -108,10 +108,10 @@ class AirflowAPI:
             if not body["task_instances"] or len(out) >= body["total_entries"]:
                 return out
 
-    async def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
+    async def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
         path = (
             f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}/taskInstances/"
-            f"{quote(task_id, safe='')}/xcomEntries/return_value"
+            f"{quote(task_id, safe='')}/xcomEntries/{quote(key, safe='')}"
         )
         body = await self.get(path, missing_ok=True)
         value = None if body is None else body.get("value")
@@ -202,12 +202,18 @@ async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView
     async with AirflowAPI(request) as api:
         run = await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}")
         tis = await api.task_instances(dag_id, run_id)
-        wanted = [t for t, ti in tis.items() if ti.get("state") in ("success", "failed") or t == "prepare"]
-        values = await asyncio.gather(*(api.xcom(dag_id, run_id, t) for t in wanted))
-    xcoms = {t: v for t, v in zip(wanted, values, strict=True) if v is not None}
-    outputs = await run_in_threadpool(_outputs, run_id, xcoms.get("publish"))
+        prefix = federated_prefix(list(tis))
+        wanted = [t for t, ti in tis.items() if ti.get("state") in ("success", "failed") or t == prefix + "prepare"]
+        failed = [t for t, ti in tis.items() if ti.get("state") == "failed"]
+        values = await asyncio.gather(
+            *(api.xcom(dag_id, run_id, t) for t in wanted),
+            *(api.xcom(dag_id, run_id, t, key=FAILURE_XCOM_KEY) for t in failed),
+        )
+    xcoms = {t: v for t, v in zip(wanted, values[: len(wanted)], strict=True) if v is not None}
+    failures = {t: str(v) for t, v in zip(failed, values[len(wanted) :], strict=True) if v}
+    outputs = await run_in_threadpool(_outputs, run_id, xcoms.get(prefix + "publish"))
     metrics = await run_in_threadpool(_read_metrics, outputs["metrics"]) if "metrics" in outputs else None
-    view = build_run_view(dag_id, run, tis, xcoms, metrics)
+    view = build_run_view(dag_id, run, tis, xcoms, metrics, failures)
     downloads = await run_in_threadpool(_describe, ui_base() + PREFIX, dag_id, run_id, outputs)
     return view, downloads
 
@@ -271,7 +277,8 @@ async def download(request: Request, dag_id: str, run_id: str, name: str) -> Str
         raise HTTPException(404, f"no output {name!r}; one of {', '.join(FILES)}")
     async with AirflowAPI(request) as api:
         await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}")
-        published = await api.xcom(dag_id, run_id, "publish")
+        prefix = federated_prefix(list(await api.task_instances(dag_id, run_id)))
+        published = await api.xcom(dag_id, run_id, prefix + "publish")
     outputs = await run_in_threadpool(_outputs, run_id, published)
     if name not in outputs:
         raise HTTPException(404, f"run {run_id} of {dag_id} has no published {FILES[name][1]} (did publish succeed?)")

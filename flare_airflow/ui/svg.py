@@ -48,7 +48,7 @@ def render(chart: Chart) -> str:
         f'<text x="{LEFT}" y="16" class="title">{escape(chart.title)}</text>',
     ]
     if not points:
-        parts.append(f'<text x="{LEFT}" y="{HEIGHT // 2}" class="empty">no round aggregated yet</text></svg>')
+        parts.append(f'<text x="{LEFT}" y="{HEIGHT // 2}" class="empty">no aggregated round</text></svg>')
         return "".join(parts)
     low, high = min(values), max(values)
     if chart.integer_y:

@@ -18,7 +18,7 @@ from typing import Any
 from flare_airflow.core.report import TRAIN_LOSS_KEYS, round_row
 
 AGGREGATE_TASK = "global_model"  # the builder's name for a round's aggregation task
-_ROUND_TASK = re.compile(r"^round_(\d+)\.(.+)$")
+_AGGREGATE = re.compile(r"^(.*?)round_(\d+)\.global_model$")
 FINISHED_RUN_STATES = frozenset({"success", "failed"})
 FEDERATED_TAG = "federated-learning"
 
@@ -42,6 +42,7 @@ class RoundView:
     aggregate_state: str
     sites: dict[str, SiteCell] = field(default_factory=dict)
     valid: int | None = None  # updates counted (from the summary), None while not aggregated
+    reason: str | None = None  # why the aggregation failed (its XCom ``failure``), e.g. no quorum
 
 
 @dataclass
@@ -61,12 +62,20 @@ class RunView:
         return self.state in FINISHED_RUN_STATES
 
 
-def task_layout(task_ids: list[str]) -> tuple[list[int], list[str]]:
-    """Rounds and sites of a federated DAG from its task ids (``round_<n>.<site>``, ``round_<n>.global_model``)."""
+def federated_prefix(task_ids: list[str]) -> str:
+    """The task-id prefix of the job's tasks: ``""`` in a DAG from ``build_dag``, ``"<group>."``
+    for a ``federated_task_group`` inside a DAG of your own (the first such group found)."""
+    found = sorted(m.group(1) for t in task_ids if (m := _AGGREGATE.match(t)))
+    return found[0] if found else ""
+
+
+def task_layout(task_ids: list[str], prefix: str = "") -> tuple[list[int], list[str]]:
+    """Rounds and sites from the task ids ``<prefix>round_<n>.<site>`` and ``<prefix>round_<n>.global_model``."""
+    pattern = re.compile(rf"^{re.escape(prefix)}round_(\d+)\.([^.]+)$")
     rounds: set[int] = set()
     sites: list[str] = []
     for task_id in task_ids:
-        m = _ROUND_TASK.match(task_id)
+        m = pattern.match(task_id)
         if not m:
             continue
         rounds.add(int(m.group(1)))
@@ -93,19 +102,23 @@ def build_run_view(
     task_instances: Mapping[str, Mapping[str, Any]],
     xcoms: Mapping[str, Any],
     metrics: Mapping[str, Any] | None,
+    failures: Mapping[str, str] | None = None,
 ) -> RunView:
     """The page's model of one run.
 
     ``task_instances``: task id -> the REST API's task instance (``state``, ``try_number``).
     ``xcoms``: task id -> that task's ``return_value`` XCom (absent when it has none).
     ``metrics``: the published ``metrics.json`` or None.
+    ``failures``: task id -> the reason a failed task left in its XCom ``failure``.
     """
-    rounds, sites = task_layout(list(task_instances))
-    prepare = _mapping(xcoms.get("prepare"))
+    failures = failures or {}
+    prefix = federated_prefix(list(task_instances))
+    rounds, sites = task_layout(list(task_instances), prefix)
+    prepare = _mapping(xcoms.get(prefix + "prepare"))
     requested = prepare.get("rounds") if isinstance(prepare.get("rounds"), int) else None
     summaries: dict[int, Mapping[str, Any]] = {}
     for r in rounds:
-        summary = xcoms.get(f"round_{r}.{AGGREGATE_TASK}")
+        summary = xcoms.get(f"{prefix}round_{r}.{AGGREGATE_TASK}")
         if isinstance(summary, Mapping) and summary.get("round") == r:
             summaries[r] = summary
     if metrics and isinstance(metrics.get("rounds"), list):
@@ -118,21 +131,22 @@ def build_run_view(
     for r in rounds:
         summary = summaries.get(r, {})
         rejected = dict(summary.get("rejected") or {})
-        agg_id = f"round_{r}.{AGGREGATE_TASK}"
+        agg_id = f"{prefix}round_{r}.{AGGREGATE_TASK}"
         view = RoundView(
             round=r,
             aggregate_task_id=agg_id,
             aggregate_state=str(task_instances.get(agg_id, {}).get("state") or "none"),
             valid=len(summary["accepted"]) if isinstance(summary.get("accepted"), list) else None,
+            reason=failures.get(agg_id),
         )
         site_metrics = dict(summary.get("site_metrics") or {})
         for site in sites:
-            task_id = f"round_{r}.{site}"
+            task_id = f"{prefix}round_{r}.{site}"
             ti = task_instances.get(task_id, {})
             sent = _mapping(xcoms.get(task_id))
             state = str(ti.get("state") or "none")
-            reason = rejected.get(site)
-            if state == "success" and reason is not None:
+            reason = rejected.get(site) or failures.get(task_id)
+            if state == "success" and site in rejected:
                 state = "not counted"
             samples = sent.get("num_samples")
             view.sites[site] = SiteCell(

@@ -28,7 +28,7 @@ from tests.local_airflow import REPO, Api, LocalAirflow, process_tree, started
 
 CHROMIUM = "/usr/bin/chromium"
 PASSWORDS = {"admin": "admin-pw-for-test", "outsider": "outsider-pw-for-test"}
-DEMO, ONE_DOWN = "flare_digits", "flare_one_down"
+DEMO, ONE_DOWN, NO_QUORUM = "flare_digits", "flare_one_down", "flare_no_quorum"
 
 
 class Stack:
@@ -58,11 +58,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         f"from flare_airflow.builder import build_dag\ndag = build_dag({str(REPO / 'dags' / 'digits.yaml')!r})\n"
     )
     job = behave_job(root, "one-down", sites=4, rounds=2, min_clients=3, args=["--fail", "site-4"])
-    (dags / "one_down.yaml").write_text(yaml.safe_dump(job))
-    (dags / "one_down_dag.py").write_text(
-        "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
-        "dag = build_dag(Path(__file__).with_name('one_down.yaml'))\n"
-    )
+    lost = behave_job(root, "no-quorum", sites=2, rounds=1, min_clients=2, args=["--fail", "site-2"])
+    for name, spec in (("one_down", job), ("no_quorum", lost)):
+        (dags / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+        (dags / f"{name}_dag.py").write_text(
+            "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
+            f"dag = build_dag(Path(__file__).with_name('{name}.yaml'))\n"
+        )
     passwords = root / "passwords.json"
     passwords.write_text(json.dumps(PASSWORDS))
     airflow = LocalAirflow(
@@ -83,6 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s = Stack(airflow, root)
         s.runs[DEMO] = s.api.trigger(DEMO, {"rounds": 3})
         s.runs[ONE_DOWN] = s.api.trigger(ONE_DOWN, {"rounds": 2})
+        s.runs[NO_QUORUM] = s.api.trigger(NO_QUORUM, {})
         yield s
     finally:
         print(airflow.stop())
@@ -230,6 +233,21 @@ def test_failing_site_fails_every_round_and_the_round_still_counts(stack: Stack,
         assert aggregate.get_attribute("data-state") == "success" and "3/4 valid" in aggregate.inner_text()
     assert _points(page, "valid") == {"valid updates": [(1, 3.0), (2, 3.0)]}
     assert [row["sites_valid"] for row in _metrics(stack, ONE_DOWN)["rounds"]] == [3, 3]
+
+
+def test_a_round_without_quorum_shows_why(stack: Stack, browser: Browser) -> None:
+    assert stack.api.wait(NO_QUORUM, stack.runs[NO_QUORUM]) == "failed"
+    page = _page(browser, stack, stack.admin)
+    page.goto(stack.run_url(NO_QUORUM))
+    _shot(page, stack, "no-quorum")
+    row = page.locator('table.rounds tr[data-round="1"]')
+    aggregate = row.locator("td.aggregate")
+    assert aggregate.get_attribute("data-state") == "failed"
+    assert "round 1 failed" in aggregate.inner_text()  # the reason the aggregation task left
+    site = row.locator('td[data-site="site-2"]')
+    assert site.get_attribute("data-state") == "failed" and "exit code 3" in site.inner_text()
+    assert page.locator('svg[data-chart="valid"] circle.point').count() == 0  # no round was aggregated
+    assert page.locator("tr[data-file]").count() == 0  # nothing published
 
 
 def test_endpoints_need_a_token_and_dag_access(stack: Stack) -> None:

@@ -87,7 +87,7 @@ def test_published_metrics_json_wins_and_charts_have_one_point_per_round() -> No
 
 def test_an_empty_chart_says_so_and_names_are_escaped() -> None:
     view = build_run_view("d<x>", {"dag_run_id": "r&1", "state": "queued"}, _tis(1, {}), {}, None)
-    assert all("no round aggregated yet" in svg.render(c) for c in charts(view))
+    assert all("no aggregated round" in svg.render(c) for c in charts(view))
     html = page.run_page(view, "/flare", "", [])
     assert "d<x>" not in html and "d&lt;x&gt;" in html
     assert "setInterval" in html  # a run not finished refreshes itself
@@ -107,3 +107,25 @@ def test_the_plugin_module_stays_light_for_task_processes() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "/flare"]
+
+
+def test_a_federated_task_group_in_a_dag_of_your_own() -> None:
+    tis = {f"digits.{t}": ti for t, ti in _tis(2, {"round_2.global_model": "failed"}).items()}
+    tis["train_more"] = {"state": "success", "try_number": 1}
+    xcoms = {f"digits.{t}": v for t, v in _xcoms(1, {}).items()}
+    failures = {"digits.round_2.global_model": "round 2 failed: 1 valid update, min_clients is 2"}
+    view = build_run_view("mine", {"dag_run_id": "r", "state": "failed"}, tis, xcoms, None, failures)
+    assert view.sites == SITES and [r.round for r in view.rounds] == [1, 2]
+    assert view.rounds[0].sites["site-1"].task_id == "digits.round_1.site-1"
+    assert view.min_clients == 2 and len(view.rows) == 1
+    assert (
+        view.rounds[1].aggregate_state == "failed" and view.rounds[1].reason == failures["digits.round_2.global_model"]
+    )
+    assert failures["digits.round_2.global_model"] in page.run_page(view, "/flare", "", [])
+
+
+def test_a_failed_site_shows_the_reason_its_task_left_when_no_round_summary_names_it() -> None:
+    tis = _tis(1, {"round_1.site-2": "failed", "round_1.global_model": "failed"})
+    xcoms = {"prepare": _xcoms(1, {})["prepare"]}
+    view = build_run_view("d", {"dag_run_id": "r", "state": "failed"}, tis, xcoms, None, {"round_1.site-2": "OOM"})
+    assert view.rounds[0].sites["site-2"].state == "failed" and view.rounds[0].sites["site-2"].reason == "OOM"
