@@ -191,3 +191,15 @@ def test_one_failing_rank_ends_the_whole_job(slurm: SlurmCluster, tmp_path: Path
     handle = launcher(slurm, tmp_path, tasks_per_node=2).launch_job(site_job([sys.executable, "-c", code]))
     assert handle.wait(60) is JobReturnCode.EXECUTION_ERROR
     assert slurm.jobs() == []
+
+
+def test_a_job_that_cannot_start_fails_after_startup_timeout(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """PENDING for a reason waiting does not fix (here the partition is down): startup_timeout, not
+    pending_timeout, and the job is cancelled."""
+    slurm.run("scontrol", "update", f"PartitionName={slurm.partition}", "State=DOWN")
+    try:
+        handle = launcher(slurm, tmp_path, startup_timeout=2.0, pending_timeout=600.0).launch_job(site_job(["true"]))
+        assert handle.wait(30) is JobReturnCode.CONFIG_ERROR
+    finally:
+        slurm.run("scontrol", "update", f"PartitionName={slurm.partition}", "State=UP")
+    assert "stayed PENDING (PartitionDown)" in handle.reason and "startup_timeout=2s" in handle.reason
