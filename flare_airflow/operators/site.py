@@ -24,7 +24,6 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 
 from flare_airflow.core.config import (
     SITE_CONFIG_ENV,
-    AirflowSecretRef,
     JobConfig,
     SitePolicy,
     apply_site_policy,
@@ -33,6 +32,7 @@ from flare_airflow.core.config import (
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
+from flare_airflow.hooks.secrets import secret_value
 from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.operators.common import (
     FINISHED_STATES,
@@ -91,23 +91,6 @@ def _summary(output: str) -> dict[str, Any] | None:
     return None
 
 
-def _secret_value(ref: AirflowSecretRef) -> str:
-    from airflow.sdk import Connection, Variable
-
-    if ref.variable is not None:
-        return str(Variable.get(ref.variable))
-    conn = Connection.get(str(ref.conn_id))
-    if ref.field == "uri":
-        value = conn.get_uri()
-    elif ref.field.startswith("extra."):
-        value = conn.extra_dejson.get(ref.field.removeprefix("extra."))
-    else:
-        value = getattr(conn, ref.field)
-    if value is None or value == "":
-        raise LookupError(f"the connection has no {ref.field}")
-    return str(value)
-
-
 def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
     """The site's ``launcher_spec.process.secret_env`` (``.slurm`` for SLURM sites), resolved on this
     worker and masked in logs.
@@ -122,7 +105,7 @@ def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
     refs = spec.launcher_spec.slurm.secret_env if spec.launcher == "slurm" else spec.launcher_spec.process.secret_env
     for name, ref in refs.items():
         try:
-            value = _secret_value(ref)
+            value = secret_value(ref)
         except Exception as exc:  # the Task SDK raises several types for "not found"
             detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             where = (

@@ -202,6 +202,7 @@ class SiteSlurmOperator(BaseOperator):
             execution_deadline=deadline,
             offset=offset,
             prefix=prefix,
+            secret_refs={name: ref.model_dump(exclude_defaults=True) for name, ref in spec.secret_env.items()} or None,
         )
 
     def cancel_earlier_tries(self, commands: Any, run: SiteRun, try_number: int) -> list[str]:

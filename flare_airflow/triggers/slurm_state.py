@@ -25,8 +25,9 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from flare_airflow.core.config import SlurmLaunchSpec
+from flare_airflow.core.config import AirflowSecretRef, SlurmLaunchSpec
 from flare_airflow.core.spec import JobReturnCode, JobState
+from flare_airflow.hooks.secrets import secret_value
 from flare_airflow.hooks.slurm import slurm_commands
 from flare_airflow.launchers.slurm import SlurmCommandError, SlurmJobHandle, SubmittedJob, cancel
 
@@ -45,6 +46,8 @@ class SlurmJobTrigger(BaseTrigger):
     :param execution_deadline: epoch seconds after which the job is cancelled (the task's execution_timeout).
     :param offset: bytes of the output already shown (a re-deferred watch continues there).
     :param prefix: prefix of each output line in the task log.
+    :param secret_refs: the site's ``secret_env`` references (never values): resolved again where the
+        trigger runs, so that a trainer printing a secret shows ``***`` in the task log.
     """
 
     _FIELDS = (
@@ -59,6 +62,7 @@ class SlurmJobTrigger(BaseTrigger):
         "execution_deadline",
         "offset",
         "prefix",
+        "secret_refs",
     )
 
     def __init__(
@@ -74,6 +78,7 @@ class SlurmJobTrigger(BaseTrigger):
         execution_deadline: float | None = None,
         offset: int = 0,
         prefix: str = "",
+        secret_refs: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.job_id = job_id
@@ -87,6 +92,7 @@ class SlurmJobTrigger(BaseTrigger):
         self.execution_deadline = execution_deadline
         self.offset = offset
         self.prefix = prefix
+        self.secret_refs = secret_refs
         self._fired = False
         self._handle: SlurmJobHandle | None = None
         self._sink: Any = None
@@ -139,9 +145,24 @@ class SlurmJobTrigger(BaseTrigger):
             }
         )
 
+    def _hide_secrets(self, handle: SlurmJobHandle) -> None:
+        if not self.secret_refs:
+            return
+        from airflow.sdk.log import mask_secret
+
+        for name, ref in self.secret_refs.items():
+            try:
+                value = secret_value(AirflowSecretRef(**ref))
+            except Exception as exc:  # a lookup failure must not stop the watch; say it
+                self.log.warning("cannot resolve secret_env %s to hide it in the job's output: %s", name, exc)
+                continue
+            mask_secret(value, name)
+            handle.output.hidden.add(value)
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
             handle = self.handle()
+            await asyncio.to_thread(self._hide_secrets, handle)
             while True:
                 rc = await asyncio.to_thread(handle.poll)
                 status = handle.status

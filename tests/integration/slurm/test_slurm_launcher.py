@@ -103,16 +103,28 @@ def test_five_one_gpu_jobs_on_four_gpus(slurm: SlurmCluster, tmp_path: Path) -> 
     )
     out: list[str] = []
     handles: list[SlurmJobHandle] = []
-    for n in range(GPUS + 1):
+
+    def submit(n: int) -> SlurmJobHandle:
         run = launcher(slurm, tmp_path, out, resources={"num_of_gpus": 1})
-        handles.append(run.launch_job(site_job([sys.executable, str(script)], site=f"site-{n}")))
-    waited = []
-    deadline = time.monotonic() + 60
-    while not all(h.poll() is not JobReturnCode.UNKNOWN for h in handles) and time.monotonic() < deadline:
-        waited += [h.status.native for h in handles if h.status.native == "PENDING (Resources)"]
-        time.sleep(0.3)
+        handle = run.launch_job(site_job([sys.executable, str(script)], site=f"site-{n}"))
+        handles.append(handle)
+        return handle
+
+    for n in range(GPUS):
+        submit(n)
+    deadline = time.monotonic() + 30
+    while {h.read_status().state for h in handles} != {JobState.RUNNING} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fifth = submit(GPUS)  # every GPU is taken: it must wait for one
+    seen: list[str] = []
+    while time.monotonic() < deadline + 60:
+        codes = [h.poll() for h in handles]  # every handle, every time: each keeps its own status
+        seen.append(fifth.status.native)
+        if JobReturnCode.UNKNOWN not in codes:
+            break
+        time.sleep(0.1)
     assert [h.poll() for h in handles] == [JobReturnCode.SUCCESS] * (GPUS + 1)
-    assert "PENDING (Resources)" in waited
+    assert "PENDING (Resources)" in seen, seen
     starts = {}
     for line in out:
         site, _, rest = line.partition("] ")
@@ -123,6 +135,9 @@ def test_five_one_gpu_jobs_on_four_gpus(slurm: SlurmCluster, tmp_path: Path) -> 
     # The first GPUS jobs ran at once, on distinct devices.
     first = sorted(starts.values(), key=lambda item: float(item[1]))[:GPUS]
     assert sorted(dev for dev, _ in first) == [str(g) for g in range(GPUS)]
+    # ... and the fifth started only once one of them had ended.
+    ends = [float(rest.split()[1]) for line in out if (rest := line.partition("] ")[2]).startswith("END")]
+    assert float(starts[f"[site-{GPUS} r1"][1]) >= min(ends)
 
 
 def test_pending_timeout_cancels_a_job_that_waits_too_long(slurm: SlurmCluster, tmp_path: Path) -> None:

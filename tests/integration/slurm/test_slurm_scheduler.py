@@ -17,12 +17,14 @@ from tests.harness import tiny_model
 from tests.slurm_harness.cluster import SlurmCluster
 from tests.stack import AirflowStack, Postgres, start_triggerer
 
+SECRET = "s3cr3t-Token-4711"
 TRAINER = """
 import os, sys, time
 import flare_airflow.client as flare
 model = flare.receive()
 site = flare.get_site_name()
 print(f"{site} training on {os.environ.get('SLURM_JOB_ID')}", flush=True)
+print(f"{site} token {os.environ.get('SITE_TOKEN')}", flush=True)
 if site == "site-2":
     time.sleep(600)
 time.sleep(2)
@@ -38,6 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, slurm_cluster: SlurmCluster)
     airflow = AirflowStack(root / "af", pg.url, parallelism=4)
     airflow.env["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
     airflow.env.update(slurm_cluster.env)
+    airflow.env["AIRFLOW_VAR_SITE_TOKEN"] = SECRET
     airflow.start()
     start_triggerer(airflow)
     try:
@@ -73,7 +76,7 @@ def test_deferred_slurm_task_streams_output_and_mark_failed_cancels_the_job(
         "evaluate": False,
         "sites": {
             "@default": {"retries": 0, "launcher": "slurm", "launcher_spec": {"slurm": block}},
-            "site-1": {},
+            "site-1": {"launcher_spec": {"slurm": {**block, "secret_env": {"SITE_TOKEN": {"variable": "site_token"}}}}},
             "site-2": {},
         },
     }
@@ -125,5 +128,8 @@ def test_deferred_slurm_task_streams_output_and_mark_failed_cancels_the_job(
     trigger = trigger_log(stack, dag_id, run_id, "round_1.site-1")
     assert "[site-1 r1] site-1 training on" in trigger, trigger[-3000:]
     assert "[site-1 r1] site-1 sending" in trigger
+    # The trainer printed its secret: the triggerer resolved the reference again and masked it.
+    assert "[site-1 r1] site-1 token ***" in trigger
+    assert SECRET not in trigger and SECRET not in log
     assert "task killed: cancelling SLURM job" in trigger_log(stack, dag_id, run_id, "round_1.site-2")
     assert slurm.jobs() == []

@@ -20,6 +20,7 @@ NON_DEFAULTS = {
     "execution_deadline": 1_900_000_000.0,
     "offset": 1234,
     "prefix": "[site-1 r1] ",
+    "secret_refs": {"HF_TOKEN": {"conn_id": "hf", "field": "password"}, "DB": {"variable": "db"}},
 }
 
 
