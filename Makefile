@@ -33,12 +33,12 @@ $(AIRFLOW_HOME)/airflow.db: | $(VENV)/.installed
 
 setup: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
 
-# What the integration tiers need from the system: PostgreSQL (scheduler tests), SLURM + munge and
-# OpenSSH's server (the tests start a private cluster and sshd; nothing is started here), Debian's
-# headless Chromium (the Federated runs page test drives it with Playwright: no browser download)
-# and a real Kubernetes
-# control plane built from Debian's source package (cached; ~7 min when cold).
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge openssh-server chromium fonts-dejavu-core
+# What the integration tiers need from the system: PostgreSQL (scheduler tests), SLURM + munge,
+# OpenSSH's server and iproute2 (the tests start private clusters, one network namespace per node
+# of the 2-node one, and sshd; nothing is started here), Debian's headless Chromium (the Federated
+# runs page test drives it with Playwright: no browser download) and a real Kubernetes control
+# plane built from Debian's source package (cached; ~7 min when cold).
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge openssh-server iproute2 chromium fonts-dejavu-core
 system-deps:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
