@@ -33,6 +33,7 @@ from flare_airflow.dag_runs import (
     latest_run_key,
     open_log,
     run_state,
+    write_task_logs,
 )
 
 __all__ = ["CLIError", "exception_text", "main", "open_log", "run_state"]
@@ -80,7 +81,7 @@ def _with_log(command: Callable[[argparse.Namespace, int, str], int]) -> Callabl
 
 def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
     print(
-        f"running {args.dag_id} through Airflow (airflow dags test); task logs: {log_path}",
+        f"running {args.dag_id} through Airflow (airflow dags test); its output: {log_path}",
         file=sys.stderr if args.json else sys.stdout,
         flush=True,
     )
@@ -127,10 +128,15 @@ def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
         print(f"error: {exc}; `airflow dags test` exited {returncode}{why}; see {log_path}", file=sys.stderr)
         return 1
     state["wall_seconds"] = round(elapsed, 2)
+    task_logs = write_task_logs(log_path, state)
+    if task_logs:
+        state["task_logs"] = task_logs
     if args.json:
         print(json.dumps(state, indent=2, sort_keys=True))
     else:
         print(f"run {state['run_id']}: {state['state']} in {elapsed:.1f}s")
+        if task_logs:
+            print(f"task logs (one file per task try, as the Airflow UI shows them): {task_logs}")
         _print_states(state)
         published = state.get("published")
         if published:
@@ -178,7 +184,7 @@ def _resume(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
 
     from flare_airflow import resume
 
-    print(f"resuming {args.dag_id} run {args.run_id}; task logs: {log_path}", flush=True)
+    print(f"resuming {args.dag_id} run {args.run_id}; its output: {log_path}", flush=True)
     with _output_to(log_fd):
         write_default_airflow_configuration_if_needed()
         try:

@@ -145,6 +145,61 @@ def _output_to(log_fd: int) -> Iterator[None]:
             os.close(fd)
 
 
+_TASK_START = re.compile(r"\[DAG TEST\] starting task_id=(\S+) map_index=(-?\d+)")
+_TASK_END = re.compile(r"\[DAG TEST\] end task task_id=(\S+) map_index=(-?\d+)")
+MAX_RUN_LOG_BYTES = 256 * 1024 * 1024
+
+
+def write_task_logs(run_log: str, state: dict[str, Any]) -> str | None:
+    """Split an in-process run's output into one log file per task try, where Airflow keeps task logs.
+
+    ``airflow dags test`` runs the tasks one after another in this process and writes no task log
+    files: everything lands in the run's one log. Its ``[DAG TEST] starting/end task`` lines mark
+    each task's part; each part goes to ``[logging] base_log_folder`` under Airflow's
+    ``log_filename_template`` (``dag_id=…/run_id=…/task_id=…/attempt=N.log``), so the UI's Logs tab
+    shows it. Existing files are never overwritten and symbolic links never followed. Returns the
+    run's log folder, or ``None`` when nothing was written.
+    """
+    import jinja2
+    from airflow.configuration import conf
+
+    try:
+        with open(run_log, "rb") as fh:
+            text = fh.read(MAX_RUN_LOG_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None
+    parts: dict[tuple[str, int], list[list[str]]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines(keepends=True):
+        if start := _TASK_START.search(line):
+            current = []
+            parts.setdefault((start.group(1), int(start.group(2))), []).append(current)
+        if current is not None:
+            current.append(line)
+        if _TASK_END.search(line):
+            current = None
+    base = os.path.expanduser(conf.get("logging", "base_log_folder"))
+    template = jinja2.Template(conf.get("logging", "log_filename_template"))
+    folder = None
+    for (task_id, map_index), tries in parts.items():
+        info = state["tasks"].get(task_id)
+        if info is None:
+            continue
+        last = int(info.get("try_number") or len(tries))
+        for offset, lines in enumerate(tries):
+            try_number = max(1, last - len(tries) + 1 + offset)
+            ti = {"dag_id": state["dag_id"], "run_id": state["run_id"], "task_id": task_id, "map_index": map_index}
+            path = os.path.join(base, template.render(ti=ti, try_number=try_number))
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(path, flags, 0o644)
+                with os.fdopen(fd, "w") as out:
+                    out.writelines(lines)
+                folder = folder or os.path.dirname(os.path.dirname(path))
+    return folder
+
+
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): ", re.MULTILINE)
 
 

@@ -157,6 +157,13 @@ def test_a_run_the_quorum_carries_succeeds_and_names_the_failing_site(walkthroug
             "RuntimeError: hospital-c: this week's data export is missing [EXECUTION_ERROR]"
         ) in out
     assert "final model: file://" in out and "metrics.png" in out
+    # one log file per task try, in Airflow's own layout (the UI's Logs tab reads them)
+    folder = pathlib.Path(re.search(r"task logs \(one file per task try[^)]*\): (\S+)", out).group(1))
+    failed = (folder / "task_id=round_1.hospital-c" / "attempt=1.log").read_text()
+    assert "RuntimeError: hospital-c: this week's data export is missing" in failed
+    healthy = (folder / "task_id=round_1.hospital-a" / "attempt=1.log").read_text()
+    assert "starting task_id=round_1.hospital-a " in healthy and "hospital-c" not in healthy
+    assert len(list(folder.glob("task_id=*/attempt=1.log"))) == len(states)  # every task ran once
 
 
 def test_a_conf_asks_for_fewer_rounds(walkthrough) -> None:
