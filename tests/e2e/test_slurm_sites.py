@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.e2e.test_kubernetes_sites import k8s_block
-from tests.harness import REPO, AirflowHome, behave_job
+from tests.harness import REPO, AirflowHome, behave_job, tiny_model
 from tests.slurm_harness.cluster import SlurmCluster
 from tests.slurm_harness.sshd import Sshd
 
@@ -151,4 +151,43 @@ def test_slurm_sites_through_an_ssh_connection(
     assert "submitted through ssh:hpc_login" in result.log
     rejected = result.metrics()["rounds"][0]["rejected"]["site-2"]
     assert "exit code 3" in rejected and "site-2: failing on purpose" in rejected
+    assert slurm.jobs() == []
+
+
+FIRST_TRY_FAILS = """
+import os, sys
+import flare_airflow.client as flare
+model = flare.receive()
+if "/try-1/" in os.environ["FLARE_OUTPUT"]:
+    sys.exit("first try fails on purpose")
+flare.send(flare.FLModel(params={k: v + 1 for k, v in model.params.items()}, meta={"num_samples": 1}))
+"""
+
+
+def test_a_retry_submits_a_new_job_and_succeeds(
+    slurm_airflow: AirflowHome, slurm: SlurmCluster, tmp_path: pathlib.Path
+) -> None:
+    script = tmp_path / "first_try_fails.py"
+    script.write_text(FIRST_TRY_FAILS)
+    job = {
+        "job": "slurm-retry",
+        "rounds": 1,
+        "min_clients": 1,
+        "initial_model": str(tiny_model(tmp_path / "init.safetensors")),
+        "trainer": {"script": str(script), "command": [sys.executable]},
+        "evaluate": False,
+        "sites": {
+            "site-1": {
+                "launcher": "slurm",
+                "retries": 1,
+                "retry_delay_seconds": 0,
+                "launcher_spec": {"slurm": slurm_block(tmp_path)},
+            }
+        },
+    }
+    result = slurm_airflow.run("flare_slurm_retry", slurm_airflow.write_job("slurm_retry", job))
+    assert set(result.tasks.values()) == {"success"}, result.log[-4000:]
+    assert result.state["tasks"]["round_1.site-1"]["try_number"] == 2
+    assert "-site-1-r1-" in result.log and "-t1) submitted" in result.log and "-t2) submitted" in result.log
+    assert "first try fails on purpose" in result.log
     assert slurm.jobs() == []
