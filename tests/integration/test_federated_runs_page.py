@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,6 +66,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
             f"dag = build_dag(Path(__file__).with_name('{name}.yaml'))\n"
         )
+    # The test-only auth manager is importable from a directory of its own: the repository root
+    # on PYTHONPATH would also expose its flare_airflow.egg-info, a second copy of the plugin's
+    # entry point (Airflow then reports "already registered" as a plugin import error).
+    auth = root / "auth_manager"
+    auth.mkdir()
+    shutil.copy(pathlib.Path(__file__).with_name("dag_denying_auth_manager.py"), auth)
     passwords = root / "passwords.json"
     passwords.write_text(json.dumps(PASSWORDS))
     airflow = LocalAirflow(
@@ -75,9 +82,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
             # A test-only SimpleAuthManager subclass: the outsider may not read the demo DAG
             # (SimpleAuthManager alone has no per-DAG permissions; see its docstring).
-            "AIRFLOW__CORE__AUTH_MANAGER": "tests.integration.dag_denying_auth_manager.DagDenyingAuthManager",
+            "AIRFLOW__CORE__AUTH_MANAGER": "dag_denying_auth_manager.DagDenyingAuthManager",
             "FLARE_TEST_DENIED_DAGS": f"outsider:{DEMO}",
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": str(auth),
         },
     )
     airflow.start()
@@ -211,8 +218,14 @@ def test_page_in_airflow_ui_nav_and_admin_plugins(stack: Stack, browser: Browser
     frame.locator(f'tr[data-dag="{DEMO}"]').wait_for(timeout=60_000)
     assert frame.locator(f'tr[data-dag="{ONE_DOWN}"]').count() == 1
     _shot(page, stack, "airflow-nav")
+    page.goto(f"{stack.base}/plugins")  # Admin -> Plugins
+    page.get_by_text("flare_airflow").first.wait_for(timeout=60_000)
+    _shot(page, stack, "admin-plugins")
     plugins = stack.api("GET", "/plugins")["plugins"]
     (ours,) = [p for p in plugins if p["name"] == "flare_airflow"]
+    # Loaded without error (an error shows as a red badge on Admin -> Plugins).
+    errors = stack.api("GET", "/plugins/importErrors")
+    assert not [e for e in errors["import_errors"] if "flare" in json.dumps(e)], errors
     assert ours["fastapi_apps"][0]["url_prefix"] == "/flare"
     assert ours["external_views"][0]["url_route"] == "federated-runs"
 

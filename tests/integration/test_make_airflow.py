@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.local_airflow import REPO, assert_nothing_left, process_tree
+from tests.local_airflow import BIN, REPO, assert_nothing_left, process_tree
 from tests.stack import free_port
 
 
@@ -44,6 +44,14 @@ def test_make_airflow_starts_and_ctrl_c_leaves_nothing(tmp_path: pathlib.Path) -
             f"{base}/api/v2/plugins", headers={"Authorization": f"Bearer {token.json()['access_token']}"}, timeout=10
         ).json()
         assert "flare_airflow" in [p["name"] for p in plugins["plugins"]]  # what Admin -> Plugins lists
+        listed = subprocess.run(
+            [str(BIN / "airflow"), "plugins", "--output", "json"],
+            env={**env, "AIRFLOW_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "flare_airflow.ui.plugin" in listed  # `airflow plugins` lists it
         tree = process_tree(proc.pid)
         names = " ".join(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid in tree)
         for component in ("api_server", "scheduler", "dag-processor", "triggerer"):
