@@ -75,20 +75,35 @@ def test_all_slurm_sites_match_the_process_run_bitwise(
     assert jobs.state["published"]["sha256"] == local.state["published"]["sha256"]
 
 
-def test_failing_and_bad_slurm_sites_fail_their_tasks_with_the_reason(
-    slurm_airflow: AirflowHome, slurm: SlurmCluster, tmp_path: pathlib.Path
+def test_failing_and_bad_slurm_sites_local_and_through_ssh(
+    airflow_home: AirflowHome, slurm: SlurmCluster, sshd: Sshd, tmp_path: pathlib.Path
 ) -> None:
+    """site-1 (healthy) and site-3 (sends NaN) submit from the worker; site-2 (fails) through the
+    login node's SSH connection (sbatch, scontrol, scancel and the output file over SSH)."""
     job = behave_job(
-        slurm_airflow.root, "slurm-bad", sites=3, rounds=1, min_clients=1, args=["--fail", "site-2", "--nan", "site-3"]
+        airflow_home.root, "slurm-bad", sites=3, rounds=1, min_clients=1, args=["--fail", "site-2", "--nan", "site-3"]
     )
     job["trainer"]["command"] = [sys.executable]
     job["sites"]["@default"] = {"launcher": "slurm", "launcher_spec": {"slurm": slurm_block(tmp_path)}}
-    result = slurm_airflow.run("flare_slurm_bad", slurm_airflow.write_job("slurm_bad", job))
-    tasks = result.tasks
-    assert tasks["round_1.site-1"] == "success", result.log[-4000:]
-    assert tasks["round_1.site-2"] == "failed" and tasks["round_1.site-3"] == "failed"
-    assert tasks["round_1.global_model"] == "success" and tasks["publish"] == "success"
-    assert tasks["prepare"] == "success"
+    job["sites"]["site-2"] = {"launcher_spec": {"slurm": slurm_block(tmp_path, connection="ssh:hpc_login")}}
+    saved = dict(airflow_home.env)
+    airflow_home.env.update(slurm.env)
+    airflow_home.env["AIRFLOW_CONN_HPC_LOGIN"] = sshd.connection_uri_json()
+    try:
+        result = airflow_home.run("flare_slurm_bad", airflow_home.write_job("slurm_bad", job))
+    finally:
+        airflow_home.env.clear()
+        airflow_home.env.update(saved)
+    assert result.tasks == {
+        "prepare": "success",
+        "round_1.site-1": "success",
+        "round_1.site-2": "failed",
+        "round_1.site-3": "failed",
+        "round_1.global_model": "success",
+        "publish": "success",
+        "sweep_slurm_jobs": "success",
+    }, result.log[-4000:]
+    assert "site site-2 round 1: SLURM job" in result.log and "submitted through ssh:hpc_login" in result.log
     rejected = result.metrics()["rounds"][0]["rejected"]
     # the exit code and the job's last output lines, in the task's error and the round's report
     assert "(FAILED (NonZeroExitCode)): the job failed: exit code 3" in rejected["site-2"]
@@ -120,38 +135,6 @@ def test_mixed_process_kubernetes_and_slurm_sites(
     assert "site job digits-mixed3/site-1 round 1/2 (train)" in result.log
     assert slurm.jobs() == []
     shutil.rmtree(dag_file.parent)
-
-
-def test_slurm_sites_through_an_ssh_connection(
-    airflow_home: AirflowHome, slurm: SlurmCluster, sshd: Sshd, tmp_path: pathlib.Path
-) -> None:
-    """The same flow through the login node: sbatch, scontrol, scancel and the output file over SSH
-    (the worker itself has no SLURM_CONF: only the login node knows the cluster)."""
-    job = behave_job(airflow_home.root, "slurm-ssh", sites=2, rounds=1, min_clients=1, args=["--fail", "site-2"])
-    job["trainer"]["command"] = [sys.executable]
-    block = slurm_block(tmp_path, connection="ssh:hpc_login")
-    job["sites"]["@default"] = {"launcher": "slurm", "launcher_spec": {"slurm": block}}
-    saved = dict(airflow_home.env)
-    airflow_home.env["AIRFLOW_CONN_HPC_LOGIN"] = sshd.connection_uri_json()
-    airflow_home.env.pop("SLURM_CONF", None)
-    try:
-        result = airflow_home.run("flare_slurm_ssh", airflow_home.write_job("slurm_ssh", job))
-    finally:
-        airflow_home.env.clear()
-        airflow_home.env.update(saved)
-    tasks = result.tasks
-    assert tasks == {
-        "prepare": "success",
-        "round_1.site-1": "success",
-        "round_1.site-2": "failed",
-        "round_1.global_model": "success",
-        "publish": "success",
-        "sweep_slurm_jobs": "success",
-    }, result.log[-4000:]
-    assert "submitted through ssh:hpc_login" in result.log
-    rejected = result.metrics()["rounds"][0]["rejected"]["site-2"]
-    assert "exit code 3" in rejected and "site-2: failing on purpose" in rejected
-    assert slurm.jobs() == []
 
 
 FIRST_TRY_FAILS = """
