@@ -208,6 +208,8 @@ class SiteSlurmOperator(BaseOperator):
     def cancel_earlier_tries(self, commands: Any, run: SiteRun, try_number: int) -> list[str]:
         """Cancel this site job's jobs of earlier tries (found by name) before this try submits its
         own: a try whose worker was killed left its job queued or running, unwatched."""
+        if try_number <= 1:
+            return []
         prefix = site_job_prefix(self.job.job, run.run_id, self.round_num, self.site)
         earlier = [
             (job_id, name)
