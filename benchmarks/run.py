@@ -17,6 +17,9 @@
    the same updates vs NVFlare's ``WeightedAggregationHelper`` (~10 min; ``--only nvflare`` writes
    ``benchmarks/results/nvflare.md``; ``--only nvflare-aggregation`` runs its aggregation part alone,
    ~3 min, into ``benchmarks/results/nvflare_aggregation.md``).
+7. **edge** -- sites on Edge workers vs the central LocalExecutor (per-round cost), and model
+   exchange through an S3 endpoint (moto, an emulator) vs the local store (~4 min;
+   ``benchmarks/results/edge.md``).
 6. **rounds** -- a run of R of a job's M rounds next to a job of exactly R rounds under the real
    scheduler (PostgreSQL, LocalExecutor): what the rounds a run does not ask for cost (~4 min;
    ``benchmarks/results/skipped_rounds.md``).
@@ -38,6 +41,7 @@ import time
 from pathlib import Path
 
 import bench_e2e
+import bench_edge
 import bench_fedavg
 import bench_k8s_api
 import bench_nvflare
@@ -57,6 +61,7 @@ OWN_OUTPUTS = {
     "nvflare": NVFLARE_OUTPUT,
     "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
+    "edge": BENCH_DIR / "results" / "edge.md",
 }
 
 
@@ -67,7 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--only",
-        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation", "rounds"),
+        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation", "rounds", "edge"),
         help="run one benchmark (all but e2e write a report of their own)",
     )
     p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
@@ -125,6 +130,10 @@ def main(argv: list[str]) -> int:
             log("[rounds] R of M rounds vs exactly R rounds under the real scheduler ...")
             tables = bench_rounds.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("6. Rounds a run does not ask for, under the real scheduler", tables))
+        if args.only in (None, "edge"):
+            log("[edge] Edge workers vs the central executor; S3 (moto) vs the local store ...")
+            tables = bench_edge.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("7. Sites at the sites: Edge workers and an object store", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(

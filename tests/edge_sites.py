@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from tests.harness import REPO
+from tests.netns import Namespaces
 from tests.s3_server import S3Server
 from tests.stack import BIN, AirflowStack, Postgres, start_triggerer
 
@@ -61,13 +62,27 @@ def edge_job(dags: pathlib.Path, *, rounds: int) -> pathlib.Path:
 class EdgeWorker:
     """One site's worker: ``airflow edge worker --queues <site>``, in its own session."""
 
-    def __init__(self, root: pathlib.Path, site: str, stack: AirflowStack, s3: S3Server) -> None:
+    def __init__(
+        self,
+        root: pathlib.Path,
+        site: str,
+        stack: AirflowStack,
+        s3: S3Server,
+        *,
+        prefix: list[str] | None = None,
+        central: str | None = None,
+    ) -> None:
+        # ``prefix``: run in the site's network namespace; ``central``: the central side's address
+        # as seen from there (default: the test process's view, the API's base URL).
+        self.prefix = list(prefix or [])
+        self.central = central
         self.site = site
         self.name = f"{site}-worker"
         self.root = root / self.name
         self.root.mkdir(parents=True)
         # The site's own copy of the DAGs and trainer (what a site admin deploys).
-        shutil.copytree(stack.dags.parent / "examples", self.root / "examples")
+        if (stack.dags.parent / "examples").is_dir():
+            shutil.copytree(stack.dags.parent / "examples", self.root / "examples")
         shutil.copytree(stack.dags, self.root / "dags", ignore=shutil.ignore_patterns("__pycache__"))
         self.policy = self.root / "site.yaml"
         self.policy.write_text(
@@ -82,19 +97,20 @@ class EdgeWorker:
         """A site worker's whole configuration (docs/deploy-across-sites.md, 'A site's worker')."""
         keep = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "PYTHONWARNINGS")
         env = {k: v for k, v in os.environ.items() if k in keep}
+        base = f"http://{self.central}:{self.stack.port}" if self.central else self.stack.base
         env.update(
             {
                 "AIRFLOW_HOME": str(self.root / "airflow"),
                 "AIRFLOW__CORE__DAGS_FOLDER": str(self.root / "dags"),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                 "AIRFLOW__CORE__EXECUTOR": EDGE_EXECUTOR,
-                "AIRFLOW__EDGE__API_URL": f"{self.stack.base}/edge_worker/v1/rpcapi",
-                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.stack.base}/execution/",
+                "AIRFLOW__EDGE__API_URL": f"{base}/edge_worker/v1/rpcapi",
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
                 "AIRFLOW__API_AUTH__JWT_SECRET": self.stack.env["AIRFLOW__API_AUTH__JWT_SECRET"],
                 "AIRFLOW__EDGE__JOB_POLL_INTERVAL": "1",
                 "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2",
                 "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port()),
-                "AIRFLOW_CONN_" + SITE_CONN.upper(): self.s3.connection(secret),
+                "AIRFLOW_CONN_" + SITE_CONN.upper(): self.s3.connection(secret, self.central),
                 "FLARE_SITE_CONFIG": str(self.policy),
             }
         )
@@ -104,7 +120,7 @@ class EdgeWorker:
         log = open(self.root / "worker.log", "ab")  # noqa: SIM115 - lives as long as the process
         cmd = [str(BIN / "airflow"), "edge", "worker", "--queues", self.site, "--edge-hostname", self.name]
         self.proc = subprocess.Popen(
-            [*cmd, "--concurrency", "2"],
+            [*self.prefix, *cmd, "--concurrency", "2"],
             env=self.env(secret),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -159,14 +175,38 @@ def _free_port() -> int:
 class EdgeDeployment:
     """PostgreSQL, the central Airflow, the S3 endpoint and one worker per site."""
 
-    def __init__(self, root: pathlib.Path, sites: list[str], rounds: int) -> None:
-        self.s3 = S3Server()
-        self.pg = Postgres()
-        self.stack = AirflowStack(root, self.pg.url, extra_env=central_env())
+    def __init__(self, root: pathlib.Path, sites: list[str], rounds: int, *, isolated: bool = False) -> None:
+        """``isolated``: the central side in a network namespace, each site's worker in one of its
+        own that reaches only the central side's API and S3 endpoint (tests/netns.py)."""
+        self.ns = Namespaces(sites) if isolated else None
+        central = Namespaces.prefix(self.ns.central) if self.ns else None
+        host = self.ns.central_addr if self.ns else "127.0.0.1"
+        try:
+            self.s3 = S3Server(host, prefix=central)
+            self.pg = Postgres(prefix=central)
+            self.stack = AirflowStack(root, self.pg.url, extra_env=central_env(), prefix=central, host=host)
+        except BaseException:
+            self._remove_namespaces()
+            raise
         self.stack.env["AIRFLOW__EDGE__API_URL"] = f"{self.stack.base}/edge_worker/v1/rpcapi"
-        self.stack.env["AIRFLOW_CONN_" + CENTRAL_CONN.upper()] = self.s3.connection()
+        # The central tasks reach the store on their own loopback.
+        self.stack.env["AIRFLOW_CONN_" + CENTRAL_CONN.upper()] = self.s3.connection(host="127.0.0.1")
         self.job = edge_job(self.stack.dags, rounds=rounds)
-        self.workers = {site: EdgeWorker(root, site, self.stack, self.s3) for site in sites}
+        self.workers = {
+            site: EdgeWorker(
+                root,
+                site,
+                self.stack,
+                self.s3,
+                prefix=Namespaces.prefix(self.ns.site_ns[site]) if self.ns else None,
+                central=self.ns.site_peer[site] if self.ns else None,
+            )
+            for site in sites
+        }
+
+    def _remove_namespaces(self) -> None:
+        if self.ns is not None:
+            self.ns.remove()
 
     def start(self) -> None:
         self.stack.start()
@@ -203,3 +243,4 @@ class EdgeDeployment:
         self.stack.stop()
         self.pg.stop()
         self.s3.stop()
+        self._remove_namespaces()

@@ -31,15 +31,18 @@ _ADMIN_POLICY = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Act
 
 
 class S3Server:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", prefix: list[str] | None = None) -> None:
+        # ``prefix`` (e.g. ``ip netns exec NS``): the server runs in that network namespace on all
+        # of its addresses, and the test process reaches it at ``host``.
         self.host = host
         self.port = free_port()
         self.endpoint = f"http://{host}:{self.port}"
+        bind = "0.0.0.0" if prefix else host  # all addresses of its own namespace
         env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_SETUP_REQUESTS)}
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
             env.pop(name, None)
         self.proc = subprocess.Popen(
-            [str(BIN / "moto_server"), "-H", host, "-p", str(self.port)],
+            [*(prefix or []), str(BIN / "moto_server"), "-H", bind, "-p", str(self.port)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -76,14 +79,16 @@ class S3Server:
             aws_secret_access_key=self.secret,
         )
 
-    def connection(self, secret: str | None = None) -> str:
-        """An Airflow connection (the JSON of ``AIRFLOW_CONN_<ID>``) to this endpoint."""
+    def connection(self, secret: str | None = None, host: str | None = None) -> str:
+        """An Airflow connection (the JSON of ``AIRFLOW_CONN_<ID>``) to this endpoint, reached at
+        ``host`` (default: where the test process reaches it)."""
+        endpoint = f"http://{host}:{self.port}" if host else self.endpoint
         return json.dumps(
             {
                 "conn_type": "aws",
                 "login": self.key_id,
                 "password": self.secret if secret is None else secret,
-                "extra": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+                "extra": {"endpoint_url": endpoint, "region_name": "us-east-1"},
             }
         )
 

@@ -42,7 +42,9 @@ def _pg_bin(name: str) -> str:
 
 
 class Postgres:
-    def __init__(self) -> None:
+    def __init__(self, prefix: list[str] | None = None) -> None:
+        # ``prefix``: e.g. ``ip netns exec NS`` to run the server in a network namespace.
+        self.prefix = list(prefix or [])
         # Not under pytest's tmp_path: its parents are private to root and postgres must reach it.
         root = pathlib.Path(tempfile.mkdtemp(prefix="flare-pg-"))
         root.chmod(0o755)
@@ -59,9 +61,10 @@ class Postgres:
         self._as_postgres([_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(root / "pg.log"), "-w", "start"])
         self._as_postgres([_pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "airflow"])
 
-    @staticmethod
-    def _as_postgres(cmd: list[str]) -> None:
-        out = subprocess.run(["runuser", "-u", "postgres", "--", *cmd], capture_output=True, text=True, check=False)
+    def _as_postgres(self, cmd: list[str]) -> None:
+        out = subprocess.run(
+            [*self.prefix, "runuser", "-u", "postgres", "--", *cmd], capture_output=True, text=True, check=False
+        )
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {out.stdout}{out.stderr}")
 
@@ -80,8 +83,18 @@ class AirflowStack:
     USER = "admin"
 
     def __init__(
-        self, root: pathlib.Path, db_url: str, parallelism: int = 4, extra_env: dict[str, str] | None = None
+        self,
+        root: pathlib.Path,
+        db_url: str,
+        parallelism: int = 4,
+        extra_env: dict[str, str] | None = None,
+        *,
+        prefix: list[str] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
+        # ``prefix`` (e.g. ``ip netns exec NS``) runs every component in a network namespace, whose
+        # address ``host`` the API listens on (all of the namespace's addresses) and is reached at.
+        self.prefix = list(prefix or [])
         self.root = root
         self.home = root / "airflow"
         self.dags = root / "dags"
@@ -91,7 +104,7 @@ class AirflowStack:
         self.password = secrets.token_urlsafe(12)
         passwords = self.home / "passwords.json"
         passwords.write_text(json.dumps({self.USER: self.password}))
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"http://{host}:{self.port}"
         self.env = {
             **os.environ,
             "AIRFLOW_HOME": str(self.home),
@@ -104,7 +117,7 @@ class AirflowStack:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{self.USER}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db_url,
-            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__HOST": "0.0.0.0" if self.prefix else "127.0.0.1",  # in its namespace: all its addresses
             "AIRFLOW__API__PORT": str(self.port),
             # The workers' and the triggerer's log servers default to 8793/8794: another stack (or
             # a leftover of one) on the machine would hold them.
@@ -124,7 +137,9 @@ class AirflowStack:
         self.airflow("db", "migrate")
 
     def airflow(self, *args: str) -> str:
-        out = subprocess.run([str(BIN / "airflow"), *args], env=self.env, capture_output=True, text=True, check=False)
+        out = subprocess.run(
+            [*self.prefix, str(BIN / "airflow"), *args], env=self.env, capture_output=True, text=True, check=False
+        )
         if out.returncode != 0:
             raise RuntimeError(f"airflow {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         return out.stdout
@@ -134,7 +149,7 @@ class AirflowStack:
             log = open(self.root / f"{component}.log", "wb")  # noqa: SIM115 - lives as long as the process
             self.procs.append(
                 subprocess.Popen(
-                    [str(BIN / "airflow"), component],
+                    [*self.prefix, str(BIN / "airflow"), component],
                     env=self.env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -303,7 +318,7 @@ def start_triggerer(stack: AirflowStack) -> None:
     log = open(stack.root / "triggerer.log", "wb")  # noqa: SIM115 - lives as long as the process
     stack.procs.append(
         subprocess.Popen(
-            [str(BIN / "airflow"), "triggerer"],
+            [*stack.prefix, str(BIN / "airflow"), "triggerer"],
             env=stack.env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -3,12 +3,16 @@
 Real components: api-server, scheduler (LocalExecutor + EdgeExecutor), dag-processor and triggerer
 on PostgreSQL; one ``airflow edge worker --queues site-N`` per site, each with its own Airflow
 home, DAGs copy, site policy and store credentials and no database; moto's S3 server (an emulator,
-see tests/s3_server.py) with signatures enforced. Follows docs/deploy-across-sites.md.
+see tests/s3_server.py) with signatures enforced. The central side runs in a network namespace,
+each worker in one of its own that reaches only the central side's API and S3 ports
+(tests/netns.py). Follows docs/deploy-across-sites.md.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -27,7 +31,7 @@ CENTRAL_TASKS = {"prepare", "publish"} | {f"round_{r}.global_model" for r in ran
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    dep = EdgeDeployment(tmp_path_factory.mktemp("edge"), SITES, rounds=ROUNDS)
+    dep = EdgeDeployment(tmp_path_factory.mktemp("edge"), SITES, rounds=ROUNDS, isolated=True)
     try:
         dep.start()
         yield dep
@@ -42,7 +46,13 @@ def one_machine_sha256(airflow_home: AirflowHome) -> str:
     shutil.copytree(REPO / "dags", folder, ignore=shutil.ignore_patterns("__pycache__"))
     if not (airflow_home.dags / "examples").exists():
         shutil.copytree(REPO / "examples", airflow_home.dags / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    result = airflow_home.run(DAG, folder / "digits_dag.py", conf={"rounds": ROUNDS})
+    # A DAG id of its own: the session's Airflow home also holds the demo test's flare_digits.
+    dag_file = folder / "digits_dag.py"
+    dag_file.write_text(
+        "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
+        "dag = build_dag(Path(__file__).with_name('digits.yaml'), dag_id='flare_digits_one_machine')\n"
+    )
+    result = airflow_home.run("flare_digits_one_machine", dag_file, conf={"rounds": ROUNDS})
     assert result.returncode == 0 and result.state["state"] == "success", result.log[-3000:]
     return str(result.state["published"]["sha256"])
 
@@ -140,3 +150,25 @@ def test_a_worker_stopped_mid_round_the_round_completes_within_quorum_and_its_ne
     assert (tis["round_2.site-3"]["state"], tis["round_2.site-3"]["hostname"]) == ("success", "site-3-worker")
     assert all(tis[t]["state"] == "success" for t in ("round_2.global_model", "publish")), tis
     assert {ti["hostname"] for t, ti in tis.items() if t.endswith("site-3")} <= {"site-3-worker", None, ""}
+
+
+def _reaches(ns: str, host: str, port: int) -> bool:
+    """Whether a TCP connection from network namespace ``ns`` to ``host:port`` succeeds."""
+    code = f"import socket; socket.create_connection(({host!r}, {port}), timeout=2).close()"
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, check=False)
+    return out.returncode == 0
+
+
+def test_each_site_reaches_only_the_central_api_and_store(deployment: EdgeDeployment) -> None:
+    ns = deployment.ns
+    assert ns is not None
+    site1, site2 = ns.site_ns["site-1"], ns.site_ns["site-2"]
+    central = ns.site_peer["site-1"]
+    assert _reaches(site1, central, deployment.stack.port)  # the API server
+    assert _reaches(site1, central, deployment.s3.port)  # the S3 endpoint
+    assert not _reaches(site1, ns.site_addr["site-2"], 22)  # another site: no route
+    assert not _reaches(site1, ns.central_addr, deployment.stack.port)  # the central side's other link
+    assert not _reaches(site1, ns.site_peer["site-2"], deployment.stack.port)
+    assert not _reaches(site2, "127.0.0.1", deployment.stack.port)  # its own loopback: nothing central
+    # The root namespace (this test process) reaches only the central side's address.
+    assert not _reaches(site1, ns.central_addr.rsplit(".", 1)[0] + ".1", 22)
