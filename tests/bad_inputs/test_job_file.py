@@ -101,6 +101,13 @@ case(
     value="yes",
 )
 case(
+    "store-conn-id-with-credentials",
+    "store_conn_id written as a connection URI with a secret in it",
+    "store_conn_id: store_conn_id must be an Airflow connection id: letters, digits, '.', '_' and '-'",
+    field="store_conn_id",
+    value="aws://AKIA:s3cr3t@",
+)
+case(
     "site-executor-shell",
     "a site's executor that is not an executor name",
     "is not an Airflow executor name",
@@ -803,3 +810,9 @@ def test_aliases_within_bounds_still_work(tmp_path: pathlib.Path) -> None:
 def test_valid_schedules_are_accepted(tmp_path: pathlib.Path, schedule: str) -> None:
     build(tmp_path, Bad(field="schedule", value=schedule))
     assert load_job(tmp_path / "job.yaml").schedule == schedule
+
+
+def test_a_store_conn_id_that_looks_like_credentials_is_not_echoed(tmp_path: pathlib.Path) -> None:
+    path = build(tmp_path, Bad(field="store_conn_id", value="aws://AKIA:s3cr3t@"))
+    message = validate(path)
+    assert "store_conn_id" in message and "s3cr3t" not in message, message

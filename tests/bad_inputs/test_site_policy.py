@@ -24,7 +24,7 @@ CASES = [
     Case("policy-unknown-backend", "site_env", "launcher_spec names a backend that does not exist",
          "unknown key 'podman'"),
     Case("policy-bad-conn-id", "site_env", "store_conn_id with a space in it",
-         "store_conn_id 'my store' must be an Airflow connection id"),
+         "store_conn_id must be an Airflow connection id: letters, digits, '.', '_' and '-'"),
     Case("policy-too-few-gpus", "site_env", "the job asks for 4 GPUs, the site's policy allows 2",
          "the job's request does not fit the site's policy: a site job asks for 4 GPUs but the site has only 2"),
     Case("policy-other-site", "site_env", "a task of site-2 reaches the worker of site-1 (wrong --queues)",

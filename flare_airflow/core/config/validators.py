@@ -27,6 +27,8 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 # What every executor's queues accept (Celery, Edge: `airflow edge worker --queues a,b` splits on ',').
 _QUEUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Airflow's own rule for connection ids (airflow.utils.helpers.validate_key).
+_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
 # An executor as a task names it: its class name, an alias from [core] executor, or a module path.
 _EXECUTOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -48,9 +50,11 @@ def queue_name(value: str, what: str) -> str:
 
 
 def conn_id_name(value: str, what: str) -> str:
-    if not value.strip() or len(value) > 250 or any(c.isspace() or c == "\0" for c in value):
+    # Not echoed: a value that is not a name may be a URI with credentials in it.
+    if not _CONN_ID.match(value):
         raise ValueError(
-            f"{what} {short_repr(value)} must be an Airflow connection id (no spaces, at most 250 characters)"
+            f"{what} must be an Airflow connection id: letters, digits, '.', '_' and '-', at most 250 characters "
+            "(the connection's name only -- never a URI or credentials: each side defines the connection itself)"
         )
     return value
 
