@@ -36,6 +36,7 @@ from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view, federa
 
 MAX_METRICS_BYTES = 16 << 20
 CHUNK = 1 << 20
+MAX_CONCURRENT_CALLS = 8
 FILES = {
     # name -> (publish XCom key, label, media type)
     "model": ("final_model", "final model (safetensors)", "application/octet-stream"),
@@ -77,6 +78,9 @@ class AirflowAPI:
         if not header and (cookie := request.cookies.get(COOKIE)):
             header = f"Bearer {cookie}"
         self.client = httpx.AsyncClient(base_url=f"{base}/api/v2", headers={"Authorization": header or ""}, timeout=30)
+        # A run page reads one XCom per finished task (sites x rounds): a few at a time, so that
+        # a large job's page does not flood the api-server that serves it.
+        self.slots = asyncio.Semaphore(MAX_CONCURRENT_CALLS)
 
     async def __aenter__(self) -> AirflowAPI:
         return self
@@ -85,7 +89,8 @@ class AirflowAPI:
         await self.client.aclose()
 
     async def get(self, path: str, missing_ok: bool = False, **params: Any) -> Any:
-        r = await self.client.get(path, params=params or None)
+        async with self.slots:
+            r = await self.client.get(path, params=params or None)
         if r.status_code == 404 and missing_ok:
             return None
         if r.status_code >= 400:
