@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flare_airflow.core.digests import BLAKE3, SHA256, available
 from flare_airflow.core.errors import (
     AggregateNotFinite,
     FlareAirflowError,
@@ -236,6 +237,28 @@ class FedAvg:
         )
 
 
+def _pinned_digest(
+    site: str,
+    path: WritablePath,
+    record: ArtifactRecord,
+    accepted_sha256: Mapping[str, str] | None,
+    accepted_blake3: Mapping[str, str] | None,
+) -> str:
+    """Check the record's digests against what the site task accepted; return the one to verify the file by."""
+    for algorithm, accepted, recorded in (
+        (SHA256, accepted_sha256, record.sha256),
+        (BLAKE3, accepted_blake3, record.blake3),
+    ):
+        expected = None if accepted is None else accepted.get(site)
+        if accepted is not None and (expected is not None or algorithm == SHA256) and recorded != expected:
+            raise ModelFormatError(
+                f"{path}: {algorithm} {(recorded or 'none')[:12]}… is not the update its site task accepted "
+                f"({(expected or 'none')[:12]}…): the file was replaced after the task checked it"
+            )
+    blake3_pinned = accepted_sha256 is None or (accepted_blake3 is not None and site in accepted_blake3)
+    return BLAKE3 if record.blake3 and blake3_pinned and BLAKE3 in available() else SHA256
+
+
 def fedavg_from_store(
     global_params: Params,
     updates: Iterable[tuple[str, WritablePath | None, str | None]],
@@ -243,6 +266,7 @@ def fedavg_from_store(
     min_clients: int,
     site_weights: Mapping[str, float] | None = None,
     accepted_sha256: Mapping[str, str] | None = None,
+    accepted_blake3: Mapping[str, str] | None = None,
 ) -> RoundOutcome:
     """Stream updates from the store into FedAvg, at most two in memory at a time.
 
@@ -250,14 +274,21 @@ def fedavg_from_store(
     the reason. Unreadable or invalid updates make their site rejected for the round.
     ``accepted_sha256`` (site -> sha256), when given, is what each site task accepted: an update
     whose record names another checksum was replaced after that (a late or foreign writer) and
-    does not count.
+    does not count. ``accepted_blake3`` (site -> BLAKE3, from the same site tasks) pins the
+    record's BLAKE3 digest the same way.
+
+    Each file is checked against one digest of its record: BLAKE3 when the record has one, the
+    package is installed and the digest is pinned (by ``accepted_blake3``, or nothing is pinned:
+    ``accepted_sha256`` is not given), else sha256. The site task verified both digests before it
+    published them, so a file matching the pinned BLAKE3 is the file whose sha256 it published.
 
     Two threads each take the next update: read it into their own reused buffer, verify its size
-    and sha256 against its record (hashing, and checking floating-point tensors for NaN/inf, piece
+    and digest against its record (hashing, and checking floating-point tensors for NaN/inf, piece
     by piece as it is read), parse the safetensors header into zero-copy tensors and check names,
     shapes and dtypes. Only then, and in site order (so the float64 sums are the same whatever thread
     finishes first), does the update count: its tensors are added to the accumulator, or its site
-    is rejected. While one thread accumulates, the other hashes: hashlib and numpy release the GIL.
+    is rejected. While one thread accumulates, the other hashes: hashlib, blake3 and numpy release
+    the GIL.
     """
     agg = FedAvg(global_params, min_clients=min_clients, site_weights=site_weights)
     buffers = [np.empty(0, dtype=np.uint8) for _ in range(_WORKERS)]
@@ -275,12 +306,7 @@ def fedavg_from_store(
         record = None
         try:
             record = read_record(path)
-            expected = None if accepted_sha256 is None else accepted_sha256.get(site)
-            if accepted_sha256 is not None and record.sha256 != expected:
-                raise ModelFormatError(
-                    f"{path}: sha256 {record.sha256[:12]}… is not the update its site task accepted "
-                    f"({(expected or 'none')[:12]}…): the file was replaced after the task checked it"
-                )
+            algorithm = _pinned_digest(site, path, record, accepted_sha256, accepted_blake3)
             if record.size > max_size:
                 raise ModelFormatError(
                     f"{path}: its record says {record.size} bytes, more than an update of the global model's "
@@ -289,7 +315,7 @@ def fedavg_from_store(
             if buffers[slot].nbytes < record.size:
                 buffers[slot] = np.empty(record.size, dtype=np.uint8)
             scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
-            params = read_verified(path, record, buffers[slot], scan)
+            params = read_verified(path, record, buffers[slot], scan, (algorithm,))
             check_spec(site, agg.expected, params)
             if scan.bad is not None:
                 raise non_finite(site, scan.bad)

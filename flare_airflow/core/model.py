@@ -1,7 +1,8 @@
 """The FL model exchanged between the global model and the sites, and its on-disk format.
 
 An artifact is two files: ``NAME.safetensors`` (the tensors; never pickle) and ``NAME.json`` (its
-record: sha256, size, params type, sample count, metrics). The record is written last, so an
+record: sha256 and, where the ``blake3`` package is installed, BLAKE3 digests, size, params type,
+sample count, metrics). The record is written last, so an
 artifact without a record is incomplete and is never read.
 """
 
@@ -9,11 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
 import json
 import math
 import os
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
+from flare_airflow.core.digests import BLAKE3, HEX_DIGEST, SHA256, available, digest_all, verifiable
 from flare_airflow.core.errors import ModelFormatError
 from flare_airflow.core.store import WritablePath, record_path
 from flare_airflow.core.tensors import (
@@ -115,12 +115,20 @@ class ArtifactRecord:
     metrics: dict[str, float]
     meta: dict[str, Any]
     tensors: dict[str, tuple[str, tuple[int, ...]]]
+    # BLAKE3 digest of the same bytes; absent in records written without the blake3 package (and
+    # in all records before it was added): those are verified by sha256 alone.
+    blake3: str | None = None
+
+    def digests(self) -> dict[str, str]:
+        """Algorithm -> hex digest of every digest this record holds (sha256 always)."""
+        return {SHA256: self.sha256, **({BLAKE3: self.blake3} if self.blake3 else {})}
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "format": FORMAT,
                 "sha256": self.sha256,
+                **({"blake3": self.blake3} if self.blake3 else {}),
                 "size": self.size,
                 "params_type": self.params_type.value,
                 "num_samples": self.num_samples,
@@ -147,8 +155,11 @@ class ArtifactRecord:
             if raw.get("format") != FORMAT:
                 raise ValueError(f"format is {_short(raw.get('format'))}, expected {FORMAT!r}")
             sha256, size, tensors = raw.get("sha256"), raw.get("size"), raw.get("tensors")
-            if not isinstance(sha256, str) or not _SHA256.match(sha256):
+            if not isinstance(sha256, str) or not HEX_DIGEST.match(sha256):
                 raise ValueError(f"sha256 must be 64 hex digits, got {_short(sha256)}")
+            blake3 = raw.get("blake3")
+            if blake3 is not None and (not isinstance(blake3, str) or not HEX_DIGEST.match(blake3)):
+                raise ValueError(f"blake3 must be 64 hex digits, got {_short(blake3)}")
             if type(size) is not int or not 0 <= size <= MAX_ARTIFACT_BYTES:
                 raise ValueError(f"size must be an integer from 0 to {MAX_ARTIFACT_BYTES}, got {_short(size)}")
             if not isinstance(tensors, dict):
@@ -167,6 +178,7 @@ class ArtifactRecord:
                 metrics=check_metrics(metrics, where),
                 meta=meta,
                 tensors={str(k): _tensor_entry(k, v) for k, v in tensors.items()},
+                blake3=blake3,
             )
         except ModelFormatError:
             raise
@@ -178,7 +190,6 @@ class ArtifactRecord:
 MAX_RECORD_BYTES = 16 << 20  # a record lists names, shapes and a few metrics: far below this
 MAX_ARTIFACT_BYTES = 1 << 50
 MAX_NUM_SAMPLES = 10**15  # so that sums of weights stay exact and finite in float64
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _short(value: Any) -> str:
@@ -293,8 +304,10 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
         json.dumps(meta)
     except TypeError as exc:
         raise ModelFormatError(f"{where}: meta must be JSON-serialisable: {exc}") from exc
+    digests = digest_all(data, available())
     record = ArtifactRecord(
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=digests[SHA256],
+        blake3=digests.get(BLAKE3),
         size=len(data),
         params_type=model.params_type,
         num_samples=num_samples,
@@ -327,20 +340,36 @@ def read_record(path: WritablePath) -> ArtifactRecord:
 
 
 def read_verified(
-    path: WritablePath, record: ArtifactRecord, buffer: np.ndarray | None = None, scan: FiniteScan | None = None
+    path: WritablePath,
+    record: ArtifactRecord,
+    buffer: np.ndarray | None = None,
+    scan: FiniteScan | None = None,
+    algorithms: tuple[str, ...] | None = None,
 ) -> Params:
-    """Read a tensors file, check its size and sha256 against its record, then parse it.
+    """Read a tensors file, check its size and digests against its record, then parse it.
 
-    The tensors are zero-copy arrays over one buffer holding the file (``buffer`` if given).
+    ``algorithms`` defaults to every digest of the record this environment can compute (sha256
+    always, BLAKE3 too where recorded and installed); a caller may ask for fewer, never for one the
+    record lacks. The tensors are zero-copy arrays over one buffer holding the file (``buffer`` if
+    given).
     """
-    data, digest = read_into(path, record.size, buffer, scan)
-    if digest != record.sha256:
-        raise ModelFormatError(f"{path}: sha256 {digest[:12]}… does not match its record {record.sha256[:12]}…")
+    recorded = record.digests()
+    algorithms = verifiable(recorded) if algorithms is None else algorithms
+    missing = [a for a in algorithms if a not in recorded]
+    if not algorithms or missing:
+        raise ModelFormatError(f"{path}: its record has no {missing or 'digest'} to verify the file against")
+    data, got = read_into(path, record.size, buffer, scan, algorithms)
+    for algorithm in algorithms:
+        if got[algorithm] != recorded[algorithm]:
+            raise ModelFormatError(
+                f"{path}: {algorithm} {got[algorithm][:12]}… does not match its record {recorded[algorithm][:12]}…"
+            )
     return parse_safetensors(data, str(path))
 
 
 def read_artifact(path: WritablePath) -> tuple[Params, ArtifactRecord]:
-    """Read an artifact, verifying size and sha256 before parsing; refuses anything but safetensors."""
+    """Read an artifact, verifying size and digests (sha256, and BLAKE3 where recorded) before parsing;
+    refuses anything but safetensors."""
     record = read_record(path)
     if not path.exists():
         raise ModelFormatError(f"{path}: tensors file is missing although its record exists")

@@ -7,7 +7,6 @@ values for NaN/inf while they are in the CPU cache. No knowledge of records or t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from flare_airflow.core.digests import SHA256, Hasher, new_hasher
 from flare_airflow.core.errors import ModelFormatError
 from flare_airflow.core.store import WritablePath
 
@@ -159,21 +159,27 @@ class FiniteScan:
 
 
 def read_into(
-    path: WritablePath, size: int, buffer: np.ndarray | None = None, scan: FiniteScan | None = None
-) -> tuple[Any, str]:
-    """The file's bytes, which must be exactly ``size`` (its record's), and their sha256.
+    path: WritablePath,
+    size: int,
+    buffer: np.ndarray | None = None,
+    scan: FiniteScan | None = None,
+    algorithms: tuple[str, ...] = (SHA256,),
+) -> tuple[Any, dict[str, str]]:
+    """The file's bytes, which must be exactly ``size`` (its record's), and their digests.
 
     Reads ``CHUNK_BYTES`` at a time with ``readinto`` straight into ``buffer[:size]`` (a reused
-    buffer) or a new one, hashing each piece while it is still in the CPU cache (and feeding it to
-    ``scan``). A file object without ``readinto`` (some object-store backends) is read with
-    ``read()`` into new ``bytes``. The hashing and the finite checks release the GIL.
+    buffer) or a new one, hashing each piece with every one of ``algorithms`` while it is still in
+    the CPU cache (and feeding it to ``scan``). A file object without ``readinto`` (some
+    object-store backends) is read with ``read()`` into new ``bytes``. The hashing and the finite
+    checks release the GIL.
     """
-    hasher = hashlib.sha256()
+    hashers: list[Hasher] = [new_hasher(a) for a in algorithms]
     with path.open("rb") as fh:
         if not hasattr(fh, "readinto"):
             data: Any = fh.read(size + 1)
             got = len(data)
-            hasher.update(data)
+            for h in hashers:
+                h.update(data)
             if scan is not None and got == size:
                 scan.feed(data, got)
         else:
@@ -184,7 +190,8 @@ def read_into(
                 k = fh.readinto(data[got : got + CHUNK_BYTES])
                 if not k:
                     break
-                hasher.update(data[got : got + k])
+                for h in hashers:
+                    h.update(data[got : got + k])
                 got += k
                 if scan is not None:
                     scan.feed(data, got)
@@ -194,7 +201,7 @@ def read_into(
         raise ModelFormatError(f"{path}: size {got} bytes, record says {size}; the file is truncated")
     if got > size:
         raise ModelFormatError(f"{path}: larger than the {size} bytes its record says; the file was changed")
-    return data, hasher.hexdigest()
+    return data, {a: h.hexdigest() for a, h in zip(algorithms, hashers, strict=True)}
 
 
 def all_finite(params: Params) -> str | None:

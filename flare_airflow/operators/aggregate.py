@@ -98,7 +98,7 @@ class AggregateOperator(BaseOperator):
                 f"(sha256 {global_record.sha256[:12]}…, published {expected[:12]}…); clear round {r - 1} to rebuild it"
             )
         self._check_sites_done(context, params.rounds)
-        accepted = self._accepted(context)
+        accepted, accepted_blake3 = self._accepted(context)
         updates: list[tuple[str, WritablePath | None, str | None]] = []
         for site in sorted(job.sites):
             path = store.site_update(job.job, run_id, r, site)
@@ -123,6 +123,7 @@ class AggregateOperator(BaseOperator):
                 min_clients=params.min_clients,
                 site_weights=job.site_weights(),
                 accepted_sha256=accepted,
+                accepted_blake3=accepted_blake3,
             )
         except QuorumNotReached as exc:
             raise AirflowFailException(f"round {r} failed: {exc}") from None
@@ -194,17 +195,21 @@ class AggregateOperator(BaseOperator):
                 f"{fix}"
             )
 
-    def _accepted(self, context: Context) -> dict[str, str] | None:
-        """Site -> sha256 of the update each site task accepted (its XCom); None without task ids."""
+    def _accepted(self, context: Context) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+        """Site -> sha256 and site -> BLAKE3 of the update each site task accepted (its XCom; BLAKE3
+        where it verified one); (None, None) without task ids."""
         if not self.site_task_ids:
-            return None
+            return None, None
         ti = context["ti"]
         accepted: dict[str, str] = {}
+        blake3: dict[str, str] = {}
         for site, task_id in self.site_task_ids.items():
             summary = ti.xcom_pull(task_ids=task_id)
             if isinstance(summary, dict) and summary.get("sha256"):
                 accepted[site] = str(summary["sha256"])
-        return accepted
+                if summary.get("blake3"):
+                    blake3[site] = str(summary["blake3"])
+        return accepted, blake3
 
     def _task_failure(self, context: Context, site: str) -> str | None:
         """The reason a site task put in XCom when it failed (the store may not have taken it)."""

@@ -127,6 +127,7 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
     published update, and it cannot overwrite one either.
     """
     from flare_airflow.core.aggregation import validate_update
+    from flare_airflow.core.digests import BLAKE3, available
     from flare_airflow.core.model import read_artifact, read_record
 
     sent = path_from_uri(run.staging) if run.staging else output
@@ -148,6 +149,8 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
         "task": run.task,
         "uri": run.output,
         "sha256": record.sha256,
+        # read_artifact verified it (when installed here): the aggregation may then check the file by it.
+        "blake3": record.blake3 if BLAKE3 in available() else None,
         "num_samples": record.num_samples,
         "params_type": record.params_type.value,
         "metrics": record.metrics,

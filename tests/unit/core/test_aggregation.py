@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import pathlib
@@ -386,7 +387,7 @@ def test_streaming_equals_the_plain_float64_reference_bitwise(tmp_path: pathlib.
 
 
 def test_a_corrupt_update_does_not_count(tmp_path: pathlib.Path) -> None:
-    """A flipped byte deep in a tensor (valid safetensors, valid floats): the sha256 rejects it."""
+    """A flipped byte deep in a tensor (valid safetensors, valid floats): the record's BLAKE3 rejects it."""
     glob = {"w": np.zeros(3 * ACC_CHUNK, np.float32)}
     ok = [write_update(tmp_path / f"ok{i}.safetensors", {"w": np.full(3 * ACC_CHUNK, v, np.float32)}) for i, v in
           enumerate([1.0, 3.0])]  # fmt: skip
@@ -396,8 +397,56 @@ def test_a_corrupt_update_does_not_count(tmp_path: pathlib.Path) -> None:
     bad.write_bytes(bytes(data))
     out = fedavg_from_store(glob, [("a", ok[0], None), ("b", bad, None), ("c", ok[1], None)], min_clients=2)
     assert out.accepted == {"a": 2.0, "c": 2.0}
-    assert "sha256" in out.rejected["b"] and "does not match its record" in out.rejected["b"]
+    assert "blake3 " in out.rejected["b"] and "does not match its record" in out.rejected["b"]
     np.testing.assert_array_equal(out.params["w"], np.full(3 * ACC_CHUNK, 2.0, np.float32))
+
+
+def _flip_a_byte(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _sha256_only(path: pathlib.Path) -> pathlib.Path:
+    """Rewrite the record as records were before BLAKE3: sha256 alone."""
+    rec = read_record(path)
+    record_path(path).write_text(dataclasses.replace(rec, blake3=None).to_json())
+    return path
+
+
+def test_records_with_sha256_only_are_still_verified_by_sha256(tmp_path: pathlib.Path) -> None:
+    glob = {"w": np.zeros(3 * ACC_CHUNK, np.float32)}
+    ok = _sha256_only(write_update(tmp_path / "ok.safetensors", {"w": np.full(3 * ACC_CHUNK, 1.0, np.float32)}))
+    bad = _sha256_only(write_update(tmp_path / "bad.safetensors", {"w": np.full(3 * ACC_CHUNK, 5.0, np.float32)}))
+    assert read_record(ok).blake3 is None and '"blake3"' not in record_path(ok).read_text()
+    _flip_a_byte(bad)
+    out = fedavg_from_store(glob, [("a", ok, None), ("b", bad, None)], min_clients=1)
+    assert out.accepted == {"a": 2.0}
+    assert out.rejected["b"].startswith(f"{bad}: sha256 ") and "does not match its record" in out.rejected["b"]
+
+
+def test_the_digests_the_site_tasks_accepted_pin_the_records(tmp_path: pathlib.Path) -> None:
+    """Pinned BLAKE3 -> the file is checked by BLAKE3; a record naming another BLAKE3 than the site
+    task accepted does not count; a site task that published sha256 alone -> checked by sha256."""
+    glob = {"w": np.zeros(3 * ACC_CHUNK, np.float32)}
+    paths = {s: write_update(tmp_path / f"{s}.safetensors", {"w": np.full(3 * ACC_CHUNK, 1.0, np.float32)})
+             for s in ("a", "b", "c", "d")}  # fmt: skip
+    records = {s: read_record(p) for s, p in paths.items()}
+    sha = {s: r.sha256 for s, r in records.items()}
+    b3 = {s: r.blake3 or "" for s, r in records.items() if s != "c"}
+    b3["b"] = "0" * 64  # the site task accepted another update than the record now names
+    _flip_a_byte(paths["c"])  # verified by sha256: its site task published no BLAKE3
+    _flip_a_byte(paths["d"])  # verified by the pinned BLAKE3
+    updates = [(s, p, None) for s, p in paths.items()]
+    out = fedavg_from_store(glob, updates, min_clients=1, accepted_sha256=sha, accepted_blake3=b3)
+    assert out.accepted == {"a": 2.0}
+    assert "blake3" in out.rejected["b"] and "is not the update its site task accepted" in out.rejected["b"]
+    assert out.rejected["c"].startswith(f"{paths['c']}: sha256 ") and "does not match" in out.rejected["c"]
+    assert out.rejected["d"].startswith(f"{paths['d']}: blake3 ") and "does not match" in out.rejected["d"]
+    # A record without BLAKE3 when the site task accepted one: not the update it accepted.
+    _sha256_only(paths["a"])
+    with pytest.raises(QuorumNotReached, match="is not the update its site task accepted"):
+        fedavg_from_store(glob, updates[:1], min_clients=1, accepted_sha256=sha, accepted_blake3=b3)
 
 
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf, -np.inf])

@@ -428,3 +428,37 @@ def test_finite_scan_through_read_into(tmp_path: pathlib.Path) -> None:
     forge(path, b"\x80 not safetensors")
     read_into(path, path.stat().st_size, None, scan)
     assert scan.bad is None
+
+
+def test_records_hold_sha256_and_blake3_of_the_tensors_file(tmp_path: pathlib.Path) -> None:
+    import blake3
+
+    path = tmp_path / "m.safetensors"
+    record = write_artifact(path, FLModel(params=sample_params()))
+    data = path.read_bytes()
+    raw = json.loads(record_path(path).read_text())
+    assert raw["sha256"] == record.sha256 == hashlib.sha256(data).hexdigest()
+    assert raw["blake3"] == record.blake3 == blake3.blake3(data).hexdigest()
+    assert read_record(path) == record
+
+
+def test_every_recorded_digest_is_verified(tmp_path: pathlib.Path) -> None:
+    """A record whose sha256 matches but whose BLAKE3 does not is refused: reads check both."""
+    path = tmp_path / "m.safetensors"
+    write_artifact(path, FLModel(params=sample_params()))
+    raw = json.loads(record_path(path).read_text())
+    raw["blake3"] = "0" * 64
+    record_path(path).write_text(json.dumps(raw))
+    with pytest.raises(ModelFormatError, match=r"blake3 [0-9a-f]{12}… does not match its record 000000000000…"):
+        read_artifact(path)
+
+
+@pytest.mark.parametrize("value", ["abc", 7, "G" * 64])
+def test_a_malformed_blake3_makes_the_record_unreadable(tmp_path: pathlib.Path, value: object) -> None:
+    path = tmp_path / "m.safetensors"
+    write_artifact(path, FLModel(params=sample_params()))
+    raw = json.loads(record_path(path).read_text())
+    raw["blake3"] = value
+    record_path(path).write_text(json.dumps(raw))
+    with pytest.raises(ModelFormatError, match=r"unreadable artifact record \(blake3 must be 64 hex digits"):
+        read_artifact(path)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 
+import blake3
 import numpy as np
 import pytest
 
@@ -108,6 +109,7 @@ def test_success_returns_a_summary(trainer, global_model, output, lines) -> None
         "task": "train",
         "uri": str(output),
         "sha256": hashlib.sha256(data).hexdigest(),
+        "blake3": blake3.blake3(data).hexdigest(),
         "num_samples": 12,
         "params_type": "FULL",
         "metrics": {"loss": 0.25},
