@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -71,11 +72,16 @@ class EdgeWorker:
         *,
         prefix: list[str] | None = None,
         central: str | None = None,
+        private_data: bool = False,
     ) -> None:
         # ``prefix``: run in the site's network namespace; ``central``: the central side's address
         # as seen from there (default: the test process's view, the API's base URL).
         self.prefix = list(prefix or [])
         self.central = central
+        # ``private_data`` (inside its namespaces only): the site's shard of the demo data on a
+        # tmpfs that only this worker's mount namespace has (tests/site_data.py); its policy
+        # points the trainer there.
+        self.private_data = private_data
         self.site = site
         self.name = f"{site}-worker"
         self.root = root / self.name
@@ -84,10 +90,17 @@ class EdgeWorker:
         if (stack.dags.parent / "examples").is_dir():
             shutil.copytree(stack.dags.parent / "examples", self.root / "examples")
         shutil.copytree(stack.dags, self.root / "dags", ignore=shutil.ignore_patterns("__pycache__"))
+        self.data = self.root / "data"
+        self.data.mkdir()
+        process: dict[str, Any] = {"env": {"DIGITS_SITE_DATA": str(self.data / f"{site}.npz")}} if private_data else {}
         self.policy = self.root / "site.yaml"
         self.policy.write_text(
             yaml.safe_dump(
-                {"sites": {site: {"launcher": "process", "store_conn_id": SITE_CONN, "launcher_spec": {"process": {}}}}}
+                {
+                    "sites": {
+                        site: {"launcher": "process", "store_conn_id": SITE_CONN, "launcher_spec": {"process": process}}
+                    }
+                }
             )
         )
         self.stack, self.s3 = stack, s3
@@ -119,8 +132,14 @@ class EdgeWorker:
     def start(self, secret: str | None = None) -> None:
         log = open(self.root / "worker.log", "ab")  # noqa: SIM115 - lives as long as the process
         cmd = [str(BIN / "airflow"), "edge", "worker", "--queues", self.site, "--edge-hostname", self.name]
+        cmd += ["--concurrency", "2"]
+        if self.private_data:
+            job = yaml.safe_load((self.root / "dags" / "digits.yaml").read_text())
+            trainer = [str(self.root / "examples" / "digits" / "trainer.py"), *job["trainer"]["args"]]
+            wrapper = [sys.executable, str(REPO / "tests" / "site_data.py"), str(self.data), self.site, *trainer, "--"]
+            cmd = [*wrapper, *cmd]
         self.proc = subprocess.Popen(
-            [*self.prefix, *cmd, "--concurrency", "2"],
+            [*self.prefix, *cmd],
             env=self.env(secret),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -200,6 +219,7 @@ class EdgeDeployment:
                 self.s3,
                 prefix=Namespaces.prefix(self.ns.site_ns[site]) if self.ns else None,
                 central=self.ns.site_peer[site] if self.ns else None,
+                private_data=isolated,
             )
             for site in sites
         }

@@ -6,7 +6,9 @@ scikit-learn and the Client API only -- no Airflow.
 
 Data: 20 % of the digits are held out (stratified, seeded); the rest is split across
 ``--num-sites`` sites non-IID with a Dirichlet(alpha) draw per class. Site ``site-K`` gets shard
-K-1. Everything is seeded, so two runs give bitwise-identical models.
+K-1. Everything is seeded, so two runs give bitwise-identical models. A site that keeps its shard
+on its own disk (``--export-site SITE PATH`` writes it) sets ``DIGITS_SITE_DATA`` to that file in
+its site policy; the trainer then reads that file instead.
 
 Run ``python trainer.py --init-model PATH`` to write a zero-initialised model.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -25,6 +28,7 @@ from safetensors.numpy import save_file
 import flare_airflow.client as flare
 
 NUM_FEATURES = 64
+SITE_DATA_ENV = "DIGITS_SITE_DATA"
 NUM_CLASSES = 10
 
 
@@ -34,6 +38,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (smaller = less IID)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-model", help="write a zero-initialised model to this path and exit")
+    p.add_argument(
+        "--export-site",
+        nargs=2,
+        metavar=("SITE", "PATH"),
+        help="write SITE's training shard to PATH (.npz) and exit: the data a site keeps on its own disk",
+    )
     return p.parse_args(argv)
 
 
@@ -122,6 +132,11 @@ def main(argv: list[str]) -> int:
         )
         return 0
     x_train, x_test, y_train, y_test = load_split(args.seed)
+    if args.export_site:
+        site, path = args.export_site
+        shard = partition(y_train, args.num_sites, args.alpha, args.seed)[site_index(site, args.num_sites)]
+        np.savez(path, x=x_train[shard], y=y_train[shard])
+        return 0
     model = flare.receive()
     w, b = model.params["weight"], model.params["bias"]
     if flare.is_evaluate():
@@ -130,8 +145,14 @@ def main(argv: list[str]) -> int:
         flare.send(flare.FLModel(metrics={"accuracy": acc, "loss": loss}))
         return 0
     hp = flare.get_hparams()
-    shard = partition(y_train, args.num_sites, args.alpha, args.seed)[site_index(model.site or "", args.num_sites)]
-    x, y = x_train[shard], y_train[shard]
+    data_file = os.environ.get(SITE_DATA_ENV)
+    if data_file:  # the site's own data, where its admin put it (its site policy sets the variable)
+        with np.load(data_file) as data:
+            x, y = data["x"], data["y"]
+        print(f"site {model.site}: training data from {data_file}")
+    else:
+        shard = partition(y_train, args.num_sites, args.alpha, args.seed)[site_index(model.site or "", args.num_sites)]
+        x, y = x_train[shard], y_train[shard]
     seed = args.seed * 1_000_003 + (model.current_round or 0) * 101 + site_index(model.site or "", args.num_sites)
     new_w, new_b = train(
         w,

@@ -10,6 +10,7 @@ each worker in one of its own that reaches only the central side's API and S3 po
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,17 @@ def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
             assert any(k.endswith(f"round-{r:04d}/sites/{site}.safetensors") for k in keys), (r, site)
             assert any(k.endswith(f"round-{r:04d}/sites/{site}.json") for k in keys), (r, site)
     assert not [k for k in keys if "/staging/" in k]
+    # Each site trained on its own data file (its policy points the trainer there; a missing file
+    # would fail its tasks), which exists only in its worker's mount namespace: outside, its
+    # directory is the empty one on the host, and a new process -- even one in the site's network
+    # namespace -- cannot open it.
+    assert deployment.ns is not None
+    for site, worker in deployment.workers.items():
+        data = worker.data / f"{site}.npz"
+        assert list(worker.data.iterdir()) == [], site
+        assert worker.proc is not None
+        assert pathlib.Path(f"/proc/{worker.proc.pid}/root{data}").is_file(), site  # the worker's own view
+        assert not _reaches_file(deployment.ns.site_ns[site], data), site
 
 
 def test_wrong_store_credentials_fail_that_site_with_the_reason_and_the_round_holds(
@@ -155,6 +167,17 @@ def test_a_worker_stopped_mid_round_the_round_completes_within_quorum_and_its_ne
 def _reaches(ns: str, host: str, port: int) -> bool:
     """Whether a TCP connection from network namespace ``ns`` to ``host:port`` succeeds."""
     code = f"import socket; socket.create_connection(({host!r}, {port}), timeout=2).close()"
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, check=False)
+    return out.returncode == 0
+
+
+def _reaches_file(ns: str, path: pathlib.Path) -> bool:
+    """Whether a process that ``ip netns exec`` starts in ``ns`` can open ``path``.
+
+    Only the worker's own mount namespace holds its tmpfs: a new process in the same network
+    namespace gets a new mount namespace too, so it must not see the file either.
+    """
+    code = f"open({str(path)!r}, 'rb').close()"
     out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, check=False)
     return out.returncode == 0
 
