@@ -29,7 +29,7 @@ from flare_airflow.core.config import (
     apply_site_policy,
     load_site_policy,
 )
-from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.errors import ConfigError, FlareAirflowError, StoreError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.hooks.secrets import secret_value
@@ -42,7 +42,7 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
-from flare_airflow.operators.staging import is_local, staged
+from flare_airflow.operators.staging import check_connection, is_local, staged
 from flare_airflow.site_task.checks import read_failure, write_failure
 from flare_airflow.site_task.owners import owners_value
 from flare_airflow.site_task.spec import OWNERS_ENV, RESULT_FILE_ENV, SECRETS_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
@@ -370,6 +370,10 @@ class SiteTrainOperator(BashOperator):
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
         fd, self._result_file = tempfile.mkstemp(prefix="flare-site-result-")
         os.close(fd)
+        try:
+            check_connection(store, self.job.store_conn_id)
+        except StoreError as exc:
+            raise site_failed(context, self.site, self.round_num, f"{exc} [INFRASTRUCTURE_ERROR]") from None
         try:
             with staged(run, store) as local:
                 self._spec_json = local.to_json()

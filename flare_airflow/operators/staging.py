@@ -31,6 +31,29 @@ def is_local(store: ModelStore) -> bool:
     return isinstance(store.root, pathlib.Path) or getattr(store.root, "protocol", "file") in ("file", "local", "")
 
 
+def check_connection(store: ModelStore, conn_id: str | None) -> None:
+    """An object store's connection must exist where the task runs: without it the provider falls
+    back to whatever credentials and endpoint the machine has (the environment, an instance role,
+    the public AWS endpoint). Raises :class:`StoreError` naming the connection and what to do."""
+    if is_local(store):
+        return
+    if conn_id is None:
+        raise StoreError(
+            f"the model store {store.root} is an object store but the job names no connection for it: set "
+            "store_conn_id in the job (or in this site's policy) and define that connection on this worker"
+        )
+    from airflow.sdk import Connection
+
+    try:
+        Connection.get(conn_id)
+    except Exception as exc:  # the Task SDK raises several types for "not found"
+        raise StoreError(
+            f"the model store {store.root}: connection {conn_id!r} is not defined on this worker "
+            f"({type(exc).__name__}); define it (AIRFLOW_CONN_{conn_id.upper()}, a secrets backend or the CLI) "
+            "with this side's own credentials and the store's endpoint"
+        ) from None
+
+
 def _copy(src: Any, dst: Any) -> int:
     """Stream ``src`` to ``dst`` (either side a local or store path); returns the bytes copied."""
     copied = 0
