@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flare_airflow.launchers.kubernetes import (
@@ -63,14 +64,24 @@ def test_names_are_unique_across_run_round_site_and_try() -> None:
     assert len(names) == len(combos) == 1800
 
 
+def _label_digest(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()[:8]
+
+
 @settings(max_examples=300, deadline=None)
 @given(job=JOBS, site=SITES, round_num=st.integers(0, 1000), run_id=RUNS, try_number=st.integers(1, 100))
+@example(job="j", site="0-00000000", round_num=0, run_id="r", try_number=1)  # a site named like a hashed value
 def test_labels_are_valid_label_values(job, site, round_num, run_id, try_number) -> None:
     labels = pod_labels(job, run_id, round_num, site, try_number)
     assert labels["app.kubernetes.io/managed-by"] == "flare-airflow"
     assert labels["flare-airflow/round"] == str(round_num)
     assert labels["flare-airflow/try"] == str(try_number)
-    assert (labels["flare-airflow/job"], labels["flare-airflow/site"]) == (job, site)
+    for key, name in (("flare-airflow/job", job), ("flare-airflow/site", site)):
+        if re.search(r"-[0-9a-f]{8}$", name):
+            # looks like a shortened value ("<name>-<hash>"): hashed too, so the two can never meet
+            assert labels[key] != name and labels[key].endswith(_label_digest(name)), (name, labels[key])
+        else:
+            assert labels[key] == name
     for value in labels.values():
         assert len(value) <= 63 and LABEL_VALUE.match(value), value
 
