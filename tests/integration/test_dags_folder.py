@@ -41,7 +41,7 @@ def test_validate_command_reports_errors_with_file_and_field(tmp_path) -> None:
     cli = [os.path.join(os.path.dirname(sys.executable), "flare-airflow"), "validate"]
     out = subprocess.run([*cli, str(bad)], capture_output=True, text=True, check=False)
     assert out.returncode == 2
-    assert f"{bad}: rounds: must be greater than or equal to 1, got 0" in out.stderr
+    assert f"{bad}:2: rounds: must be greater than or equal to 1, got 0" in out.stderr  # file, line, field
     ok = subprocess.run([*cli, str(REPO / "dags" / "digits.yaml")], capture_output=True, text=True, check=False)
     assert ok.returncode == 0 and "site site-4: launcher process" in ok.stdout
 
