@@ -544,8 +544,10 @@ def test_peak_memory_does_not_grow_with_the_number_of_updates(tmp_path: pathlib.
     # The float64 accumulator (2 updates) + 2 read buffers, then the accumulator + the result: one
     # bound whatever N. (Not large vs small: with 2 updates, one thread may read both into one
     # buffer when the other is slow to start -- seen on a loaded machine -- so small varies.)
-    assert small <= 4.25 * update, small / update
-    assert large <= 4.25 * update, large / update
+    # Typically ~4.0x; a loaded machine was seen at 5.09x once (timing of the threads' transient
+    # allocations). Growth with N would put 12 updates far beyond this bound.
+    assert small <= 5.5 * update, small / update
+    assert large <= 5.5 * update, large / update
 
 
 def test_a_record_claiming_a_huge_size_is_rejected_before_any_allocation(tmp_path: pathlib.Path) -> None:
