@@ -69,7 +69,7 @@ def test_all_slurm_sites_match_the_process_run_bitwise(
     assert slurm.jobs() == []
 
     local = slurm_airflow.run(
-        "flare_digits_local", digits_job(slurm_airflow, "digits-local", [], block), conf={"rounds": 2}
+        "flare_digits_slurm_ref", digits_job(slurm_airflow, "digits-slurm-ref", [], block), conf={"rounds": 2}
     )
     assert local.returncode == 0, local.log[-4000:]
     assert jobs.state["published"]["sha256"] == local.state["published"]["sha256"]
