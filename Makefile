@@ -66,8 +66,8 @@ lint: $(VENV)/.installed
 	$(BIN)/lint-imports
 
 # What a developer runs while editing: the unit tier (core, launchers, operators, triggers, builder,
-# provider info) and the bad-input battery; no PostgreSQL, Kubernetes or scheduler. Measured: 848
-# tests in 45 s wall on a shared 2-core machine. PYTEST_ARGS=--basetemp=DIR keeps its temp dirs apart.
+# provider info) and the bad-input battery; no PostgreSQL, Kubernetes or scheduler. Measured: 1106
+# tests in 95 s wall on a loaded 2-core machine. PYTEST_ARGS=--basetemp=DIR keeps its temp dirs apart.
 unit: $(VENV)/.installed
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/unit tests/bad_inputs
 
