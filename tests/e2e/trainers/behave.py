@@ -112,7 +112,12 @@ def main() -> int:
             record = json.load(fh)
         import hashlib
 
+        # A forger who also fixes every digest the record holds: only the format check can stop it.
         record.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+        if record.get("blake3"):
+            import blake3
+
+            record["blake3"] = blake3.blake3(data).hexdigest()
         with open(rec, "w") as fh:
             json.dump(record, fh)
     return 0
