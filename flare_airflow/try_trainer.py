@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flare_airflow.core.config import JobConfig, load_job, load_model_file
+from flare_airflow.core.config.validators import hparam_value
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode
@@ -26,7 +27,6 @@ from flare_airflow.site_task.runner import run_site
 from flare_airflow.site_task.spec import SiteRun
 
 RUN_ID = "try-trainer"
-_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def parse_hparams(job: JobConfig, pairs: Sequence[str]) -> dict[str, Any]:
@@ -43,11 +43,10 @@ def parse_hparams(job: JobConfig, pairs: Sequence[str]) -> dict[str, Any]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw  # a bare word is a string
-        default = hparams[key]
-        if type(value) is not type(default) and not (isinstance(default, float) and type(value) is int):
-            kind = _KINDS.get(type(default), type(default).__name__)
-            raise ConfigError(f"--hparam {key}={raw}: must be {kind} like the job's default {default!r}")
-        hparams[key] = float(value) if isinstance(default, float) else value
+        try:
+            hparams[key] = hparam_value(f"--hparam {key}", hparams[key], value)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return hparams
 
 

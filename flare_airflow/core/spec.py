@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,24 @@ class JobHandleSpec(abc.ABC):
     @abc.abstractmethod
     def reason(self) -> str:
         """Why the job ended the way it did (empty while running or on success)."""
+
+
+def wait_by_polling(
+    poll: Callable[[], JobReturnCode], ended: Callable[[], bool], interval: float, timeout: float | None
+) -> JobReturnCode:
+    """:meth:`JobHandleSpec.wait` for a job that can only be polled (a pod, a SLURM job): ``poll()``
+    every ``interval`` seconds until ``ended()``; ``UNKNOWN`` once ``timeout`` seconds have passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        rc = poll()
+        if ended():
+            return rc
+        if deadline is not None and time.monotonic() >= deadline:
+            return JobReturnCode.UNKNOWN
+        pause = interval
+        if deadline is not None:
+            pause = min(pause, max(0.0, deadline - time.monotonic()))
+        time.sleep(pause)
 
 
 class JobLauncherSpec(abc.ABC):

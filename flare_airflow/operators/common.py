@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -14,7 +13,8 @@ from typing import Any, TypeVar
 from airflow.sdk import ObjectStoragePath
 from airflow.sdk.exceptions import AirflowFailException
 
-from flare_airflow.core.config import MAX_FORM_INT, JobConfig, short_repr
+from flare_airflow.core.config import JobConfig, short_repr
+from flare_airflow.core.config.validators import hparam_value
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.store import ModelStore
 
@@ -74,23 +74,10 @@ def _integer(value: Any, name: str, low: int, high: int, why: str) -> int:
 
 def _hparam(key: str, default: Any, value: Any) -> Any:
     """A form value for a hyper-parameter: the type of the job's default, finite."""
-    name = HPARAM_PREFIX + key
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-        kind = "true or false"
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_FORM_INT
-        kind = "an integer"
-    elif isinstance(default, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        kind = "a finite number"
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, str) and "\0" not in value
-        kind = "a string"
-    if not ok:
-        raise RunParamsError(f"{name} must be {kind} like the job's default {default!r}, got {short_repr(value)}")
-    return value
+    try:
+        return hparam_value(HPARAM_PREFIX + key, default, value)
+    except ValueError as exc:
+        raise RunParamsError(str(exc)) from None
 
 
 def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:

@@ -21,7 +21,6 @@ import yaml
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import Context
-from airflow.sdk.bases.xcom import BaseXCom
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 from kubernetes.client import models as k8s
 
@@ -44,9 +43,9 @@ from flare_airflow.operators.site import (
     site_failed,
     site_task_defaults,
 )
-from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
+from flare_airflow.operators.site_outputs import accept_update, claim_and_clear
+from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
-from flare_airflow.site_task.tries import Superseded, claim_try
 from flare_airflow.triggers.pod_state import PodStateTrigger
 
 
@@ -173,9 +172,7 @@ class SitePodOperator(KubernetesPodOperator):
                 "FLARE_SITE_CONFIG / [flare] site_config on this worker [CONFIG_ERROR]",
             )
         run = self._site_run(context)
-        if run.staging:
-            claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it
-        clear_outputs(path_from_uri(run.output))
+        claim_and_clear(run)
         self.delete_earlier_tries(context)
         try:
             return super().execute(context)
@@ -325,15 +322,5 @@ class SitePodOperator(KubernetesPodOperator):
             rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
             write_failure(output, rc, reason)
             raise site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]") from None
-        try:
-            summary = check_result(run, output)
-        except Superseded as exc:  # the published update is the later try's: leave it
-            raise site_failed(context, self.site, self.round_num, f"{exc} [ABORTED]") from None
-        except FlareAirflowError as exc:
-            clear_outputs(output)
-            write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
-            raise site_failed(context, self.site, self.round_num, str(exc)) from None
-        # do_xcom_push is the stock operator's sidecar switch (off): push the summary ourselves, as
-        # the aggregation counts exactly the updates whose site task returned one.
-        context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=summary)
-        return summary
+        # do_xcom_push is the stock operator's sidecar switch (off): accept_update pushes the summary.
+        return accept_update(context, self.site, self.round_num, run)

@@ -23,11 +23,9 @@ from typing import Any
 
 from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import BaseOperator, Context
-from airflow.sdk.bases.xcom import BaseXCom
 from airflow.sdk.exceptions import TaskDeferred
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.hooks.slurm import slurm_commands
@@ -51,9 +49,9 @@ from flare_airflow.operators.site import (
     site_failed,
     site_task_defaults,
 )
-from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
+from flare_airflow.operators.site_outputs import accept_update, claim_and_clear
+from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
-from flare_airflow.site_task.tries import Superseded, claim_try
 from flare_airflow.triggers.slurm_state import SlurmJobTrigger
 
 
@@ -126,9 +124,7 @@ class SiteSlurmOperator(BaseOperator):
         # The worker's site policy (if any) decides the launcher_spec.slurm block: read at run time.
         self.job = job_at_site(self.job, self.site, context, self.round_num)
         run = self._site_run(context)
-        if run.staging:
-            claim_try(run.staging)  # before the clear: an earlier try can no longer publish after it
-        clear_outputs(path_from_uri(run.output))
+        claim_and_clear(run)
         try:
             secrets = resolve_secret_env(self.job, self.site)
         except SiteJobFailed as exc:
@@ -241,7 +237,6 @@ class SiteSlurmOperator(BaseOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         self.job = job_at_site(self.job, self.site, context, self.round_num)
         run = self._site_run(context)
-        output = path_from_uri(run.output)
         status = event.get("status")
         job_id = str(event.get("job_id") or "")
         self.log.info(
@@ -252,16 +247,7 @@ class SiteSlurmOperator(BaseOperator):
                 self._cancel_quietly(job_id)  # it may still run: it must not outlive the task
             rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
             raise self._fail(context, rc, str(event.get("reason") or status))
-        try:
-            summary = check_result(run, output)
-        except Superseded as exc:  # the published update is the later try's: leave it
-            raise site_failed(context, self.site, self.round_num, f"{exc} [ABORTED]") from None
-        except FlareAirflowError as exc:
-            clear_outputs(output)
-            write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
-            raise site_failed(context, self.site, self.round_num, str(exc)) from None
-        context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=summary)
-        return summary
+        return accept_update(context, self.site, self.round_num, run)
 
 
 class SweepSlurmJobsOperator(BaseOperator):

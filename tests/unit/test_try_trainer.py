@@ -124,8 +124,9 @@ def test_secret_env_comes_from_this_shell(tmp_path: pathlib.Path) -> None:
         (["--site", "site-1", "--hparam", "lr"], "--hparam 'lr': write KEY=VALUE"),
         (
             ["--site", "site-1", "--hparam", "epochs=two"],
-            "--hparam epochs=two: must be an integer like the job's default 2",
+            "--hparam epochs must be an integer like the job's default 2, got 'two'",
         ),
+        (["--site", "site-1", "--hparam", "lr=NaN"], "--hparam lr must be a finite number like the job's default 0.5"),
         (["--site", "site-1", "--model", "nope.safetensors"], "--model 'nope.safetensors': cannot read it"),
         (["--site", "site-1", "--round", "0"], "--round 0: must be from 1 to 1000"),
     ],

@@ -9,7 +9,6 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from flare_airflow.core.config.validators import (
-    MAX_SECONDS,
     RESERVED_ENV_PREFIX,
     Strict,
     argv,
@@ -19,6 +18,7 @@ from flare_airflow.core.config.validators import (
     env_values,
     label_value,
     no_nul,
+    positive_seconds,
     qualified_name,
     secret_env_names,
     secret_references,
@@ -191,11 +191,7 @@ class KubernetesLaunchSpec(Strict):
     @field_validator("pending_timeout", "startup_timeout", "poll_interval", mode="before")
     @classmethod
     def _seconds(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) or (isinstance(value, int | float) and not 0 < value <= MAX_SECONDS):
-            raise ValueError(
-                f"{info.field_name} must be a number of seconds > 0 and <= {int(MAX_SECONDS)} (366 days), got {value!r}"
-            )
-        return value
+        return positive_seconds(value, str(info.field_name))
 
     @field_validator("kubernetes_conn_id", "config_file", "cluster_context", "trainer_script")
     @classmethod

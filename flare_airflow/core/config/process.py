@@ -62,6 +62,16 @@ class AirflowSecretRef(Strict):
         return f"Airflow variable {self.variable!r}" if self.variable else f"connection {self.conn_id!r} {self.field}"
 
 
+def airflow_secret_references(value: Any) -> Any:
+    """``secret_env`` of sites whose secrets come from Airflow (process and SLURM sites), as references."""
+    return secret_references(
+        value,
+        AirflowSecretRef,
+        "{conn_id: <connection>, field: <field>} or {variable: <key>}",
+        "Airflow connections/variables",
+    )
+
+
 class ProcessLaunchSpec(Strict):
     """Site policy for local-process site jobs."""
 
@@ -75,12 +85,7 @@ class ProcessLaunchSpec(Strict):
     @field_validator("secret_env", mode="before")
     @classmethod
     def _secret_references(cls, value: Any) -> Any:
-        return secret_references(
-            value,
-            AirflowSecretRef,
-            "{conn_id: <connection>, field: <field>} or {variable: <key>}",
-            "Airflow connections/variables",
-        )
+        return airflow_secret_references(value)
 
     @field_validator("secret_env")
     @classmethod

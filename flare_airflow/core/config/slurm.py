@@ -14,17 +14,16 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from flare_airflow.core.config.describe import short_repr
-from flare_airflow.core.config.process import AirflowSecretRef
+from flare_airflow.core.config.process import AirflowSecretRef, airflow_secret_references
 from flare_airflow.core.config.validators import (
-    MAX_SECONDS,
     RESERVED_ENV_PREFIX,
     Strict,
     argv,
     env_or_secret,
     env_values,
     no_nul,
+    positive_seconds,
     secret_env_names,
-    secret_references,
 )
 
 LOCAL_CONNECTION = "local"
@@ -216,12 +215,7 @@ class SlurmLaunchSpec(Strict):
     @field_validator("secret_env", mode="before")
     @classmethod
     def _secret_references(cls, value: Any) -> Any:
-        return secret_references(
-            value,
-            AirflowSecretRef,
-            "{conn_id: <connection>, field: <field>} or {variable: <key>}",
-            "Airflow connections/variables",
-        )
+        return airflow_secret_references(value)
 
     @field_validator("secret_env")
     @classmethod
@@ -245,11 +239,7 @@ class SlurmLaunchSpec(Strict):
     @field_validator("pending_timeout", "startup_timeout", "poll_interval", mode="before")
     @classmethod
     def _seconds(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) or (isinstance(value, int | float) and not 0 < value <= MAX_SECONDS):
-            raise ValueError(
-                f"{info.field_name} must be a number of seconds > 0 and <= {int(MAX_SECONDS)} (366 days), got {value!r}"
-            )
-        return value
+        return positive_seconds(value, str(info.field_name))
 
     @model_validator(mode="after")
     def _consistent(self) -> SlurmLaunchSpec:

@@ -189,3 +189,33 @@ def env_or_secret(env: Mapping[str, Any], secret_env: Mapping[str, Any]) -> None
     both = sorted(set(env) & set(secret_env))
     if both:
         raise ValueError(f"{', '.join(both)} set in both env and secret_env; keep one")
+
+
+def hparam_value(name: str, default: Any, value: Any) -> Any:
+    """A run's value for a hyper-parameter: the type of the job's ``default``, finite, bounded.
+
+    Shared by the trigger form's check (``hp_<name>`` in a run's conf) and ``try-trainer --hparam``.
+    """
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+        kind = "true or false"
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_FORM_INT
+        kind = "an integer"
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        kind = "a finite number"
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str) and "\0" not in value
+        kind = "a string"
+    if not ok:
+        raise ValueError(f"{name} must be {kind} like the job's default {default!r}, got {short_repr(value)}")
+    return value
+
+
+def positive_seconds(value: Any, name: str) -> Any:
+    """A ``mode="before"`` check of a timeout or interval: a number of seconds in (0, MAX_SECONDS]."""
+    if isinstance(value, bool) or (isinstance(value, int | float) and not 0 < value <= MAX_SECONDS):
+        raise ValueError(f"{name} must be a number of seconds > 0 and <= {int(MAX_SECONDS)} (366 days), got {value!r}")
+    return value

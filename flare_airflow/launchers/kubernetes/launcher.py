@@ -25,7 +25,15 @@ from kubernetes.client.rest import ApiException
 
 from flare_airflow.core.config import KubernetesLaunchSpec, ResourceSpec
 from flare_airflow.core.envvars import FLARE_OUTPUT
-from flare_airflow.core.spec import JobHandleSpec, JobLauncherSpec, JobReturnCode, JobState, LineSink, SiteJob
+from flare_airflow.core.spec import (
+    JobHandleSpec,
+    JobLauncherSpec,
+    JobReturnCode,
+    JobState,
+    LineSink,
+    SiteJob,
+    wait_by_polling,
+)
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.kubernetes.api import REQUEST_TIMEOUT, api_message, retrying
 from flare_airflow.launchers.kubernetes.manifest import build_pod
@@ -136,17 +144,7 @@ class KubernetesJobHandle(JobHandleSpec):
         return status.reason if status.done else ""
 
     def wait(self, timeout: float | None = None) -> JobReturnCode:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            rc = self.poll()
-            if self._final is not None:
-                return rc
-            if deadline is not None and time.monotonic() >= deadline:
-                return JobReturnCode.UNKNOWN
-            pause = self._spec.poll_interval
-            if deadline is not None:
-                pause = min(pause, max(0.0, deadline - time.monotonic()))
-            time.sleep(pause)
+        return wait_by_polling(self.poll, lambda: self._final is not None, self._spec.poll_interval, timeout)
 
     def logs(self) -> str:
         """The trainer container's log (kept after the pod is deleted; empty if it never started)."""

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare_airflow.core.config import ResourceSpec, SlurmLaunchSpec
-from flare_airflow.core.spec import JobHandleSpec, JobLauncherSpec, JobReturnCode, JobState, LineSink, SiteJob
+from flare_airflow.core.spec import (
+    JobHandleSpec,
+    JobLauncherSpec,
+    JobReturnCode,
+    JobState,
+    LineSink,
+    SiteJob,
+    wait_by_polling,
+)
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.slurm.commands import (
     LocalCommands,
@@ -190,17 +198,7 @@ class SlurmJobHandle(JobHandleSpec):
         return f"{where}: {status.reason}" + (f"; its last output: {last}" if last else "")
 
     def wait(self, timeout: float | None = None) -> JobReturnCode:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            rc = self.poll()
-            if self._final is not None:
-                return rc
-            if deadline is not None and time.monotonic() >= deadline:
-                return JobReturnCode.UNKNOWN
-            pause = self.spec.poll_interval
-            if deadline is not None:
-                pause = min(pause, max(0.0, deadline - time.monotonic()))
-            time.sleep(pause)
+        return wait_by_polling(self.poll, lambda: self._final is not None, self.spec.poll_interval, timeout)
 
     def _cancel_quietly(self) -> None:
         # The job has ended or slurmctld is unreachable: nothing more to do here.
