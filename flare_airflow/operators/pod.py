@@ -19,12 +19,13 @@ from typing import Any
 
 import yaml
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.cncf.kubernetes.utils.pod_manager import OnFinishAction
 from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 from kubernetes.client import models as k8s
 
-from flare_airflow.core.config import JobConfig
+from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
@@ -40,6 +41,7 @@ from flare_airflow.operators.site import (
     check_site_task_may_run,
     job_at_site,
     make_site_run,
+    site_config_failed,
     site_failed,
     site_task_defaults,
 )
@@ -47,6 +49,21 @@ from flare_airflow.operators.site_outputs import accept_update, claim_and_clear
 from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.triggers.pod_state import PodStateTrigger
+
+
+def pod_settings(spec: KubernetesLaunchSpec) -> dict[str, Any]:
+    """The stock operator's arguments that come from a site's ``launcher_spec.k8s``: its cluster,
+    namespace, image and what happens to a finished pod."""
+    return {
+        "namespace": spec.namespace,
+        "image": spec.image,
+        "kubernetes_conn_id": spec.kubernetes_conn_id,
+        "in_cluster": spec.in_cluster,
+        "config_file": spec.config_file,
+        "cluster_context": spec.cluster_context,
+        "on_finish_action": "keep_pod" if spec.keep_pods else "delete_pod",
+        "poll_interval": spec.poll_interval,
+    }
 
 
 class SitePodOperator(KubernetesPodOperator):
@@ -108,17 +125,10 @@ class SitePodOperator(KubernetesPodOperator):
             )
         site_task_defaults(job, site, kwargs)
         super().__init__(
-            namespace=spec.namespace,
-            image=spec.image,
-            kubernetes_conn_id=spec.kubernetes_conn_id,
-            in_cluster=spec.in_cluster,
-            config_file=spec.config_file,
-            cluster_context=spec.cluster_context,
+            **pod_settings(spec),
             base_container_name=CONTAINER_NAME,
             get_logs=True,
             do_xcom_push=False,
-            on_finish_action="keep_pod" if spec.keep_pods else "delete_pod",
-            poll_interval=spec.poll_interval,
             reattach_on_restart=False,
             log_events_on_failure=True,
             deferrable=deferrable,
@@ -130,6 +140,31 @@ class SitePodOperator(KubernetesPodOperator):
         self.round_num = round_num
         self.global_task_id = global_task_id
         self._run: SiteRun | None = None
+        self._policy_applied = False
+
+    def apply_site_policy(self, context: Context) -> None:
+        """Run the pod as this worker's site policy says (cluster, namespace, image, volumes, store).
+
+        The stock operator's cluster and pod fields were set from the job when the DAG was parsed;
+        a policy on the worker replaces them here, before any client, pod or trigger is made. Called
+        again when a deferred task resumes (a new process that parsed the DAG afresh).
+        """
+        if self._policy_applied:
+            return
+        job = job_at_site(self.job, self.site, context, self.round_num)
+        self._policy_applied = True
+        if job is self.job:
+            return
+        spec = job.sites[self.site].launcher_spec.k8s
+        problem = unreachable_store(spec, str(store_for(job).root))
+        if problem is not None:
+            reason = f"site {self.site!r} (site policy on this worker): {problem}"
+            raise site_config_failed(context, job, self.site, self.round_num, reason)
+        self.job = job
+        self._run = None
+        for name, value in pod_settings(spec).items():
+            setattr(self, name, OnFinishAction(value) if name == "on_finish_action" else value)
+        self._is_delete_operator_pod = self.on_finish_action == OnFinishAction.DELETE_POD
 
     def _site_run(self, context: Context) -> SiteRun:
         if self._run is None:
@@ -160,17 +195,7 @@ class SitePodOperator(KubernetesPodOperator):
 
     def execute(self, context: Context) -> Any:
         check_site_task_may_run(context, self.job, self.site, self.round_num)
-        if job_at_site(self.job, self.site, context, self.round_num) is not self.job:
-            # The pod's image, namespace and volumes are fixed when the DAG is parsed (KPO fields):
-            # a policy read here could not change them, and ignoring it would be worse than failing.
-            raise site_failed(
-                context,
-                self.site,
-                self.round_num,
-                f"this worker has a site policy for Kubernetes site {self.site!r}, which this version applies to "
-                "process sites only; set the site's Kubernetes settings in the job file, or unset "
-                "FLARE_SITE_CONFIG / [flare] site_config on this worker [CONFIG_ERROR]",
-            )
+        self.apply_site_policy(context)
         run = self._site_run(context)
         claim_and_clear(run)
         self.delete_earlier_tries(context)
@@ -296,6 +321,7 @@ class SitePodOperator(KubernetesPodOperator):
             self.log.warning("could not delete pod %s: %s", pod.metadata.name, exc)
 
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> Any:
+        self.apply_site_policy(context)
         run = self._site_run(context)
         output = path_from_uri(run.output)
         reason = str(event.get("reason") or event.get("message") or event.get("status"))

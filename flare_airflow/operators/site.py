@@ -24,10 +24,12 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 
 from flare_airflow.core.config import (
     SITE_CONFIG_ENV,
+    SITE_POLICY_VARIABLE,
     JobConfig,
     SitePolicy,
     apply_site_policy,
     load_site_policy,
+    site_policy_from_text,
 )
 from flare_airflow.core.errors import ConfigError, FlareAirflowError, StoreError
 from flare_airflow.core.spec import JobReturnCode
@@ -131,9 +133,21 @@ def site_policy_path() -> str | None:
 
 
 def site_policy() -> SitePolicy | None:
-    """This worker's site policy, or ``None`` when it has none (the central, one-machine default)."""
+    """This worker's site policy, or ``None`` when it has none (the central, one-machine default).
+
+    The policy file (:func:`site_policy_path`) if the worker names one, else the Airflow variable
+    :data:`SITE_POLICY_VARIABLE`, looked up as Airflow looks up any variable from a task: the
+    worker's own ``AIRFLOW_VAR_FLARE_SITE_POLICY`` and secrets backend first, then the metastore.
+    """
     path = site_policy_path()
-    return load_site_policy(path) if path else None
+    if path:
+        return load_site_policy(path)
+    from airflow.sdk import Variable
+
+    text = Variable.get(SITE_POLICY_VARIABLE, default=None)
+    if text is None:
+        return None
+    return site_policy_from_text(str(text), f"Airflow variable {SITE_POLICY_VARIABLE}")
 
 
 def job_at_site(job: JobConfig, site: str, context: Context, round_num: int) -> JobConfig:
@@ -146,12 +160,15 @@ def job_at_site(job: JobConfig, site: str, context: Context, round_num: int) -> 
         policy = site_policy()
         return job if policy is None else apply_site_policy(job, site, policy)
     except ConfigError as exc:
-        reason = str(exc)
-        store = store_for(job)
-        write_failure(
-            store.site_update(job.job, run_id_of(context), round_num, site), JobReturnCode.CONFIG_ERROR, reason
-        )
-        raise site_failed(context, site, round_num, reason) from None
+        raise site_config_failed(context, job, site, round_num, str(exc)) from None
+
+
+def site_config_failed(context: Context, job: JobConfig, site: str, round_num: int, reason: str) -> Exception:
+    """A site task refused before its job started: the reason goes in the site's failure record
+    (where the aggregation reads it) and in the returned exception, which the caller raises."""
+    store = store_for(job)
+    write_failure(store.site_update(job.job, run_id_of(context), round_num, site), JobReturnCode.CONFIG_ERROR, reason)
+    return site_failed(context, site, round_num, reason)
 
 
 def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> None:

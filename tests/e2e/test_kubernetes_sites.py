@@ -5,6 +5,7 @@ harness as local processes. The federated result must equal the process-sites ru
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 import shutil
 import sys
@@ -75,4 +76,37 @@ def test_mixed_process_and_kubernetes_sites(
     assert "site site-4 round 2 pod fl-digits-mixed-site-4-r2-" in result.log
     assert "site job digits-mixed/site-1 round 1/2 (train)" in result.log
     assert "site site-1 round 1 pod" not in result.log
+    shutil.rmtree(dag_file.parent)
+
+
+def test_a_site_policy_on_the_worker_decides_the_pods_cluster_namespace_and_image(
+    airflow_home: AirflowHome, control_plane, node_agent, namespace: str
+) -> None:
+    # The job file asks for another namespace and an image the node cannot pull: had the pods been
+    # built from it, every round would fail. The worker's policy -- here the Airflow variable
+    # flare_site_policy as the worker's own AIRFLOW_VAR_ sets it -- decides instead.
+    asked = k8s_block(airflow_home, "the-job-asks-for-this-namespace", control_plane.kubeconfig_path())
+    asked["image"] = "registry.example/flare/pull-error:1"
+    dag_file = digits_job(airflow_home, "digits-policy", ["site-2", "site-4"], asked)
+    site_block = k8s_block(airflow_home, namespace, control_plane.kubeconfig_path(), image="site/trainer:2")
+    policy = {
+        "sites": {
+            "site-1": {},
+            "site-3": {},
+            "site-2": {"launcher": "k8s", "launcher_spec": {"k8s": site_block}},
+            "site-4": {"launcher": "k8s", "launcher_spec": {"k8s": site_block}},
+        }
+    }
+    airflow_home.env["AIRFLOW_VAR_FLARE_SITE_POLICY"] = json.dumps(policy)
+    try:
+        result = airflow_home.run("flare_digits_policy", dag_file, conf={"rounds": 1})
+    finally:
+        del airflow_home.env["AIRFLOW_VAR_FLARE_SITE_POLICY"]
+    assert result.returncode == 0, result.log[-6000:]
+    assert {result.tasks[f"round_1.site-{i}"] for i in range(1, 5)} == {"success"}
+    ran = sorted(
+        p.name.split("_")[1].rsplit("-", 1)[0] for p in (node_agent.work_dir / "pods").glob("*_fl-digits-policy-*")
+    )
+    assert ran == ["fl-digits-policy-site-2-r1", "fl-digits-policy-site-4-r1"]
+    assert all(p.name.startswith(f"{namespace}_") for p in (node_agent.work_dir / "pods").glob("*_fl-digits-policy-*"))
     shutil.rmtree(dag_file.parent)

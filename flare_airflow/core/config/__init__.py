@@ -22,11 +22,13 @@ from flare_airflow.core.config.kubernetes import (
 )
 from flare_airflow.core.config.policy import (
     SITE_CONFIG_ENV,
+    SITE_POLICY_VARIABLE,
     SitePolicy,
     SitePolicyEntry,
     apply_site_policy,
     load_site_policy,
     site_policy_from_dict,
+    site_policy_from_text,
 )
 from flare_airflow.core.config.process import (
     CONNECTION_FIELDS,
@@ -89,6 +91,7 @@ __all__ = [
     "SCRATCH_PATH",
     "SCRATCH_VOLUME",
     "SITE_CONFIG_ENV",
+    "SITE_POLICY_VARIABLE",
     "STORE_SCHEMES",
     "STORE_VOLUME",
     "SUPPORTED_BACKENDS",
@@ -123,4 +126,5 @@ __all__ = [
     "reprlib_repr",
     "short_repr",
     "site_policy_from_dict",
+    "site_policy_from_text",
 ]

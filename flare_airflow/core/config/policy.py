@@ -1,7 +1,9 @@
 """Site policy: what a site's admin decides, read at the site (on the site's worker) at run time.
 
 A policy file (YAML, the path in ``$FLARE_SITE_CONFIG`` or Airflow's ``[flare] site_config`` on the
-worker) holds one entry per site the worker serves::
+worker) -- or, without a file, the Airflow variable ``flare_site_policy`` as the worker resolves it
+(its ``AIRFLOW_VAR_FLARE_SITE_POLICY``, its secrets backend, then the metastore) -- holds one entry
+per site the worker serves::
 
     sites:
       site-1:
@@ -21,7 +23,7 @@ the policy's limits fails that site's task with a :class:`~flare_airflow.core.er
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
@@ -32,10 +34,12 @@ from flare_airflow.core.config.job import JobConfig
 from flare_airflow.core.config.resources import ResourceManagerSpec
 from flare_airflow.core.config.site import SUPPORTED_BACKENDS, LauncherSpec, SiteSpec, merge_sites
 from flare_airflow.core.config.validators import Strict, conn_id_name
-from flare_airflow.core.config.yaml_loader import read_job_yaml
+from flare_airflow.core.config.yaml_loader import parse_job_yaml_text, read_job_yaml
 from flare_airflow.core.errors import ConfigError
 
 SITE_CONFIG_ENV = envvars.FLARE_SITE_CONFIG
+# The Airflow variable that may hold the policy instead of a file (same YAML or JSON document).
+SITE_POLICY_VARIABLE = "flare_site_policy"
 # What the policy owns: the job's values for these are replaced, never merged.
 POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec")
 
@@ -103,16 +107,23 @@ def site_policy_from_dict(data: Mapping[str, Any], *, source: str = "<python>") 
 def load_site_policy(path: str | pathlib.Path) -> SitePolicy:
     """Read and validate a site policy file (the same YAML reader and limits as job files)."""
     path = pathlib.Path(path)
+    where = f"site policy ({SITE_CONFIG_ENV} / [flare] site_config)"
+    return _parsed_policy(lambda: read_job_yaml(path), str(path), where, "the site policy file")
+
+
+def site_policy_from_text(text: str, source: str) -> SitePolicy:
+    """Validate a site policy given as YAML or JSON text (e.g. an Airflow variable's value); ``source``
+    names where it came from in every error."""
+    return _parsed_policy(lambda: parse_job_yaml_text(text, source)[0], source, "site policy", "the site policy")
+
+
+def _parsed_policy(read: Callable[[], Mapping[str, Any]], source: str, what: str, noun: str) -> SitePolicy:
     try:
-        data = read_job_yaml(path)
+        data = read()
     except ConfigError as exc:
-        text = (
-            str(exc)
-            .replace("the job file", "the site policy file")
-            .replace("(job: ..., rounds: ..., sites: ...)", "(sites: ...)")
-        )
-        raise ConfigError(f"site policy ({SITE_CONFIG_ENV} / [flare] site_config): {text}") from None
-    return site_policy_from_dict(data, source=str(path))
+        text = str(exc).replace("the job file", noun).replace("(job: ..., rounds: ..., sites: ...)", "(sites: ...)")
+        raise ConfigError(f"{what}: {text}") from None
+    return site_policy_from_dict(data, source=source)
 
 
 def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfig:

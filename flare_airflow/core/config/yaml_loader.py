@@ -158,7 +158,14 @@ def read_job_yaml(path: pathlib.Path) -> Mapping[str, Any]:
 
 def read_job_yaml_with_lines(path: pathlib.Path) -> tuple[Mapping[str, Any], KeyLines]:
     """The job file at ``path`` as a mapping and the lines of its keys (see :func:`read_job_yaml`)."""
-    text = _read_job_text(path)
+    return parse_job_yaml_text(_read_job_text(path), path)
+
+
+def parse_job_yaml_text(text: str, path: pathlib.Path | str) -> tuple[Mapping[str, Any], KeyLines]:
+    """YAML ``text`` (a job file's, or a site policy's from elsewhere, named ``path`` in errors) as a
+    mapping and the lines of its keys, with the same limits and checks as a job file."""
+    if len(text) > MAX_JOB_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_JOB_FILE_BYTES // 2**20} MiB; it holds settings, not data")
     loader = _UniqueKeyLoader(text)
     try:
         root = loader.get_single_node()

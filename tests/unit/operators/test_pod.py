@@ -72,3 +72,39 @@ def test_evaluate_needs_the_trainer_script_on_the_worker_even_when_every_site_is
         SitePodOperator(task_id="a", job=make_job(tmp_path, evaluate=True, **kwargs), site="site-1", round_num=1)
     # Without evaluation the worker never runs it: the pod's image holds the script.
     SitePodOperator(task_id="a", job=make_job(tmp_path, evaluate=False, **kwargs), site="site-1", round_num=1)
+
+
+def test_the_workers_site_policy_sets_the_pods_cluster_namespace_and_image(tmp_path, monkeypatch) -> None:
+    from tests.unit.airflow_layer import context
+
+    job = make_job(tmp_path, sites=pod_sites(tmp_path), min_clients=1, evaluate=False)
+    op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1)
+    assert (op.namespace, op.image, op.kubernetes_conn_id) == ("default", "img:1", None)
+    mount = {"pvc": "site-store", "mount_path": "/s"}
+    site = {"image": "site/img:2", "namespace": "site-ns", "kubernetes_conn_id": "site_k8s", "keep_pods": True}
+    policy = {"sites": {"site-1": {"launcher": "k8s", "launcher_spec": {"k8s": {**site, "store_mount": mount}}}}}
+    monkeypatch.setenv("AIRFLOW_VAR_FLARE_SITE_POLICY", json.dumps(policy))
+    op.apply_site_policy(context())
+    assert (op.namespace, op.image, op.kubernetes_conn_id) == ("site-ns", "site/img:2", "site_k8s")
+    assert op.on_finish_action.value == "keep_pod" and not op._is_delete_operator_pod
+    assert op.job.sites["site-1"].launcher_spec.k8s.store_mount.pvc == "site-store"
+    assert job.sites["site-1"].launcher_spec.k8s.image == "img:1"  # the DAG's job is left as parsed
+
+
+def test_a_site_policy_whose_pods_cannot_reach_the_store_fails_the_site_before_any_pod(tmp_path, monkeypatch) -> None:
+    from flare_airflow.operators.common import store_for
+    from flare_airflow.operators.site import SiteJobFailed
+    from flare_airflow.site_task.checks import read_failure
+    from tests.unit.airflow_layer import RUN_ID, context
+
+    job = make_job(tmp_path, sites=pod_sites(tmp_path), min_clients=1, evaluate=False)
+    op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1)
+    policy = {"sites": {"site-1": {"launcher": "k8s", "launcher_spec": {"k8s": {"image": "site/img:2"}}}}}
+    monkeypatch.setenv("AIRFLOW_VAR_FLARE_SITE_POLICY", json.dumps(policy))
+    with pytest.raises(
+        SiteJobFailed, match=r"site policy on this worker\): the model store .* set launcher_spec.k8s.store_mount"
+    ):
+        op.apply_site_policy(context())
+    failure = read_failure(store_for(job).site_update(job.job, RUN_ID, 1, "site-1")) or ""
+    assert "store_mount" in failure and "[CONFIG_ERROR]" in failure
+    assert op.image == "img:1"  # nothing of the refused policy was taken

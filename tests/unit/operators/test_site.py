@@ -118,3 +118,23 @@ def test_a_policy_the_job_does_not_fit_fails_the_site_with_its_failure_record(tm
         job_at_site(job, "site-2", context(ti), 1)
     output = store_for(job).site_update(job.job, RUN_ID, 1, "site-2")
     assert "which queues this worker serves (--queues) [CONFIG_ERROR]" in (read_failure(output) or "")
+
+
+def test_the_site_policy_may_come_from_an_airflow_variable_and_a_policy_file_wins(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    from flare_airflow.operators.site import SiteJobFailed, job_at_site
+
+    job = make_job(tmp_path, sites={"site-1": {}, "site-2": {}})
+    monkeypatch.setenv(
+        "AIRFLOW_VAR_FLARE_SITE_POLICY", '{"sites": {"site-1": {"launcher_spec": {"process": {"env": {"V": "1"}}}}}}'
+    )
+    assert job_at_site(job, "site-1", context(), 1).sites["site-1"].launcher_spec.process.env == {"V": "1"}
+    policy = tmp_path / "site.yaml"
+    policy.write_text("sites:\n  site-1: {launcher_spec: {process: {env: {F: '1'}}}}\n")
+    monkeypatch.setenv("FLARE_SITE_CONFIG", str(policy))
+    assert job_at_site(job, "site-1", context(), 1).sites["site-1"].launcher_spec.process.env == {"F": "1"}
+    monkeypatch.delenv("FLARE_SITE_CONFIG")
+    monkeypatch.setenv("AIRFLOW_VAR_FLARE_SITE_POLICY", "sites: {site-1: {launcher_spec: {process: {cwd: [}}}}")
+    with pytest.raises(SiteJobFailed, match=r"site policy: Airflow variable flare_site_policy:1:\d+: malformed YAML"):
+        job_at_site(job, "site-1", context(), 1)
