@@ -67,6 +67,59 @@ class SiteJob:
         return f"{self.job}/{self.site}/r{self.round}"
 
 
+@dataclass(frozen=True)
+class JobIdentity:
+    """Which launch of a site job: (job, run, round, site) and the try that launched it.
+
+    Every backend can name and label its jobs from it, so a job is found again from its identity
+    alone (:meth:`JobLauncherSpec.find_job`): by a later try, a sensor in another process, a
+    teardown. It travels as a plain dict (XCom) through :meth:`to_dict` / :meth:`from_dict`.
+    """
+
+    job: str
+    run_id: str
+    round: int
+    site: str
+    try_number: int = 1
+
+    @classmethod
+    def of(cls, site_job: SiteJob, try_number: int) -> JobIdentity:
+        return cls(site_job.job, site_job.run_id, site_job.round, site_job.site, try_number)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "run_id": self.run_id,
+            "round": self.round,
+            "site": self.site,
+            "try_number": self.try_number,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobIdentity:
+        """The identity in ``data``; ``ValueError`` naming what is missing or malformed."""
+        try:
+            return cls(
+                job=str(data["job"]),
+                run_id=str(data["run_id"]),
+                round=int(data["round"]),
+                site=str(data["site"]),
+                try_number=int(data.get("try_number", 1)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"not a site job identity (needs job, run_id, round, site and try_number): {str(data)[:200]} ({exc})"
+            ) from None
+
+    def site_job(self, shutdown_timeout: float = 10.0) -> SiteJob:
+        """A :class:`SiteJob` that carries only this identity (what a handle found by identity knows)."""
+        return SiteJob(self.job, self.run_id, self.round, self.site, argv=(), shutdown_timeout=shutdown_timeout)
+
+    @property
+    def label(self) -> str:
+        return f"{self.job}/{self.site}/r{self.round}/t{self.try_number}"
+
+
 LineSink = Callable[[str], None]
 
 
@@ -120,3 +173,9 @@ class JobLauncherSpec(abc.ABC):
     @abc.abstractmethod
     def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> JobHandleSpec:
         """Start the job described by ``job_meta`` and return its handle."""
+
+    def find_job(self, identity: JobIdentity) -> JobHandleSpec | None:
+        """The handle of the job launched earlier under ``identity`` (by any process), or ``None``
+        when the backend has no such job (any more). Backends whose jobs cannot outlive the process
+        that launched them raise ``NotImplementedError`` saying why."""
+        raise NotImplementedError(f"{type(self).__name__} cannot find a site job by its identity")

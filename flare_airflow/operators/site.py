@@ -260,16 +260,20 @@ def make_site_run(
     *,
     argv: list[str],
     global_task_id: str | None = None,
+    try_number: int | None = None,
 ) -> SiteRun:
     """The site job of (run, round, site): identity, Client API paths, hyper-parameters, devices.
 
     The trainer writes into this try's staging directory; the update is published at the site's
     place in the store only once it passed every check (see ``check_result``). ``global_task_id``
     names the task whose XCom holds the input global model's sha256 (the trainer verifies it).
+    ``try_number``: the try that launches the job (default: this task's; a sensor watching a job
+    another task launched passes that task's).
     """
     store = store_for(job)
     run_id = run_id_of(context)
-    try_number = int(getattr(context.get("ti"), "try_number", None) or 1)
+    if try_number is None:
+        try_number = int(getattr(context.get("ti"), "try_number", None) or 1)
     spec = job.sites[site]
     process = spec.launcher_spec.process
     manager = spec.resource_manager

@@ -26,7 +26,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import TaskDeferred
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.spec import JobIdentity, JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.hooks.slurm import slurm_commands
 from flare_airflow.launchers.errors import LaunchError
@@ -37,7 +37,6 @@ from flare_airflow.launchers.slurm import (
     cancel,
     list_jobs,
     site_job_prefix,
-    try_of,
 )
 from flare_airflow.launchers.trainer import output_prefix, trainer_argv
 from flare_airflow.operators.site import (
@@ -203,25 +202,20 @@ class SiteSlurmOperator(BaseOperator):
 
     def cancel_earlier_tries(self, commands: Any, run: SiteRun, try_number: int) -> list[str]:
         """Cancel this site job's jobs of earlier tries (found by name) before this try submits its
-        own: a try whose worker was killed left its job queued or running, unwatched."""
+        own: a try whose worker was killed left its job queued or running, unwatched. Returns their ids."""
         if try_number <= 1:
             return []
-        prefix = site_job_prefix(self.job.job, run.run_id, self.round_num, self.site)
-        earlier = [
-            (job_id, name)
-            for job_id, name, _ in list_jobs(commands, prefix)
-            if (number := try_of(name, prefix)) is not None and number < try_number
-        ]
-        if earlier:
-            cancel(commands, [job_id for job_id, _ in earlier])
+        identity = JobIdentity(self.job.job, run.run_id, self.round_num, self.site, try_number)
+        cancelled = SlurmLauncher(self.spec, commands=commands).terminate_earlier_tries(identity)
+        if cancelled:
             self.log.info(
                 "site %s round %d try %d: cancelled the SLURM jobs of earlier tries: %s",
                 self.site,
                 self.round_num,
                 try_number,
-                ", ".join(f"{job_id} ({name})" for job_id, name in earlier),
+                ", ".join(cancelled),
             )
-        return [job_id for job_id, _ in earlier]
+        return [entry.split(" ", 1)[0] for entry in cancelled]
 
     def _cancel_quietly(self, job_id: str) -> None:
         try:

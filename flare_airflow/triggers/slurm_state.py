@@ -48,6 +48,8 @@ class SlurmJobTrigger(BaseTrigger):
     :param prefix: prefix of each output line in the task log.
     :param secret_refs: the site's ``secret_env`` references (never values): resolved again where the
         trigger runs, so that a trainer printing a secret shows ``***`` in the task log.
+    :param cancel_on_kill: cancel the job when the deferred task is killed or marked failed (the
+        fused site task owns its job; a sensor watching a job it did not launch does not).
     """
 
     _FIELDS = (
@@ -63,6 +65,7 @@ class SlurmJobTrigger(BaseTrigger):
         "offset",
         "prefix",
         "secret_refs",
+        "cancel_on_kill",
     )
 
     def __init__(
@@ -79,6 +82,7 @@ class SlurmJobTrigger(BaseTrigger):
         offset: int = 0,
         prefix: str = "",
         secret_refs: dict[str, dict[str, Any]] | None = None,
+        cancel_on_kill: bool = True,
     ) -> None:
         super().__init__()
         self.job_id = job_id
@@ -93,6 +97,7 @@ class SlurmJobTrigger(BaseTrigger):
         self.offset = offset
         self.prefix = prefix
         self.secret_refs = secret_refs
+        self.cancel_on_kill = cancel_on_kill
         self._fired = False
         self._handle: SlurmJobHandle | None = None
         self._sink: Any = None
@@ -182,7 +187,7 @@ class SlurmJobTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """The task was killed or marked failed while deferred: cancel its job (Airflow >= 3.3)."""
-        if self._fired:
+        if self._fired or not self.cancel_on_kill:
             return
         self.log.info("task killed: cancelling SLURM job %s (%s)", self.job_id, self.name)
         try:

@@ -42,6 +42,18 @@ def api_message(exc: ApiException) -> str:
         return str(exc.body or exc.reason)
 
 
+def list_site_pods(core: k8s.CoreV1Api, namespace: str, selector: str) -> list[Any]:
+    """The pods ``selector`` finds in ``namespace`` (reads retried on transient errors): the one
+    lookup of site pods by identity, for finding a launch again, earlier tries and a run's sweep."""
+
+    def listed() -> list[Any]:
+        return list(
+            core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items
+        )
+
+    return retrying(listed)
+
+
 def delete_site_pods(
     core: k8s.CoreV1Api,
     namespace: str,
@@ -57,14 +69,8 @@ def delete_site_pods(
     keeps pods for debugging); running and pending ones are deleted all the same. API reads and
     deletes are retried on transient errors; a pod that is already gone is not an error.
     """
-
-    def listed() -> list[Any]:
-        return list(
-            core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items
-        )
-
     deleted = []
-    for pod in retrying(listed):
+    for pod in list_site_pods(core, namespace, selector):
         try_label = (pod.metadata.labels or {}).get(TRY_LABEL, "")
         if before_try is not None and not (try_label.isdigit() and int(try_label) < before_try):
             continue

@@ -27,6 +27,7 @@ from flare_airflow.core.config import KubernetesLaunchSpec, ResourceSpec
 from flare_airflow.core.envvars import FLARE_OUTPUT
 from flare_airflow.core.spec import (
     JobHandleSpec,
+    JobIdentity,
     JobLauncherSpec,
     JobReturnCode,
     JobState,
@@ -35,9 +36,15 @@ from flare_airflow.core.spec import (
     wait_by_polling,
 )
 from flare_airflow.launchers.errors import LaunchError
-from flare_airflow.launchers.kubernetes.api import REQUEST_TIMEOUT, api_message, retrying
+from flare_airflow.launchers.kubernetes.api import (
+    REQUEST_TIMEOUT,
+    api_message,
+    delete_site_pods,
+    list_site_pods,
+    retrying,
+)
 from flare_airflow.launchers.kubernetes.manifest import build_pod
-from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME
+from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME, site_job_selector, site_pods_selector
 from flare_airflow.launchers.kubernetes.state import (
     FAIL_FAST_REASONS,
     PodStatus,
@@ -312,6 +319,31 @@ class KubernetesLauncher(JobLauncherSpec):
                 f"{job_meta.label}: {what}: {pod.metadata.namespace}/{pod.metadata.name}: {api_message(exc)}"
             ) from exc
         return KubernetesJobHandle(self, job_meta, created)
+
+    def find_job(self, identity: JobIdentity, *, shutdown_timeout: float = 10.0) -> KubernetesJobHandle | None:
+        """The handle of the pod launched under ``identity`` (found by its labels in the site's
+        namespace, whoever created it), or ``None`` when no such pod exists (never created, or
+        deleted once it finished). Polling the handle maps the pod as a fresh launch would; a
+        finished pod gives its result (and is deleted unless the site keeps pods)."""
+        pods = list_site_pods(self.core, self.spec.namespace, site_job_selector(identity))
+        if not pods:
+            return None
+        # Several pods of one launch: a multi-pod site job; the first by name stands for it here.
+        pod = min(pods, key=lambda p: str(p.metadata.name))
+        return KubernetesJobHandle(self, identity.site_job(shutdown_timeout), pod)
+
+    def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
+        """Delete the pods of the tries of this site job before ``identity``'s (found by their
+        labels): they run unwatched, their tries are over. A site that keeps pods keeps the
+        finished ones. Returns what was deleted, as ``<pod> (try N, <phase>)``."""
+        selector = site_pods_selector(identity.job, identity.run_id, identity.round, identity.site)
+        return delete_site_pods(
+            self.core,
+            self.spec.namespace,
+            selector,
+            before_try=identity.try_number,
+            keep_finished=self.spec.keep_pods,
+        )
 
     def _make_output_dir(self, job: SiteJob) -> None:
         # The kubelet creates a missing subPath directory owned by root, where the trainer (UID 1000)

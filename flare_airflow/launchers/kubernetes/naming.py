@@ -12,6 +12,7 @@ import json
 import re
 
 from flare_airflow.core.config import MANAGED_BY_LABEL, RESERVED_LABEL_PREFIX
+from flare_airflow.core.spec import JobIdentity
 
 CONTAINER_NAME = "trainer"
 RUN_ID_ANNOTATION = f"{RESERVED_LABEL_PREFIX}run-id"
@@ -80,3 +81,13 @@ def site_pods_selector(job: str, run_id: str, round_num: int | None = None, site
     if site is not None:
         keys.append(f"{RESERVED_LABEL_PREFIX}site")
     return ",".join(f"{key}={labels[key]}" for key in keys)
+
+
+def site_job_selector(identity: JobIdentity) -> str:
+    """Label selector for the pods of one launch of a site job: its (job, run, round, site) and try.
+
+    It selects every pod of that launch (one, or several for a multi-pod site job), whatever their
+    names: how a launch is found again (:meth:`KubernetesLauncher.find_job`).
+    """
+    selector = site_pods_selector(identity.job, identity.run_id, identity.round, identity.site)
+    return f"{selector},{TRY_LABEL}={identity.try_number}"

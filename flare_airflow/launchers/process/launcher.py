@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from flare_airflow.core.envvars import FLARE_HANDSHAKE
-from flare_airflow.core.spec import JobHandleSpec, JobLauncherSpec, JobReturnCode, JobState, LineSink, SiteJob
+from flare_airflow.core.spec import (
+    JobHandleSpec,
+    JobIdentity,
+    JobLauncherSpec,
+    JobReturnCode,
+    JobState,
+    LineSink,
+    SiteJob,
+)
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.process.environment import check_environment, check_launchable, trainer_environment
 from flare_airflow.launchers.process.naming import TREE_MARK_ENV, new_tree_mark
@@ -261,3 +269,13 @@ class ProcessLauncher(JobLauncherSpec):
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise LaunchError(f"{job_meta.label}: cannot start {job_meta.argv[0]!r}: {detail}") from exc
         return ProcessJobHandle(job_meta, proc, emit, handshake, mark, self.adopt_orphans, self.hidden)
+
+    def find_job(self, identity: JobIdentity) -> ProcessJobHandle | None:
+        """Never possible: a process site job is a child of the task that launched it and ends with
+        that task (its owners, ``PR_SET_PDEATHSIG``, the process-tree sweep), so no other process
+        can re-attach to it -- by design, a process job never outlives its task. Watching one from a
+        separate task would need a per-host supervisor that owns the jobs instead; there is none."""
+        raise NotImplementedError(
+            f"{identity.label}: a process site job ends with the task that launched it and cannot be found again "
+            "from another task; process sites run launch and watch in one task (the fused site task)"
+        )

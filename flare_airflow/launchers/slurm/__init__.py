@@ -17,11 +17,13 @@ from __future__ import annotations
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.slurm.commands import (
     CommandResult,
+    FoundJob,
     JobInfo,
     LocalCommands,
     SlurmCommandError,
     SlurmCommands,
     cancel,
+    find_jobs,
     list_jobs,
     parse_show_job,
     read_job,
@@ -41,6 +43,7 @@ from flare_airflow.launchers.slurm.state import SlurmStatus, map_job, waits_its_
 __all__ = [
     "TAIL_LINES",
     "CommandResult",
+    "FoundJob",
     "JobInfo",
     "LaunchError",
     "LocalCommands",
@@ -53,6 +56,7 @@ __all__ = [
     "SubmittedJob",
     "batch_script",
     "cancel",
+    "find_jobs",
     "job_name",
     "list_jobs",
     "map_job",

@@ -15,6 +15,7 @@ import shlex
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from flare_airflow.launchers.process.environment import trainer_environment
 
@@ -142,12 +143,59 @@ def read_job(commands: SlurmCommands, job_id: str) -> JobInfo:
     if "Invalid job id" not in res.stderr:
         raise SlurmCommandError(f"scontrol show job {job_id} failed: {(res.stderr or res.stdout).strip()[:300]}")
     acct = commands.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Reason"])
+    source = "sacct"
+    if acct.returncode != 0:
+        # No accounting database: the job completion log (JobCompType=jobcomp/filetxt) may have it.
+        acct = commands.run(["sacct", "-c", "-n", "-P", "-j", job_id, "-o", "State,ExitCode"])
+        source = "jobcomp"
     line = acct.stdout.strip().splitlines()[0] if acct.returncode == 0 and acct.stdout.strip() else ""
     if not line:
         return JobInfo(None, source="none")
     state, _, rest = line.partition("|")
     exit_code, _, reason = rest.partition("|")
-    return JobInfo(state, reason, exit_code or "0:0", source="sacct")
+    return JobInfo(state, reason, exit_code or "0:0", source=source)
+
+
+@dataclass(frozen=True)
+class FoundJob:
+    """A batch job found by name: its id, name, state and when it was submitted (epoch seconds)."""
+
+    job_id: str
+    name: str
+    state: str
+    submitted_at: float
+
+
+def _epoch(text: str) -> float | None:
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        return None
+
+
+def find_jobs(commands: SlurmCommands, name: str) -> list[FoundJob]:
+    """The submitting user's jobs named exactly ``name``, in any state, newest first: from
+    ``squeue -t all`` while slurmctld remembers them (``MinJobAge`` after they end), else from
+    accounting (``sacct``) or the job completion log (``sacct -c``) where the cluster keeps one.
+
+    Raises :class:`SlurmCommandError` when slurmctld cannot be asked.
+    """
+    res = commands.run(["squeue", "--me", "-h", "-t", "all", "-n", name, "-o", "%i|%j|%T|%V"])
+    if res.returncode != 0:
+        raise SlurmCommandError(f"squeue failed: {res.stderr.strip()[:300]}")
+    rows = [line.strip().split("|") for line in res.stdout.splitlines() if line.strip()]
+    if not rows:
+        for argv in (["sacct", "-n", "-P", "-X"], ["sacct", "-c", "-n", "-P"]):
+            acct = commands.run([*argv, "--name", name, "-o", "JobID,JobName,State,Submit"])
+            if acct.returncode == 0:
+                rows = [line.strip().split("|") for line in acct.stdout.splitlines() if line.strip()]
+                break
+    found = [
+        FoundJob(row[0], row[1], row[2].split()[0] if row[2].strip() else "", _epoch(row[3]) or 0.0)
+        for row in rows
+        if len(row) >= 4 and row[1] == name and row[0].isdigit()
+    ]
+    return sorted(found, key=lambda job: int(job.job_id), reverse=True)
 
 
 def list_jobs(commands: SlurmCommands, prefix: str) -> list[tuple[str, str, str]]:

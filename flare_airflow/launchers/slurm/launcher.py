@@ -23,6 +23,7 @@ from typing import Any
 from flare_airflow.core.config import ResourceSpec, SlurmLaunchSpec
 from flare_airflow.core.spec import (
     JobHandleSpec,
+    JobIdentity,
     JobLauncherSpec,
     JobReturnCode,
     JobState,
@@ -36,9 +37,11 @@ from flare_airflow.launchers.slurm.commands import (
     SlurmCommandError,
     SlurmCommands,
     cancel,
+    find_jobs,
+    list_jobs,
     read_job,
 )
-from flare_airflow.launchers.slurm.naming import job_name, output_file
+from flare_airflow.launchers.slurm.naming import job_name, output_file, site_job_prefix, try_of
 from flare_airflow.launchers.slurm.script import batch_script, parse_job_id, sbatch_argv
 from flare_airflow.launchers.slurm.state import SlurmStatus, map_job
 from flare_airflow.launchers.trainer import output_prefix
@@ -286,3 +289,44 @@ class SlurmLauncher(JobLauncherSpec):
                 sink(prefix + line)
 
         return SlurmJobHandle(self.commands, submitted, self.spec, label=job_meta.label, sink=emit, hidden=self.hidden)
+
+    def find_job(self, identity: JobIdentity) -> SlurmJobHandle | None:
+        """The handle of the batch job submitted under ``identity`` (found by its name, whoever
+        submitted it: ``squeue``, then accounting or the job completion log), or ``None``.
+
+        Its output file follows from the name (``output_dir``); pending timeouts count from its
+        submit time. Raises :class:`LaunchError` when SLURM cannot be asked.
+        """
+        name = job_name(identity.job, identity.run_id, identity.round, identity.site, identity.try_number)
+        try:
+            found = find_jobs(self.commands, name)
+            if not found:
+                return None
+            output = output_file(self.commands.absolute(self.spec.output_dir), name)
+        except SlurmCommandError as exc:
+            raise LaunchError(f"{identity.label}: cannot look for SLURM job {name}: {exc}") from None
+        newest = found[0]
+        submitted = SubmittedJob(newest.job_id, name, output, newest.submitted_at or time.time())
+        prefix = output_prefix(identity.site_job()) if self.prefix_lines else ""
+        sink = self.sink
+
+        def emit(line: str) -> None:
+            if sink is not None:
+                sink(prefix + line)
+
+        return SlurmJobHandle.attach(
+            self.commands, submitted, self.spec, label=identity.label, sink=emit, hidden=self.hidden
+        )
+
+    def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
+        """``scancel`` the queued or running jobs of the tries of this site job before
+        ``identity``'s (found by name): they run unwatched, their tries are over. Returns what
+        was cancelled, as ``<job id> (<name>)``; raises :class:`SlurmCommandError`."""
+        prefix = site_job_prefix(identity.job, identity.run_id, identity.round, identity.site)
+        earlier = [
+            (job_id, name)
+            for job_id, name, _ in list_jobs(self.commands, prefix)
+            if (number := try_of(name, prefix)) is not None and number < identity.try_number
+        ]
+        cancel(self.commands, [job_id for job_id, _ in earlier])
+        return [f"{job_id} ({name})" for job_id, name in earlier]

@@ -21,6 +21,7 @@ NON_DEFAULTS = {
     "offset": 1234,
     "prefix": "[site-1 r1] ",
     "secret_refs": {"HF_TOKEN": {"conn_id": "hf", "field": "password"}, "DB": {"variable": "db"}},
+    "cancel_on_kill": False,
 }
 
 
