@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import secrets
 import shutil
 import signal
 import subprocess
@@ -22,42 +23,47 @@ from typing import Any
 
 import yaml
 
+from tests import deploy_guide as guide
 from tests.harness import REPO
 from tests.netns import Namespaces
 from tests.s3_server import S3Server
 from tests.stack import BIN, AirflowStack, Postgres, start_triggerer
 
-EDGE_EXECUTOR = "airflow.providers.edge3.executors.EdgeExecutor"
 STORE = "s3://flare/store"
 CENTRAL_CONN = "flare_store"  # the job's store_conn_id: the central side's credentials
-SITE_CONN = "site_store"  # each site's policy names its own connection (its own credentials)
-
-
-def central_env() -> dict[str, str]:
-    """What the central side adds to an Airflow deployment (docs/deploy-across-sites.md, 'Central side')."""
-    return {
-        "AIRFLOW__CORE__EXECUTOR": f"LocalExecutor,{EDGE_EXECUTOR}",
-        "AIRFLOW__EDGE__API_ENABLED": "True",
-        # A worker silent for 5 heartbeats is 'unknown' (and may register again under its name).
-        "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2",
-        # A site task whose worker died is failed after this many seconds without a heartbeat
-        # (default 300): the round goes on with the others.
-        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "15",
-        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3",
-    }
+SITE_CONN = guide.store_connection_name()  # each site's policy names its own (its own credentials)
+# The guide's timings, shortened so that the test is quick: a worker heartbeat every 2 s (guide:
+# 10), a site task whose worker died failed after 15 s without a heartbeat (guide: 60), checked
+# every 3 s; workers poll for jobs every second.
+SITE_DATA_ENV = "DIGITS_SITE_DATA"  # examples/digits/trainer.py: a site's own shard of the demo data
+FASTER_CENTRAL = {
+    "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2",
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "15",
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3",
+}
+FASTER_WORKER = {"AIRFLOW__EDGE__JOB_POLL_INTERVAL": "1", "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2"}
 
 
 def edge_job(dags: pathlib.Path, *, rounds: int) -> pathlib.Path:
-    """The demo job (dags/digits.yaml) with sites at the sites: queues, the Edge executor, the S3 store."""
+    """The demo job (dags/digits.yaml) with the keys of the guide's 'The job' block."""
     shutil.copytree(REPO / "dags", dags, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "examples", dags.parent / "examples", ignore=shutil.ignore_patterns("__pycache__"))
     path = dags / "digits.yaml"
     job: dict[str, Any] = yaml.safe_load(path.read_text())
-    job.update(rounds=rounds, site_queues=True, store=STORE, store_conn_id=CENTRAL_CONN)
+    keys = guide.job_keys()
+    job.update({k: v for k, v in keys.items() if k != "sites"}, rounds=rounds)
+    for site, entry in keys["sites"].items():
+        job["sites"].setdefault(site, {}).update(entry)
     # No retries: a site whose worker is gone fails at once and the round goes on within quorum.
-    job["sites"]["@default"].update(executor="EdgeExecutor", retries=0)
+    job["sites"]["@default"]["retries"] = 0
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
+
+
+def site_queue(job: pathlib.Path, site: str) -> str:
+    """The queue of ``site``'s tasks in ``job`` (``site_queues: true``: the site's name unless its entry says)."""
+    entry = yaml.safe_load(job.read_text())["sites"].get(site) or {}
+    return str(entry.get("queue") or site)
 
 
 class EdgeWorker:
@@ -92,17 +98,16 @@ class EdgeWorker:
         shutil.copytree(stack.dags, self.root / "dags", ignore=shutil.ignore_patterns("__pycache__"))
         self.data = self.root / "data"
         self.data.mkdir()
-        process: dict[str, Any] = {"env": {"DIGITS_SITE_DATA": str(self.data / f"{site}.npz")}} if private_data else {}
+        policy = guide.site_policy(site, self.root)
+        process = policy["sites"][site]["launcher_spec"]["process"]
+        pathlib.Path(process["cwd"]).mkdir(parents=True, exist_ok=True)
+        if not private_data:
+            # The guide's policy points the trainer at the site's own shard (on a tmpfs only the
+            # worker's namespace has); without namespaces the trainer reads the shared demo data.
+            process.get("env", {}).pop(SITE_DATA_ENV, None)
         self.policy = self.root / "site.yaml"
-        self.policy.write_text(
-            yaml.safe_dump(
-                {
-                    "sites": {
-                        site: {"launcher": "process", "store_conn_id": SITE_CONN, "launcher_spec": {"process": process}}
-                    }
-                }
-            )
-        )
+        self.policy.write_text(yaml.safe_dump(policy))
+        self.queue = site_queue(stack.dags / "digits.yaml", site)
         self.stack, self.s3 = stack, s3
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -112,27 +117,22 @@ class EdgeWorker:
         env = {k: v for k, v in os.environ.items() if k in keep}
         base = f"http://{self.central}:{self.stack.port}" if self.central else self.stack.base
         env.update(
-            {
-                "AIRFLOW_HOME": str(self.root / "airflow"),
-                "AIRFLOW__CORE__DAGS_FOLDER": str(self.root / "dags"),
-                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                "AIRFLOW__CORE__EXECUTOR": EDGE_EXECUTOR,
-                "AIRFLOW__EDGE__API_URL": f"{base}/edge_worker/v1/rpcapi",
-                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
-                "AIRFLOW__API_AUTH__JWT_SECRET": self.stack.env["AIRFLOW__API_AUTH__JWT_SECRET"],
-                "AIRFLOW__EDGE__JOB_POLL_INTERVAL": "1",
-                "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2",
-                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(_free_port()),
-                "AIRFLOW_CONN_" + SITE_CONN.upper(): self.s3.connection(secret, self.central),
-                "FLARE_SITE_CONFIG": str(self.policy),
-            }
+            guide.worker_env(
+                base=base,
+                root=self.root,
+                jwt_secret=self.stack.env["AIRFLOW__API_AUTH__JWT_SECRET"],
+                store_connection=self.s3.connection(secret, self.central),
+            )
         )
+        env.update(FASTER_WORKER)
+        env["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+        env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] = str(_free_port())
         return env
 
     def start(self, secret: str | None = None) -> None:
         log = open(self.root / "worker.log", "ab")  # noqa: SIM115 - lives as long as the process
-        cmd = [str(BIN / "airflow"), "edge", "worker", "--queues", self.site, "--edge-hostname", self.name]
-        cmd += ["--concurrency", "2"]
+        command, *args = guide.worker_argv(self.queue, self.name)
+        cmd = [str(BIN / command), *args, "--concurrency", "2"]
         if self.private_data:
             job = yaml.safe_load((self.root / "dags" / "digits.yaml").read_text())
             trainer = [str(self.root / "examples" / "digits" / "trainer.py"), *job["trainer"]["args"]]
@@ -200,14 +200,17 @@ class EdgeDeployment:
         self.ns = Namespaces(sites) if isolated else None
         central = Namespaces.prefix(self.ns.central) if self.ns else None
         host = self.ns.central_addr if self.ns else "127.0.0.1"
+        port = _free_port()
+        # The guide's central airflow.cfg, with this deployment's address and a fresh secret.
+        central_cfg = guide.central_config(base=f"http://{host}:{port}", jwt_secret=secrets.token_urlsafe(64))
         try:
             self.s3 = S3Server(host, prefix=central)
             self.pg = Postgres(prefix=central)
-            self.stack = AirflowStack(root, self.pg.url, extra_env=central_env(), prefix=central, host=host)
+            extra = {**central_cfg, **FASTER_CENTRAL}
+            self.stack = AirflowStack(root, self.pg.url, extra_env=extra, prefix=central, host=host, port=port)
         except BaseException:
             self._remove_namespaces()
             raise
-        self.stack.env["AIRFLOW__EDGE__API_URL"] = f"{self.stack.base}/edge_worker/v1/rpcapi"
         # The central tasks reach the store on their own loopback.
         self.stack.env["AIRFLOW_CONN_" + CENTRAL_CONN.upper()] = self.s3.connection(host="127.0.0.1")
         self.job = edge_job(self.stack.dags, rounds=rounds)

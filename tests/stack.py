@@ -91,6 +91,7 @@ class AirflowStack:
         *,
         prefix: list[str] | None = None,
         host: str = "127.0.0.1",
+        port: int | None = None,
     ) -> None:
         # ``prefix`` (e.g. ``ip netns exec NS``) runs every component in a network namespace, whose
         # address ``host`` the API listens on (all of the namespace's addresses) and is reached at.
@@ -100,7 +101,7 @@ class AirflowStack:
         self.dags = root / "dags"
         self.home.mkdir(parents=True)
         self.dags.mkdir()
-        self.port = free_port()
+        self.port = port or free_port()
         self.password = secrets.token_urlsafe(12)
         passwords = self.home / "passwords.json"
         passwords.write_text(json.dumps({self.USER: self.password}))

@@ -85,7 +85,11 @@ def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
             assert ti["hostname"] not in workers and ti["queue"] == "default", ti
         else:
             site = task_id.split(".", 1)[1]
-            assert (ti["hostname"], ti["queue"], ti["executor"]) == (f"{site}-worker", site, "EdgeExecutor"), ti
+            assert (ti["hostname"], ti["queue"], ti["executor"]) == (
+                f"{site}-worker",
+                deployment.workers[site].queue,
+                "EdgeExecutor",
+            ), ti
     published = _xcom(deployment, run_id, "publish", "return_value")
     assert published["sha256"] == one_machine_sha256, "the edge run's final model differs from the one-machine run"
     assert published["final_model"].startswith("s3://")

@@ -57,7 +57,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
             "components and is tested (tests/integration/test_make_airflow.py)"
         ),
     ),
-    (r"^airflow edge worker\b", RunBy("tests/edge_sites.py", '"edge", "worker", "--queues"')),
+    (r"^airflow edge worker\b", RunBy("tests/deploy_guide.py", "(airflow edge worker [^`]+)")),
     (r"^make airflow$", RunBy("tests/integration/test_make_airflow.py", '"airflow", f"AIRFLOW_HOME={home}"')),
     (r"^make test$", NotRun("the command that runs this suite (.ci/run calls it)")),
     (
@@ -95,7 +95,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     ),
     (r"^airflow plugins$", WALKTHROUGH),
     # a site worker's settings: the Edge tier's workers are started with exactly these variables
-    (r"^(AIRFLOW\w*|FLARE_SITE_CONFIG)=", RunBy("tests/edge_sites.py", '"AIRFLOW__EDGE__API_URL"')),
+    (r"^(AIRFLOW\w*|FLARE_SITE_CONFIG)=", RunBy("tests/deploy_guide.py", 'block("A site\'s worker", "bash")')),
     (r"^python -m tests\.bad_inputs\.table$", RunBy("tests/bad_inputs/test_table.py", "render(all_cases())")),
     (r"^export FLARE_K8S_ALLOWED_HOST_PATHS=", RunBy("tests/bad_inputs/test_kubernetes.py", "ALLOWED_HOST_PATHS_ENV")),
     (r"^export NAME='value'$", NotRun("the shape of a variable a site admin sets, not a command")),
