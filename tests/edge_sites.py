@@ -111,7 +111,7 @@ class EdgeWorker:
         self.stack, self.s3 = stack, s3
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def env(self, secret: str | None = None) -> dict[str, str]:
+    def env(self, secret: str | None = None, *, connection: bool = True) -> dict[str, str]:
         """A site worker's whole configuration (docs/deploy-across-sites.md, 'A site's worker')."""
         keep = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "PYTHONWARNINGS")
         env = {k: v for k, v in os.environ.items() if k in keep}
@@ -124,12 +124,14 @@ class EdgeWorker:
                 store_connection=self.s3.connection(secret, self.central),
             )
         )
+        if not connection:  # the site admin forgot to define it
+            del env["AIRFLOW_CONN_" + SITE_CONN.upper()]
         env.update(FASTER_WORKER)
         env["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
         env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] = str(_free_port())
         return env
 
-    def start(self, secret: str | None = None) -> None:
+    def start(self, secret: str | None = None, *, connection: bool = True) -> None:
         log = open(self.root / "worker.log", "ab")  # noqa: SIM115 - lives as long as the process
         command, *args = guide.worker_argv(self.queue, self.name)
         cmd = [str(BIN / command), *args, "--concurrency", "2"]
@@ -140,7 +142,7 @@ class EdgeWorker:
             cmd = [*wrapper, *cmd]
         self.proc = subprocess.Popen(
             [*self.prefix, *cmd],
-            env=self.env(secret),
+            env=self.env(secret, connection=connection),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -113,12 +113,23 @@ def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
         assert not _reaches_file(deployment.ns.site_ns[site], data), site
 
 
-def test_wrong_store_credentials_fail_that_site_with_the_reason_and_the_round_holds(
-    deployment: EdgeDeployment,
+@pytest.mark.parametrize(
+    ("start", "expected"),
+    [
+        (
+            {"secret": "not-the-secret"},
+            ["the model store s3://site_store@flare/store could not be used from this worker", "Forbidden"],
+        ),
+        ({"connection": False}, ["connection 'site_store' is not defined on this worker", "AIRFLOW_CONN_SITE_STORE"]),
+    ],
+    ids=["wrong-secret", "no-connection"],
+)
+def test_wrong_or_missing_store_credentials_fail_that_site_with_the_reason_and_the_round_holds(
+    deployment: EdgeDeployment, start: dict[str, Any], expected: list[str]
 ) -> None:
     worker = deployment.workers["site-4"]
     worker.stop()
-    worker.start(secret="not-the-secret")
+    worker.start(**start)
     deployment.wait_workers({"site-4"})
     try:
         run_id, tis = _run(deployment, {"rounds": 1})
@@ -130,8 +141,8 @@ def test_wrong_store_credentials_fail_that_site_with_the_reason_and_the_round_ho
     assert {tis[f"round_1.{s}"]["state"] for s in SITES[:3]} == {"success"}
     assert tis["round_1.global_model"]["state"] == "success" and tis["publish"]["state"] == "success"
     reason = _xcom(deployment, run_id, "round_1.site-4", "failure")
-    assert "the model store s3://site_store@flare/store could not be used from this worker" in reason, reason
-    assert "connection 'site_store'" in reason and "Forbidden" in reason, reason
+    assert all(text in reason for text in expected), reason
+    assert "connection 'site_store'" in reason, reason
     assert _xcom(deployment, run_id, "round_1.global_model", "return_value")["accepted"] == SITES[:3]
     deployment.wait_workers({"site-4"})
 
