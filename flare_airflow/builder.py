@@ -90,6 +90,45 @@ def site_task(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> Any:
     return SiteTrainOperator(job=job, site=site, round_num=round_num, **kwargs)
 
 
+LAUNCH_SUFFIX = "_launch"  # an underscore: never part of a site name, so never a site's task id
+
+
+def site_tasks(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> tuple[Any, Any]:
+    """The site's task(s) for one round: ``(first, last)``; the last one returns the update's summary.
+
+    ``watch: task`` (default): one task launches and waits. ``watch: sensor``: ``<site>_launch``
+    (:class:`SiteJobLaunchOperator`) then ``<site>`` (:class:`SiteJobSensor`, which publishes).
+    """
+    if job.sites[site].watch != "sensor":
+        task = site_task(job, site, round_num, **kwargs)
+        return task, task
+    from flare_airflow.operators.site_job import SiteJobLaunchOperator
+    from flare_airflow.sensors.site_job import SiteJobSensor
+
+    task_id = kwargs.pop("task_id")
+    doc_md = kwargs.pop("doc_md", None)
+    launch = SiteJobLaunchOperator(
+        job=job,
+        site=site,
+        round_num=round_num,
+        task_id=task_id + LAUNCH_SUFFIX,
+        doc_md=f"Launch: {doc_md}" if doc_md else None,
+        **kwargs,
+    )
+    kwargs.pop("global_task_id", None)
+    watch = SiteJobSensor(
+        job=job,
+        site=site,
+        round_num=round_num,
+        launch_task_id=launch.task_id,
+        task_id=task_id,
+        doc_md=f"Watch: {doc_md}" if doc_md else None,
+        **kwargs,
+    )
+    launch >> watch
+    return launch, watch
+
+
 def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
     """Create the job's tasks in the current DAG / TaskGroup context; return the first and last."""
     prepare = PrepareRunOperator(task_id="prepare", job=job, doc_md=f"Round-0 global model of job `{job.job}`.")
@@ -97,12 +136,13 @@ def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
     aggregates = []
     for r in range(1, job.rounds + 1):
         with TaskGroup(group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then FedAvg"):
-            sites = [
-                site_task(
+            pairs = [
+                site_tasks(
                     job, site, r, task_id=site, global_task_id=previous.task_id, doc_md=f"Site `{site}`, round {r}."
                 )
                 for site in job.sites
             ]
+            sites = [last for _, last in pairs]
             aggregate = AggregateOperator(
                 task_id=AGGREGATE_TASK,
                 job=job,
@@ -112,7 +152,7 @@ def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
                 doc_md=f"FedAvg of round {r}; evaluation.",
             )
             sites >> aggregate
-        previous >> sites
+        previous >> [first for first, _ in pairs]
         previous = aggregate
         aggregates.append(aggregate)
     publish = PublishOperator(

@@ -27,11 +27,13 @@ def get_provider_info() -> dict[str, Any]:
                     "flare_airflow.operators.site",
                     "flare_airflow.operators.pod",
                     "flare_airflow.operators.slurm",
+                    "flare_airflow.operators.site_job",
                     "flare_airflow.operators.aggregate",
                     "flare_airflow.operators.run",
                 ],
             }
         ],
+        "sensors": [{"integration-name": "Federated learning", "python-modules": ["flare_airflow.sensors.site_job"]}],
         # The Federated runs page (also registered through the ``airflow.plugins`` entry point;
         # Airflow loads a plugin name once).
         "plugins": [{"name": "flare_airflow", "plugin-class": "flare_airflow.ui.plugin.FlareAirflowPlugin"}],

@@ -23,6 +23,22 @@ def test_every_dag_in_dags_folder_imports() -> None:
     assert {"hp_lr", "hp_local_epochs", "hp_batch_size"} <= set(form)
 
 
+def test_the_launch_and_watch_example_composes_the_operator_and_the_sensor() -> None:
+    from airflow.dag_processing.dagbag import DagBag
+
+    from flare_airflow.operators.site_job import SiteJobLaunchOperator
+    from flare_airflow.sensors.site_job import SiteJobSensor
+
+    bag = DagBag(dag_folder=str(REPO / "dags" / "launch_and_watch_dag.py"))
+    assert bag.import_errors == {}, bag.import_errors
+    tasks = bag.dags["flare_digits_launch_and_watch"].task_dict
+    assert isinstance(tasks["hpc-a_launch"], SiteJobLaunchOperator)
+    watch = tasks["hpc-a"]
+    assert isinstance(watch, SiteJobSensor) and watch.mode == "reschedule" and watch.timeout == 3600
+    assert tasks["hpc-a_launch"].downstream_task_ids == {"hpc-a"}
+    assert tasks["hpc-a"].downstream_task_ids == {"global_model"}
+
+
 def test_provider_is_registered(airflow_home: AirflowHome) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "airflow", "providers", "list", "-o", "json"],

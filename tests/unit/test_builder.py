@@ -140,3 +140,50 @@ def test_a_site_queue_alone_moves_only_that_site(tmp_path) -> None:
     dag = build_dag(make_job(tmp_path, sites={"site-1": {"queue": "edge-a"}, "site-2": {}}))
     assert dag.task_dict["round_1.site-1"].queue == "edge-a"
     assert dag.task_dict["round_1.site-2"].queue == "default"
+
+
+K8S_SITE = {"launcher": "k8s", "launcher_spec": {"k8s": {"image": "registry.example/t:1", "namespace": "fl"}}}
+SLURM_SITE = {"launcher": "slurm", "retries": 2}
+
+
+def test_watch_sensor_makes_each_round_of_a_site_launch_then_watch(tmp_path) -> None:
+    from flare_airflow.operators.site_job import SiteJobLaunchOperator
+    from flare_airflow.sensors.site_job import SiteJobSensor
+
+    job = make_job(
+        tmp_path,
+        sites={"site-1": {**K8S_SITE, "watch": "sensor"}, "site-2": {**SLURM_SITE, "watch": "sensor"}, "site-3": {}},
+    )
+    t = build_dag(job).task_dict
+    launch, watch = t["round_1.site-1_launch"], t["round_1.site-1"]
+    assert isinstance(launch, SiteJobLaunchOperator) and isinstance(watch, SiteJobSensor)
+    assert isinstance(t["round_1.site-3"], SiteTrainOperator) and "round_1.site-3_launch" not in t
+    assert t["prepare"].downstream_task_ids == {"round_1.site-1_launch", "round_1.site-2_launch", "round_1.site-3"}
+    assert launch.downstream_task_ids == {"round_1.site-1"}
+    assert watch.downstream_task_ids == {"round_1.global_model"}
+    # The aggregation counts the sensor's summary: the watch task has the site's task id.
+    assert t["round_1.global_model"].site_task_ids == {"site-1": "round_1.site-1", "site-2": "round_1.site-2",
+                                                       "site-3": "round_1.site-3"}  # fmt: skip
+    assert watch.launch_task_id == "round_1.site-1_launch"
+    assert launch.global_task_id == "prepare" and t["round_2.site-1_launch"].global_task_id == "round_1.global_model"
+    # The site's retries on both: a lost launch launches again, a lost watch re-attaches.
+    assert (t["round_1.site-2_launch"].retries, t["round_1.site-2"].retries) == (2, 2)
+    assert watch.poke_interval == 2.0 and watch.mode == "poke"
+
+
+def test_watch_sensor_on_a_process_site_is_refused_saying_why(tmp_path) -> None:
+    from flare_airflow.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="process site's job ends with its task"):
+        make_job(tmp_path, sites={"site-1": {"watch": "sensor"}}, min_clients=1)
+
+
+def test_a_sensor_needs_exactly_one_source_of_the_identity(tmp_path) -> None:
+    from flare_airflow.core.errors import ConfigError
+    from flare_airflow.sensors.site_job import SiteJobSensor
+
+    job = make_job(tmp_path, sites={"site-1": K8S_SITE}, min_clients=1)
+    with pytest.raises(ConfigError, match="either launch_task_id or identity"):
+        SiteJobSensor(task_id="w", job=job, site="site-1", round_num=1)
+    with pytest.raises(ConfigError, match="is not a site of job"):
+        SiteJobSensor(task_id="w", job=job, site="site-9", round_num=1, launch_task_id="l")

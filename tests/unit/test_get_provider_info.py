@@ -11,6 +11,7 @@ from airflow.sdk import BaseOperator
 from airflow.triggers.base import BaseTrigger
 
 import flare_airflow.operators
+import flare_airflow.sensors
 import flare_airflow.triggers
 from flare_airflow.get_provider_info import get_provider_info
 
@@ -32,13 +33,18 @@ def defining(package: object, base: type) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("module", listed("operators") + listed("triggers") + listed("hooks"))
+@pytest.mark.parametrize("module", listed("operators") + listed("sensors") + listed("triggers") + listed("hooks"))
 def test_every_listed_module_imports(module: str) -> None:
     importlib.import_module(module)
 
 
 def test_every_operator_module_is_listed() -> None:
     assert sorted(listed("operators")) == sorted(defining(flare_airflow.operators, BaseOperator))
+
+
+def test_every_sensor_module_is_listed() -> None:
+    assert listed("sensors") == ["flare_airflow.sensors.site_job"]
+    assert sorted(listed("sensors")) == sorted(defining(flare_airflow.sensors, BaseOperator))
 
 
 def test_every_trigger_module_is_listed() -> None:

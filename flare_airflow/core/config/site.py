@@ -66,6 +66,10 @@ class SiteSpec(Strict):
     executor: str | None = Field(
         None, description="Airflow executor of this site's tasks (e.g. EdgeExecutor); default: Airflow's default"
     )
+    watch: Literal["task", "sensor"] = Field(
+        "task",
+        description="task: one site task launches and waits; sensor: a launch task, then a sensor that watches",
+    )
 
     @field_validator("queue")
     @classmethod
@@ -93,6 +97,16 @@ class SiteSpec(Strict):
             raise ValueError(
                 "a Kubernetes site needs its trainer image: set launcher_spec.k8s.image "
                 "(e.g. registry.example.org/fl/trainer:1.0, built from docker/Dockerfile.trainer)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _watchable(self) -> SiteSpec:
+        if self.watch == "sensor" and self.launcher == "process":
+            raise ValueError(
+                "watch: sensor needs a site job that outlives the task that launched it, and a process site's "
+                "job ends with its task (by design): use watch: task (the default) for process sites, or "
+                "launcher k8s / slurm"
             )
         return self
 

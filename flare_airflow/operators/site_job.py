@@ -1,0 +1,203 @@
+"""Launch a site job through the launcher spec in one task; watch it in another
+(:class:`flare_airflow.sensors.site_job.SiteJobSensor`).
+
+:class:`SiteJobLaunchOperator` starts one site job (a pod, a SLURM batch job) of one round and
+returns its identity -- (job, run, round, site, try) -- as XCom, nothing else: whoever holds the
+identity finds the job again through the backend (:meth:`JobLauncherSpec.find_job`), whichever
+process launched it. The launch is idempotent: a launch whose job already exists (same identity
+and try) re-attaches instead of starting a second one; a later try first ends the jobs of earlier
+tries (:meth:`terminate_earlier_tries`), as the fused site task does.
+
+Process sites cannot be watched from another task (their job ends with the task that launched
+it, by design): for them the fused :class:`~flare_airflow.operators.site.SiteTrainOperator` stays.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, Context
+
+from flare_airflow.core.config import JobConfig, load_job
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.spec import JobIdentity, JobReturnCode
+from flare_airflow.launchers.trainer import trainer_argv
+from flare_airflow.operators.common import store_for
+from flare_airflow.operators.site import (
+    SiteJobFailed,
+    check_site_task_may_run,
+    job_at_site,
+    make_site_run,
+    resolve_secret_env,
+    site_config_failed,
+    site_task_defaults,
+)
+from flare_airflow.operators.site_outputs import claim_and_clear
+from flare_airflow.site_task.spec import SiteRun
+
+if TYPE_CHECKING:
+    from flare_airflow.launchers.kubernetes import KubernetesLauncher
+    from flare_airflow.launchers.slurm import SlurmLauncher
+
+# Backends whose jobs can be found and watched from another task than the one that launched them.
+WATCHABLE_BACKENDS = ("k8s", "slurm")
+
+
+def watchable(job: JobConfig, site: str) -> None:
+    """Raise :class:`ConfigError` unless ``site``'s jobs can be watched by a sensor."""
+    launcher = job.sites[site].launcher
+    if launcher not in WATCHABLE_BACKENDS:
+        raise ConfigError(
+            f"site {site!r}: a {launcher} site job cannot be launched in one task and watched in another -- it "
+            "ends with the task that launched it (a process job never outlives its task); use the fused site "
+            "task (watch: task) for process sites; Kubernetes and SLURM sites can use watch: sensor"
+        )
+
+
+def as_job(job: JobConfig | str | pathlib.Path) -> JobConfig:
+    return job if isinstance(job, JobConfig) else load_job(job)
+
+
+def site_launcher(
+    job: JobConfig,
+    site: str,
+    *,
+    try_number: int = 1,
+    sink: Callable[[str], None] | None = None,
+    hidden: Sequence[str] = (),
+) -> KubernetesLauncher | SlurmLauncher:
+    """The site's launcher (launcher spec) on this worker: its cluster through the site's Airflow
+    connection (Kubernetes: ``KubernetesHook``; SLURM: local or an SSH connection)."""
+    watchable(job, site)
+    spec = job.sites[site]
+    if spec.launcher == "k8s":
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        from flare_airflow.launchers.kubernetes import KubernetesLauncher
+
+        k8s = spec.launcher_spec.k8s
+        hook = KubernetesHook(
+            conn_id=k8s.kubernetes_conn_id,
+            in_cluster=k8s.in_cluster,
+            config_file=k8s.config_file,
+            cluster_context=k8s.cluster_context,
+        )
+        return KubernetesLauncher(
+            k8s,
+            spec.resource_spec,
+            store_root=str(store_for(job).root),
+            api_client=hook.api_client,
+            try_number=try_number,
+            sink=sink,
+        )
+    from flare_airflow.hooks.slurm import slurm_commands
+    from flare_airflow.launchers.slurm import SlurmLauncher
+
+    slurm = spec.launcher_spec.slurm
+    return SlurmLauncher(
+        slurm, spec.resource_spec, commands=slurm_commands(slurm), try_number=try_number, sink=sink, hidden=hidden
+    )
+
+
+def site_argv(job: JobConfig, site: str) -> list[str]:
+    """The trainer's argv where the site runs it (in the image, on the cluster)."""
+    spec = job.sites[site]
+    if spec.launcher == "k8s":
+        return trainer_argv(job, spec.launcher_spec.k8s)
+    return trainer_argv(job, cluster=spec.launcher_spec.slurm)
+
+
+def where(handle: Any) -> dict[str, Any]:
+    """What the backend calls a found or launched job (shown in XCom and logs, never needed to find it)."""
+    if hasattr(handle, "job_id"):
+        return {"backend": "slurm", "job_id": handle.job_id, "name": handle.submitted.name}
+    return {"backend": "k8s", "namespace": handle.namespace, "pod": handle.name}
+
+
+class SiteJobLaunchOperator(BaseOperator):
+    """Launch one site's job of one round through the site's launcher spec; return its identity.
+
+    :param job: the job (a validated :class:`JobConfig` or the path of its YAML file).
+    :param site: the site (launcher ``k8s`` or ``slurm``; a process site is a configuration error).
+    :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
+    :param global_task_id: the task whose XCom names the input global model's sha256 (the trainer
+        verifies the model it receives against it).
+
+    Returns (XCom) the job's identity ``{"job", "run_id", "round", "site", "try_number"}`` plus
+    where it runs (``backend`` and pod or SLURM job id); a :class:`SiteJobSensor` reads it. The
+    site's previous update of this round is cleared before the launch; the sensor publishes the
+    new one.
+    """
+
+    ui_color = "#d0e6f5"
+    template_fields: Sequence[str] = ("job_name", "site", "round_num")
+
+    def __init__(
+        self,
+        *,
+        job: JobConfig | str | pathlib.Path,
+        site: str,
+        round_num: int,
+        global_task_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        cfg = as_job(job)
+        if site not in cfg.sites:
+            raise ConfigError(f"site {site!r} is not a site of job {cfg.job!r} (sites: {', '.join(cfg.sites)})")
+        watchable(cfg, site)
+        site_task_defaults(cfg, site, kwargs)
+        super().__init__(**kwargs)
+        self.job = cfg
+        self.job_name = cfg.job
+        self.site = site
+        self.round_num = round_num
+        self.global_task_id = global_task_id
+
+    def _failed(self, context: Context, rc: JobReturnCode, reason: str) -> Exception:
+        return site_config_failed(context, self.job, self.site, self.round_num, f"{reason} [{rc.name}]")
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        check_site_task_may_run(context, self.job, self.site, self.round_num)
+        self.job = job_at_site(self.job, self.site, context, self.round_num)
+        try_number = int(context["ti"].try_number or 1)
+        run: SiteRun = make_site_run(
+            self.job,
+            self.site,
+            self.round_num,
+            context,
+            argv=site_argv(self.job, self.site),
+            global_task_id=self.global_task_id,
+            try_number=try_number,
+        )
+        site_job = run.site_job()
+        identity = JobIdentity.of(site_job, try_number)
+        secrets: dict[str, str] = {}
+        if self.job.sites[self.site].launcher == "slurm":
+            try:
+                secrets = resolve_secret_env(self.job, self.site)
+            except SiteJobFailed as exc:
+                raise self._failed(context, JobReturnCode.CONFIG_ERROR, str(exc)) from None
+        try:
+            launcher = site_launcher(self.job, self.site, try_number=try_number, hidden=list(secrets.values()))
+            found = launcher.find_job(identity)
+            if found is not None:
+                # This try launched it already (its task process was lost after the launch).
+                self.log.info("site job %s already launched: %s; not launching another", identity.label, where(found))
+                return {**identity.to_dict(), **where(found)}
+            claim_and_clear(run)
+            ended = launcher.terminate_earlier_tries(identity)
+            if ended:
+                self.log.info("site job %s: ended the jobs of earlier tries: %s", identity.label, ", ".join(ended))
+            handle = launcher.launch_job(
+                replace(site_job, argv=tuple(run.argv)), {"try_number": try_number, "secrets": secrets}
+            )
+        except FlareAirflowError as exc:  # LaunchError, ConfigError: nothing was started
+            raise self._failed(context, JobReturnCode.CONFIG_ERROR, str(exc)) from None
+        except Exception as exc:  # the cluster could not be reached or refused the call
+            detail = " ".join(str(exc).split())[:500] or type(exc).__name__
+            raise self._failed(context, JobReturnCode.INFRASTRUCTURE_ERROR, f"cannot launch: {detail}") from None
+        self.log.info("site job %s launched: %s", identity.label, where(handle))
+        return {**identity.to_dict(), **where(handle)}

@@ -1,0 +1,1 @@
+"""Sensors: watch site jobs launched by another task, through the launcher spec."""

@@ -1,0 +1,63 @@
+"""``watch: sensor`` through real Airflow (``airflow dags test``): Kubernetes sites on the real
+control plane (the LOCAL NODE AGENT test harness plays the kubelet) and SLURM sites on real
+daemons run each round as ``<site>_launch >> <site>`` (SiteJobLaunchOperator, SiteJobSensor);
+the federated result must equal the process-sites run bitwise, as the fused tasks' does."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import shutil
+
+import pytest
+import yaml
+
+from tests.e2e.test_kubernetes_sites import k8s_block
+from tests.e2e.test_slurm_sites import digits_job, slurm_block
+from tests.harness import AirflowHome
+from tests.slurm_harness.cluster import SlurmCluster
+
+pytestmark = pytest.mark.e2e
+SITES = ("site-1", "site-2", "site-3", "site-4")
+
+
+def test_sensor_watched_kubernetes_and_slurm_sites_match_the_process_run_bitwise(
+    airflow_home: AirflowHome, slurm: SlurmCluster, control_plane, node_agent, namespace: str, tmp_path: pathlib.Path
+) -> None:
+    saved = dict(airflow_home.env)
+    airflow_home.env.update(slurm.env)
+    try:
+        dag_file = digits_job(airflow_home, "digits-sensor", [], slurm_block(tmp_path))
+        job = yaml.safe_load((dag_file.parent / "job.yaml").read_text())
+        k8s = {
+            "launcher": "k8s",
+            "launcher_spec": {"k8s": k8s_block(airflow_home, namespace, control_plane.kubeconfig_path())},
+        }
+        slurm_site = {"launcher": "slurm", "launcher_spec": {"slurm": slurm_block(tmp_path)}}
+        job["sites"]["site-2"] = {**copy.deepcopy(k8s), "watch": "sensor"}
+        job["sites"]["site-3"] = {**copy.deepcopy(slurm_site), "watch": "sensor"}
+        job["sites"]["site-4"] = copy.deepcopy(k8s)  # fused, in the same run
+        (dag_file.parent / "job.yaml").write_text(yaml.safe_dump(job))
+        result = airflow_home.run("flare_digits_sensor", dag_file, conf={"rounds": 2})
+        reference = airflow_home.run(
+            "flare_digits_sensor_ref", digits_job(airflow_home, "digits-sensor-ref", [], {}), conf={"rounds": 2}
+        )
+    finally:
+        airflow_home.env.clear()
+        airflow_home.env.update(saved)
+    assert result.returncode == 0, result.log[-6000:]
+    expected = {"prepare": "success", "publish": "success", "sweep_pods": "success", "sweep_slurm_jobs": "success"}
+    for r in range(1, 6):
+        state = "success" if r <= 2 else "skipped"
+        expected[f"round_{r}.global_model"] = state
+        for site in SITES:
+            expected[f"round_{r}.{site}"] = state
+        for site in ("site-2", "site-3"):  # launch and watch, each in the grid
+            expected[f"round_{r}.{site}_launch"] = state
+    assert result.tasks == expected, result.log[-4000:]
+    assert "site job digits-sensor/site-2/r1/t1 launched: {'backend': 'k8s'" in result.log
+    assert "site job digits-sensor/site-3/r2/t1 launched: {'backend': 'slurm'" in result.log
+    assert reference.returncode == 0, reference.log[-4000:]
+    assert result.state["published"]["sha256"] == reference.state["published"]["sha256"]
+    assert slurm.jobs() == []
+    shutil.rmtree(dag_file.parent)
