@@ -16,13 +16,12 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
-from flare_airflow.core.report import format_table
-from flare_airflow.core.store import path_from_uri
+from flare_airflow.core.report import format_table, read_metrics
 from flare_airflow.dag_runs import (
     OK_STATES,
     CLIError,
@@ -37,8 +36,6 @@ from flare_airflow.dag_runs import (
 )
 
 __all__ = ["CLIError", "exception_text", "main", "open_log", "run_state"]
-
-MAX_REPORT_BYTES = 64 * 1024 * 1024
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -242,51 +239,8 @@ def _resume(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
     return 0
 
 
-def _check_row(row: Any, index: int, where: str) -> None:
-    if not isinstance(row, Mapping):
-        raise CLIError(f"{where}: rounds[{index}] must be an object, got {type(row).__name__}")
-    missing = [k for k in ("round", "sites_valid", "sites_total") if k not in row]
-    if missing:
-        raise CLIError(f"{where}: rounds[{index}] lacks {', '.join(missing)}; is this a metrics.json of flare-airflow?")
-    for key in ("evaluation", "rejected"):
-        if not isinstance(row.get(key, {}), Mapping):
-            raise CLIError(f"{where}: rounds[{index}].{key} must be an object, got {type(row[key]).__name__}")
-
-
-def read_report(metrics_uri: str) -> list[dict[str, Any]]:
-    """The rounds of a run's ``metrics.json`` (written by the publish task), checked for shape."""
-    where = metrics_uri
-    try:
-        with path_from_uri(metrics_uri).open("rb") as fh:
-            raw = fh.read(MAX_REPORT_BYTES + 1)
-    except FlareAirflowError as exc:
-        raise CLIError(str(exc)) from None
-    except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise CLIError(
-            f"{where}: cannot read it ({reason}); give the metrics.json of a run "
-            "(<store>/<job>/<run>/final/metrics.json, printed by `flare-airflow run`)"
-        ) from None
-    if len(raw) > MAX_REPORT_BYTES:
-        raise CLIError(f"{where}: larger than {MAX_REPORT_BYTES // 2**20} MiB; not a metrics.json of flare-airflow")
-    if not raw.strip():
-        raise CLIError(f"{where}: the file is empty; the run that wrote it may have been interrupted")
-    try:
-        report = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CLIError(f"{where}: not JSON ({str(exc)[:120]}); give a run's metrics.json") from None
-    if not isinstance(report, Mapping) or not isinstance(report.get("rounds"), list):
-        got = type(report).__name__ if not isinstance(report, Mapping) else f"keys {', '.join(map(str, report))[:80]}"
-        raise CLIError(
-            f"{where}: not a metrics.json of flare-airflow (expected an object with a 'rounds' list; got {got})"
-        )
-    for index, row in enumerate(report["rounds"]):
-        _check_row(row, index, where)
-    return list(report["rounds"])
-
-
 def _print_report(metrics_uri: str) -> None:
-    print(format_table(read_report(metrics_uri)))
+    print(format_table(read_metrics(metrics_uri)))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -38,3 +38,7 @@ class AggregateNotFinite(QuorumNotReached):
 
 class ClientAPIError(FlareAirflowError):
     """The Client API was used outside a flare-airflow site job or in the wrong order."""
+
+
+class ReportError(FlareAirflowError):
+    """A run's report (``metrics.json``) cannot be read or is not one."""

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from flare_airflow.core.errors import FlareAirflowError, ReportError
+from flare_airflow.core.store import path_from_uri
 
 TRAIN_LOSS_KEYS = ("train_loss", "loss")
 
@@ -59,3 +63,56 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         for site, reason in sorted(row.get("rejected", {}).items()):
             lines.append(f"  round {row['round']}: {site} did not count: {reason}")
     return "\n".join(lines)
+
+
+MAX_METRICS_BYTES = 64 * 1024 * 1024
+
+
+def _check_row(row: Any, index: int, where: str) -> None:
+    if not isinstance(row, Mapping):
+        raise ReportError(f"{where}: rounds[{index}] must be an object, got {type(row).__name__}")
+    missing = [k for k in ("round", "sites_valid", "sites_total") if k not in row]
+    if missing:
+        raise ReportError(
+            f"{where}: rounds[{index}] lacks {', '.join(missing)}; is this a metrics.json of flare-airflow?"
+        )
+    for key in ("evaluation", "rejected"):
+        if not isinstance(row.get(key, {}), Mapping):
+            raise ReportError(f"{where}: rounds[{index}].{key} must be an object, got {type(row[key]).__name__}")
+
+
+def read_metrics(location: Any) -> list[dict[str, Any]]:
+    """The rounds of a run's ``metrics.json`` (written by the publish task), checked for shape.
+
+    ``location``: a path, a ``file://`` URI or an object store path. Raises :class:`ReportError`
+    saying what is wrong with the file (unreadable, empty, too large, not JSON, another file).
+    """
+    where = str(location)
+    try:
+        path = path_from_uri(location) if isinstance(location, str) else location
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_METRICS_BYTES + 1)
+    except FlareAirflowError as exc:
+        raise ReportError(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ReportError(
+            f"{where}: cannot read it ({reason}); give the metrics.json of a run "
+            "(<store>/<job>/<run>/final/metrics.json, printed by `flare-airflow run`)"
+        ) from None
+    if len(raw) > MAX_METRICS_BYTES:
+        raise ReportError(f"{where}: larger than {MAX_METRICS_BYTES // 2**20} MiB; not a metrics.json of flare-airflow")
+    if not raw.strip():
+        raise ReportError(f"{where}: the file is empty; the run that wrote it may have been interrupted")
+    try:
+        report = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ReportError(f"{where}: not JSON ({str(exc)[:120]}); give a run's metrics.json") from None
+    if not isinstance(report, Mapping) or not isinstance(report.get("rounds"), list):
+        got = type(report).__name__ if not isinstance(report, Mapping) else f"keys {', '.join(map(str, report))[:80]}"
+        raise ReportError(
+            f"{where}: not a metrics.json of flare-airflow (expected an object with a 'rounds' list; got {got})"
+        )
+    for index, row in enumerate(report["rounds"]):
+        _check_row(row, index, where)
+    return [dict(row) for row in report["rounds"]]

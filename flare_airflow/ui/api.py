@@ -26,15 +26,15 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
-from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.errors import FlareAirflowError, ReportError
 from flare_airflow.core.model import read_record
+from flare_airflow.core.report import read_metrics
 from flare_airflow.core.store import ModelStore, run_component
 from flare_airflow.operators.common import FAILURE_XCOM_KEY, default_store_uri
 from flare_airflow.ui import page
 from flare_airflow.ui.plugin import PREFIX
 from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view, federated_prefix
 
-MAX_METRICS_BYTES = 16 << 20
 CHUNK = 1 << 20
 MAX_CONCURRENT_CALLS = 8
 FILES = {
@@ -191,16 +191,11 @@ def _describe(base: str, dag_id: str, run_id: str, outputs: Mapping[str, Any]) -
     return out
 
 
-def _read_metrics(path: Any) -> dict[str, Any] | None:
-    with path.open("rb") as fh:
-        data = fh.read(MAX_METRICS_BYTES + 1)
-    if len(data) > MAX_METRICS_BYTES:
-        raise HTTPException(500, f"{path} is larger than {MAX_METRICS_BYTES} bytes")
+def _read_metrics(path: Any) -> dict[str, Any]:
     try:
-        value = json.loads(data)
-    except ValueError as exc:
-        raise HTTPException(500, f"{path} is not valid JSON: {exc}") from None
-    return value if isinstance(value, dict) else None
+        return {"rounds": read_metrics(path)}
+    except ReportError as exc:
+        raise HTTPException(500, str(exc)) from None
 
 
 async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView, list[dict[str, Any]]]:

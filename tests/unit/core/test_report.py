@@ -68,3 +68,20 @@ def test_format_table_without_rows_or_evaluation() -> None:
     table = format_table([round_row({"round": 1, "accepted": ["a"], "metrics": {"loss": 1}}, 1)])
     assert table.splitlines()[-1] == "    1 |         1/1 |               1"
     assert "global" not in table
+
+
+def test_read_metrics_takes_a_path_or_a_uri_and_names_the_file_in_each_error(tmp_path) -> None:
+    import json
+
+    import pytest
+
+    from flare_airflow.core.errors import ReportError
+    from flare_airflow.core.report import read_metrics
+
+    good = tmp_path / "metrics.json"
+    good.write_text(json.dumps({"rounds": [{"round": 1, "sites_valid": 2, "sites_total": 2}]}))
+    assert read_metrics(good) == read_metrics(f"file://{good}") == [{"round": 1, "sites_valid": 2, "sites_total": 2}]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rounds": [{"round": 1, "sites_valid": 2, "sites_total": 2, "evaluation": [1]}]}))
+    with pytest.raises(ReportError, match=rf"{bad}: rounds\[0\].evaluation must be an object, got list"):
+        read_metrics(bad)
