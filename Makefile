@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup system-deps demo airflow test unit lint bench clean
+.PHONY: setup system-deps images demo airflow test unit lint bench clean
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -37,15 +37,28 @@ setup: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
 # OpenSSH's server and iproute2 (the tests start private clusters, one network namespace per node
 # of the 2-node one, and sshd; nothing is started here), Debian's headless Chromium (the Federated
 # runs page test drives it with Playwright: no browser download) and a real Kubernetes control
-# plane built from Debian's source package (cached; ~7 min when cold).
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge openssh-server iproute2 chromium fonts-dejavu-core
+# plane built from Debian's source package (cached; ~7 min when cold). Containers: rootful podman with
+# runc, buildah, and debootstrap for the base image (`make images`); podman's settings for these
+# machines go into a containers.conf drop-in (an existing containers.conf is not touched).
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge openssh-server iproute2 chromium fonts-dejavu-core \
+	podman buildah debootstrap runc netavark aardvark-dns catatonit
+CONTAINERS_CONF := /etc/containers/containers.conf.d/50-flare-airflow.conf
 system-deps:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
 	@dpkg-query -W -f='$${Status}\n' $(SYSTEM_PACKAGES) 2>/dev/null | grep -c '^install ok installed' \
 		| grep -qx $(words $(SYSTEM_PACKAGES)) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); }
+	@cmp -s docker/containers.conf $(CONTAINERS_CONF) || install -D -m 644 docker/containers.conf $(CONTAINERS_CONF)
 	bash k8s/build-control-plane.sh
+
+# The site trainer image and the Airflow image (docker/), tagged localhost/flare-airflow/NAME:latest
+# and :<content hash>; nothing is rebuilt while their inputs are unchanged. BASE_IMAGE=python:3.11-slim
+# (or your own) with a registry; the default is a local Debian 12 made by docker/debian-base.sh.
+# CONTAINER_ENGINE=docker to use docker instead of podman.
+BASE_IMAGE ?= localhost/debian:bookworm
+images:
+	$(PYTHON) docker/images.py --base-image $(BASE_IMAGE)
 
 lock: | $(BIN)/uv
 	$(BIN)/uv pip compile pyproject.toml --extra dev --python-version 3.11 --no-header -o requirements.lock
@@ -60,8 +73,8 @@ airflow: setup
 	$(BIN)/python -m flare_airflow.ui.local --port $(AIRFLOW_PORT)
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check flare_airflow tests dags examples benchmarks
-	$(BIN)/ruff format --check flare_airflow tests dags examples benchmarks
+	$(BIN)/ruff check flare_airflow tests dags examples benchmarks docker
+	$(BIN)/ruff format --check flare_airflow tests dags examples benchmarks docker
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -29,6 +29,7 @@ import flare_airflow.client as flare
 
 NUM_FEATURES = 64
 SITE_DATA_ENV = "DIGITS_SITE_DATA"
+DATA_FILE_ENV = "DIGITS_DATA_FILE"
 NUM_CLASSES = 10
 
 
@@ -50,8 +51,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def digits_file() -> pathlib.Path:
     """scikit-learn's bundled copy of the UCI digits (what ``load_digits`` reads).
 
-    Read directly: importing scikit-learn costs ~2 s per process, paid by every site job.
+    Read directly: importing scikit-learn costs ~2 s per process, paid by every site job. An image
+    without scikit-learn (``docker/Dockerfile.trainer``) names its copy of the file in
+    ``DIGITS_DATA_FILE``.
     """
+    data_file = os.environ.get(DATA_FILE_ENV)
+    if data_file:
+        return pathlib.Path(data_file)
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("this example needs scikit-learn installed (for its bundled digits data)")
