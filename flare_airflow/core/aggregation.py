@@ -132,6 +132,8 @@ class FedAvg:
         self.rejected: dict[str, str] = {}
         self.site_metrics: dict[str, dict[str, float]] = {}
         self.num_samples = 0
+        self._consumed = False  # result() writes the new global model over the accumulators
+        self._outcome: RoundOutcome | None = None
 
     def reject(self, site: str, reason: str) -> None:
         self.rejected[site] = reason
@@ -151,6 +153,8 @@ class FedAvg:
         """Accumulate an update already checked by :func:`validate_update` (or reject it with ``rejected``)."""
         if site in self.accepted or site in self.rejected:
             raise FlareAirflowError(f"site {site!r} already counted in this round")
+        if self._consumed:
+            raise FlareAirflowError(f"site {site!r} arrived after the round's result was computed")
         samples = record.num_samples if record.num_samples is not None else 1
         if rejected is None:
             try:
@@ -190,6 +194,10 @@ class FedAvg:
                 f"{len(self.accepted)} valid update(s) from {sorted(self.accepted)}, min_clients is "
                 f"{self.min_clients}. Failed sites: {failed}. The global model was not updated."
             )
+        if self._outcome is not None:
+            return self._outcome
+        if self._consumed:
+            raise FlareAirflowError("this round's result failed already; its accumulators are spent")
         out: Params = {}
         if not (math.isfinite(self._total_weight) and self._total_weight > 0):
             raise AggregateNotFinite(
@@ -197,12 +205,18 @@ class FedAvg:
             )
         diff_weight, total = np.float64(self._diff_weight), np.float64(self._total_weight)
         mean, base = self._scratch, np.empty_like(self._scratch)
+        self._consumed = True  # from here on the accumulators hold (part of) the result
         for name, ref in self.global_params.items():
             # (acc + global * diff_weight) / total, rounded for integers, cast back: piece by piece,
             # so no float64 temporary of the model's size (the same roundings as whole arrays).
+            # The result is written over the accumulator's own memory (no dtype is wider than its
+            # float64): element i lands in bytes [i*k, (i+1)*k) with k <= 8, which only hold
+            # accumulator elements <= i, already read into ``mean``. No new model-sized allocation
+            # (on these VMs first-touching fresh memory costs more than the arithmetic), at the price
+            # of the result's arrays keeping the accumulator's memory (2x a float32 model) alive.
             acc, glob = self._acc[name].reshape(-1), ref.reshape(-1)
-            res = np.empty(ref.shape, dtype=ref.dtype)
-            flat = res.reshape(-1)
+            flat = acc.view(np.uint8)[: acc.size * ref.dtype.itemsize].view(ref.dtype)
+            res = flat.reshape(ref.shape)
             for s in range(0, acc.size, ACC_CHUNK):
                 e = min(s + ACC_CHUNK, acc.size)
                 m = mean[: e - s]
@@ -227,7 +241,7 @@ class FedAvg:
         metrics = {k: self._metric_sums[k] / self._metric_weights[k] for k in sorted(self._metric_sums)}
         # Each site's metrics are finite, but their sample-weighted sum may not be: leave such a mean out.
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        return RoundOutcome(
+        self._outcome = RoundOutcome(
             params=out,
             accepted=dict(self.accepted),
             rejected=dict(self.rejected),
@@ -235,6 +249,7 @@ class FedAvg:
             site_metrics=dict(self.site_metrics),
             num_samples=self.num_samples,
         )
+        return self._outcome
 
 
 def _pinned_digest(

@@ -168,6 +168,26 @@ def test_a_site_is_counted_once_and_min_clients_is_positive() -> None:
         FedAvg({"w": f32(0)}, min_clients=0)
 
 
+def test_the_result_is_computed_once_over_the_accumulators() -> None:
+    """result() writes the mean over the float64 accumulators' memory: a second call returns the
+    same outcome, a later update is refused, and an overflowing result cannot be retried."""
+    agg = FedAvg({"w": f32(0, 0), "i": np.zeros(3, np.int64)}, min_clients=1)
+    agg.add("site-a", {"w": f32(1, 2), "i": np.array([1, 2, 3])}, record(1))
+    agg.add("site-b", {"w": f32(2, 4), "i": np.array([2, 2, 2])}, record(3))
+    out = agg.result()
+    np.testing.assert_array_equal(out.params["w"], f32(1.75, 3.5))
+    np.testing.assert_array_equal(out.params["i"], np.array([2, 2, 2]))  # (1+6)/4=1.75, (2+6)/4, (3+6)/4
+    assert agg.result() is out
+    with pytest.raises(FlareAirflowError, match="after the round's result was computed"):
+        agg.add("site-c", {"w": f32(0, 0), "i": np.zeros(3, np.int64)}, record(1))
+    over = FedAvg({"w": np.full(2, 60000, np.float16)}, min_clients=1)  # global + diff leaves float16
+    over.add("site-a", {"w": np.full(2, 60000, np.float16)}, record(1, DIFF))
+    with pytest.raises(FlareAirflowError, match="not finite"):
+        over.result()
+    with pytest.raises(FlareAirflowError, match="failed already"):
+        over.result()
+
+
 def test_validate_update_messages() -> None:
     glob = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}
     validate_update("s", tensor_spec(glob), {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)})
