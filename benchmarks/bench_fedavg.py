@@ -370,7 +370,7 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
             raise BenchmarkFailed(f"blake3 mismatch or non-finite values in {path}")
         params = parse_safetensors(data, str(path))
         t = timed("parse", t)
-        accumulate(acc, params, w, scratch)
+        accumulate(acc, [(params, w)], scratch)
         timed("accumulate", t)
         del params, data
 

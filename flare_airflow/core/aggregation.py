@@ -7,10 +7,11 @@ float64), and :func:`fedavg_from_store` holds at most two updates, in two reused
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 
@@ -37,7 +38,11 @@ from flare_airflow.core.model import (
 from flare_airflow.core.store import WritablePath
 
 ACC_CHUNK = 1 << 16  # elements per multiply-add step: the float64 scratch (512 KiB) stays in the L2 cache
-_WORKERS = 2  # updates in flight in fedavg_from_store: peak memory is the float64 accumulator + two updates
+# fedavg_from_store verifies this many updates side by side (one per thread, each in its own read
+# buffer), then adds them to the accumulator in one pass: peak memory is the float64 accumulator +
+# this many updates, and the accumulator is loaded from memory once per group instead of per update.
+_GROUP = 2
+_PARALLEL_ELEMENTS = 1 << 20  # from here on the accumulation pass is split over _GROUP threads
 
 
 def check_spec(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
@@ -83,22 +88,40 @@ class RoundOutcome:
     num_samples: int = 0
 
 
-def accumulate(acc: Mapping[str, np.ndarray], params: Params, w: np.float64, scratch: np.ndarray) -> None:
-    """``acc[name] += params[name] * w`` in float64, a cache-sized piece (``scratch``) at a time.
+def accumulate(
+    acc: Mapping[str, np.ndarray],
+    updates: Sequence[tuple[Params, np.float64]],
+    scratch: np.ndarray,
+    part: tuple[int, int] = (0, 1),
+) -> None:
+    """``acc[name] += params[name] * w`` for each ``(params, w)`` in order, in float64, fused.
 
-    No update-sized temporary: each piece is converted to float64 (as ``arr * np.float64(w)``
-    converts it), multiplied in place, added in place: element for element the same two roundings
-    as the whole-array expression, so the result is bitwise the same -- and faster than
-    ``np.multiply`` casting on the fly.
+    A cache-sized piece of the accumulator at a time: each update's piece is converted to float64
+    in ``scratch`` (as ``arr * np.float64(w)`` converts it), multiplied in place and added in place
+    -- element for element the same two roundings as the whole-array expression, so the result is
+    bitwise the same -- and the accumulator's piece is loaded from memory once for all ``updates``
+    (float64 accumulators are the largest memory stream of the aggregation).
+
+    ``part = (i, k)``: only the i-th of k equal ranges of the model's elements (tensors taken in
+    ``acc``'s order), so that k threads can share the pass; every element still sees the same
+    operations in the same order, whatever k.
     """
-    for name, arr in params.items():
-        src, dst = arr.reshape(-1), acc[name].reshape(-1)
-        for s in range(0, src.size, scratch.size):
-            e = min(s + scratch.size, src.size)
-            tmp = scratch[: e - s]
-            np.copyto(tmp, src[s:e])
-            tmp *= w
-            dst[s:e] += tmp
+    i, k = part
+    total = sum(a.size for a in acc.values())
+    lo, hi = total * i // k, total * (i + 1) // k
+    offset = 0
+    for name, acc_arr in acc.items():
+        dst = acc_arr.reshape(-1)
+        first, last = max(lo - offset, 0), min(hi - offset, dst.size)
+        offset += dst.size
+        srcs = [(params[name].reshape(-1), w) for params, w in updates]
+        for s in range(first, last, scratch.size):
+            e = min(s + scratch.size, last)
+            tmp, piece = scratch[: e - s], dst[s:e]
+            for src, w in srcs:
+                np.copyto(tmp, src[s:e])
+                tmp *= w
+                piece += tmp
 
 
 class FedAvg:
@@ -123,7 +146,7 @@ class FedAvg:
         self.min_clients = min_clients
         self.site_weights = dict(site_weights or {})
         self._acc = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items()}
-        self._scratch = np.empty(ACC_CHUNK, dtype=np.float64)
+        self._scratches = [np.empty(ACC_CHUNK, dtype=np.float64)]  # one per thread of the accumulation pass
         self._diff_weight = 0.0
         self._total_weight = 0.0
         self._metric_sums: dict[str, float] = {}
@@ -151,34 +174,62 @@ class FedAvg:
         self, site: str, params: Params, record: ArtifactRecord, *, rejected: UpdateRejected | None = None
     ) -> None:
         """Accumulate an update already checked by :func:`validate_update` (or reject it with ``rejected``)."""
-        if site in self.accepted or site in self.rejected:
-            raise FlareAirflowError(f"site {site!r} already counted in this round")
-        if self._consumed:
-            raise FlareAirflowError(f"site {site!r} arrived after the round's result was computed")
-        samples = record.num_samples if record.num_samples is not None else 1
-        if rejected is None:
-            try:
-                check_num_samples(record.num_samples)
-                weight = float(samples) * float(self.site_weights.get(site, 1.0))
-            except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
-                rejected, weight = UpdateRejected(site, f"unusable aggregation weight: {exc}"), 0.0
-            if rejected is None and not (math.isfinite(weight) and weight > 0):
-                rejected = UpdateRejected(
-                    site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
-                )
-        if rejected is not None:
-            self.rejected[site] = rejected.reason
+        self.add_verified([(site, params, record, rejected)])
+
+    def add_verified(
+        self,
+        group: Sequence[tuple[str, Params, ArtifactRecord, UpdateRejected | None]],
+        run: Callable[[Sequence[Callable[[], None]]], object] | None = None,
+    ) -> None:
+        """Count a group of updates already checked by :func:`validate_update`, in the group's order.
+
+        Each item is ``(site, params, record, rejected)``; a site with ``rejected`` set, or whose
+        record gives no usable weight, is recorded as rejected. The accepted ones are added to the
+        accumulator in one pass (:func:`accumulate`); ``run``, when given, runs a list of callables
+        side by side (threads) and the pass is split over them by element ranges -- the sums are
+        bitwise the same as one update at a time.
+        """
+        sites = [site for site, *_ in group]
+        for site in sites:
+            if site in self.accepted or site in self.rejected or sites.count(site) > 1:
+                raise FlareAirflowError(f"site {site!r} already counted in this round")
+            if self._consumed:
+                raise FlareAirflowError(f"site {site!r} arrived after the round's result was computed")
+        counted: list[tuple[Params, np.float64]] = []
+        for site, params, record, rejected in group:
+            samples = record.num_samples if record.num_samples is not None else 1
+            if rejected is None:
+                try:
+                    check_num_samples(record.num_samples)
+                    weight = float(samples) * float(self.site_weights.get(site, 1.0))
+                except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
+                    rejected, weight = UpdateRejected(site, f"unusable aggregation weight: {exc}"), 0.0
+                if rejected is None and not (math.isfinite(weight) and weight > 0):
+                    rejected = UpdateRejected(
+                        site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
+                    )
+            if rejected is not None:
+                self.rejected[site] = rejected.reason
+                continue
+            counted.append((params, np.float64(weight)))
+            if record.params_type is ParamsType.DIFF:
+                self._diff_weight += weight
+            self._total_weight += weight
+            self.accepted[site] = weight
+            self.num_samples += samples
+            self.site_metrics[site] = dict(record.metrics)
+            for key, value in record.metrics.items():
+                self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
+                self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
+        if not counted:
             return
-        accumulate(self._acc, params, np.float64(weight), self._scratch)
-        if record.params_type is ParamsType.DIFF:
-            self._diff_weight += weight
-        self._total_weight += weight
-        self.accepted[site] = weight
-        self.num_samples += samples
-        self.site_metrics[site] = dict(record.metrics)
-        for key, value in record.metrics.items():
-            self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
-            self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
+        parts = _GROUP if run is not None and sum(a.size for a in self._acc.values()) >= _PARALLEL_ELEMENTS else 1
+        while len(self._scratches) < parts:
+            self._scratches.append(np.empty(ACC_CHUNK, dtype=np.float64))
+        if parts == 1 or run is None:
+            accumulate(self._acc, counted, self._scratches[0])
+        else:
+            run([partial(accumulate, self._acc, counted, self._scratches[i], (i, parts)) for i in range(parts)])
 
     def _not_finite(self, name: str, why: str) -> AggregateNotFinite:
         return AggregateNotFinite(
@@ -204,7 +255,7 @@ class FedAvg:
                 f"the sum of the sites' weights is {self._total_weight}; the global model was not updated"
             )
         diff_weight, total = np.float64(self._diff_weight), np.float64(self._total_weight)
-        mean, base = self._scratch, np.empty_like(self._scratch)
+        mean, base = self._scratches[0], np.empty_like(self._scratches[0])
         self._consumed = True  # from here on the accumulators hold (part of) the result
         for name, ref in self.global_params.items():
             # (acc + global * diff_weight) / total, rounded for integers, cast back: piece by piece,
@@ -274,6 +325,10 @@ def _pinned_digest(
     return BLAKE3 if record.blake3 and blake3_pinned and BLAKE3 in available() else SHA256
 
 
+_T = TypeVar("_T")
+_Verified = tuple[str, Params, ArtifactRecord | None, str | None]  # site, tensors, record, why rejected
+
+
 def fedavg_from_store(
     global_params: Params,
     updates: Iterable[tuple[str, WritablePath | None, str | None]],
@@ -297,27 +352,27 @@ def fedavg_from_store(
     ``accepted_sha256`` is not given), else sha256. The site task verified both digests before it
     published them, so a file matching the pinned BLAKE3 is the file whose sha256 it published.
 
-    Two threads each take the next update: read it into their own reused buffer, verify its size
-    and digest against its record (hashing, and checking floating-point tensors for NaN/inf, piece
-    by piece as it is read), parse the safetensors header into zero-copy tensors and check names,
-    shapes and dtypes. Only then, and in site order (so the float64 sums are the same whatever thread
-    finishes first), does the update count: its tensors are added to the accumulator, or its site
-    is rejected. While one thread accumulates, the other hashes: hashlib, blake3 and numpy release
-    the GIL.
+    Updates go in groups of two, in site order. The two of a group are verified side by side, one
+    per thread, each into its own reused buffer: read it, verify its size and digest against its
+    record (hashing, and checking floating-point tensors for NaN/inf, piece by piece as it is read),
+    parse the safetensors header into zero-copy tensors and check names, shapes and dtypes. Only
+    then does the group count: in site order, each update is accepted or its site rejected, and the
+    accepted ones are added to the accumulator in one pass, split by element ranges over the two
+    threads (the float64 sums are bitwise the same as one update at a time, whatever the number of
+    threads). hashlib, blake3 and numpy release the GIL, so both cores work in both phases.
     """
     agg = FedAvg(global_params, min_clients=min_clients, site_weights=site_weights)
-    buffers = [np.empty(0, dtype=np.uint8) for _ in range(_WORKERS)]
-    free = list(range(_WORKERS))
-    turn = threading.Condition()
-    next_up = 0
+    buffers = [np.empty(0, dtype=np.uint8) for _ in range(_GROUP)]
     # No update of the global model's tensors is larger: a record claiming more is refused before
     # a buffer of that size is allocated.
     max_size = (
         8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in agg.expected.values())
     )
 
-    def verified(slot: int, site: str, path: WritablePath) -> tuple[Params, ArtifactRecord | None, str | None]:
+    def verified(slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
         """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
+        if path is None:
+            return site, {}, None, failure or "no update"
         record = None
         try:
             record = read_record(path)
@@ -328,6 +383,7 @@ def fedavg_from_store(
                     f"tensors can take ({max_size})"
                 )
             if buffers[slot].nbytes < record.size:
+                buffers[slot] = np.empty(0, dtype=np.uint8)  # the old one goes before the new one comes
                 buffers[slot] = np.empty(record.size, dtype=np.uint8)
             scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
             params = read_verified(path, record, buffers[slot], scan, (algorithm,))
@@ -335,48 +391,49 @@ def fedavg_from_store(
             if scan.bad is not None:
                 raise non_finite(site, scan.bad)
         except UpdateRejected as exc:
-            return {}, record, exc.reason
+            return site, {}, record, exc.reason
         except FlareAirflowError as exc:
-            return {}, record, str(exc)
+            return site, {}, record, str(exc)
         except OSError as exc:  # the site's file vanished or cannot be read: that site does not count
-            return {}, record, f"{path}: cannot read the update ({exc.strerror or type(exc).__name__})"
-        return params, record, None
+            return site, {}, record, f"{path}: cannot read the update ({exc.strerror or type(exc).__name__})"
+        return site, params, record, None
 
-    def one(index: int, site: str, path: WritablePath | None, failure: str | None) -> None:
-        nonlocal next_up
-        with turn:
-            slot = free.pop()
-        params: Params = {}
-        error: BaseException | None = None
-        try:  # read, verify and check in parallel with the other thread ...
-            params, record, reason = (
-                verified(slot, site, path) if path is not None else ({}, None, failure or "no update")
-            )
-        except BaseException as exc:  # re-raised below, once it is this update's turn
-            error = exc
-        with turn:  # ... then count (or reject) in site order; the turn passes on whatever happens
-            turn.wait_for(lambda: next_up == index)
-        try:
+    ordered = sorted(updates, key=lambda u: u[0])
+    with ThreadPoolExecutor(max_workers=_GROUP - 1, thread_name_prefix="fedavg") as pool:
+
+        def side_by_side(calls: Sequence[Callable[[], _T]]) -> list[_T]:
+            """Run ``calls`` at once, the first in this thread; wait for all, then raise the first error."""
+            futures = [pool.submit(call) for call in calls[1:]]
+            outcomes: list[_T] = []
+            error: BaseException | None = None
+            try:
+                outcomes.append(calls[0]())
+            except BaseException as exc:  # raised once the other threads stopped using the buffers
+                error = exc
+            for future in futures:
+                try:
+                    outcomes.append(future.result())
+                except BaseException as exc:
+                    error = error or exc
             if error is not None:
                 raise error
-            if record is None:
-                agg.reject(site, reason or "no update")
-            else:
-                agg.add_checked(site, params, record, rejected=UpdateRejected(site, reason) if reason else None)
-        finally:
-            params = {}
-            with turn:
-                next_up = index + 1
-                free.append(slot)
-                turn.notify_all()
+            return outcomes
 
-    with ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fedavg") as pool:
-        futures = [pool.submit(one, i, *u) for i, u in enumerate(sorted(updates, key=lambda u: u[0]))]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
+        for start in range(0, len(ordered), _GROUP):
+            group = side_by_side(
+                [partial(verified, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
+            )
+            for site, _, record, reason in group:
+                if record is None:
+                    agg.reject(site, reason or "no update")
+            agg.add_verified(
+                [
+                    (site, params, record, UpdateRejected(site, reason) if reason else None)
+                    for site, params, record, reason in group
+                    if record is not None
+                ],
+                side_by_side,
+            )
+            del group
     buffers.clear()  # before the result is computed: peak memory is the larger of the two phases
     return agg.result()

@@ -406,6 +406,41 @@ def test_streaming_equals_the_plain_float64_reference_bitwise(tmp_path: pathlib.
         assert got.params[name].tobytes() == want[name].tobytes(), name
 
 
+def test_the_accumulation_split_over_threads_is_bitwise_the_same(tmp_path: pathlib.Path, monkeypatch) -> None:
+    """Whatever the number of element ranges (threads) the accumulation pass is split into, and
+    however the ranges cut the tensors, every element sees the same operations in the same order."""
+    import flare_airflow.core.aggregation as aggregation
+
+    rng = np.random.default_rng(23)
+    glob = big_model(rng)
+    acc0 = {k: rng.standard_normal(v.shape) for k, v in glob.items()}
+    group = [(big_model(rng), np.float64(w)) for w in (7.0, 0.1, 1e3)]
+    results = set()
+    for k in (1, 2, 3, 7):
+        acc = {name: a.copy() for name, a in acc0.items()}
+        for i in range(k):
+            aggregation.accumulate(acc, group, np.empty(ACC_CHUNK // 3), (i, k))
+        results.add(b"".join(a.tobytes() for a in acc.values()))
+    one_by_one = {name: a.copy() for name, a in acc0.items()}
+    for update in group:
+        aggregation.accumulate(one_by_one, [update], np.empty(ACC_CHUNK))
+    results.add(b"".join(a.tobytes() for a in one_by_one.values()))
+    assert len(results) == 1
+
+    # The store path with the pass split over the threads even for this small model.
+    monkeypatch.setattr(aggregation, "_PARALLEL_ELEMENTS", 0)
+    sites = [(big_model(rng), n, t) for n, t in [(7, FULL), (3, DIFF), (1000, FULL), (1, DIFF), (13, FULL)]]
+    updates = []
+    for i, (params, n, ptype) in enumerate(sites):
+        path = tmp_path / f"s{i}.safetensors"
+        write_artifact(path, FLModel(params=params, params_type=ptype, meta={"num_samples": n}))
+        updates.append((f"site-{i}", path, None))
+    got = fedavg_from_store(glob, updates, min_clients=5)
+    want = reference(glob, [(p, float(n), t) for p, n, t in sites])
+    for name in want:
+        assert got.params[name].tobytes() == want[name].tobytes(), name
+
+
 def test_a_corrupt_update_does_not_count(tmp_path: pathlib.Path) -> None:
     """A flipped byte deep in a tensor (valid safetensors, valid floats): the record's BLAKE3 rejects it."""
     glob = {"w": np.zeros(3 * ACC_CHUNK, np.float32)}
