@@ -24,6 +24,7 @@ from flare_airflow.core.model import read_artifact
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import FINISHED_STATES, store_for
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
+from flare_airflow.operators.site_job import SiteJobLaunchOperator
 
 
 class ResumeError(FlareAirflowError):
@@ -38,6 +39,17 @@ class JobTasks:
     rounds: list[tuple[str, list[str]]]
     publish: str
     job: Any
+    # A site watched by a sensor (watch: sensor): its site task id -> the task that launches its job.
+    launches: dict[str, str] = field(default_factory=dict)
+
+    def with_launches(self, task_ids: list[str]) -> list[str]:
+        """``task_ids`` with, before each sensor-watched site task, its launch task: clearing the
+        watch alone would watch the same finished job again instead of running the site again."""
+        return [
+            t
+            for task_id in task_ids
+            for t in ((self.launches[task_id],) if task_id in self.launches else ()) + (task_id,)
+        ]
 
     @classmethod
     def of(cls, dag: Any) -> JobTasks:
@@ -49,7 +61,19 @@ class JobTasks:
             )
         aggregates = sorted((t for t in dag.tasks if isinstance(t, AggregateOperator)), key=lambda t: t.round_num)
         rounds = [(a.task_id, sorted(a.site_task_ids.values())) for a in aggregates]
-        return cls(prepare=prepares[0].task_id, rounds=rounds, publish=publishes[0].task_id, job=prepares[0].job)
+        launches = {
+            downstream: t.task_id
+            for t in dag.tasks
+            if isinstance(t, SiteJobLaunchOperator)
+            for downstream in t.downstream_task_ids
+        }
+        return cls(
+            prepare=prepares[0].task_id,
+            rounds=rounds,
+            publish=publishes[0].task_id,
+            job=prepares[0].job,
+            launches=launches,
+        )
 
 
 @dataclass
@@ -118,7 +142,11 @@ def make_plan(dag: Any, run_id: str, from_round: int | None, session: Any) -> Pl
                 f"prepare did not complete (or its round-0 model changed): the run can only start again "
                 f"from the beginning; drop --from-round {from_round}"
             )
-        every = [tasks.prepare, *(t for a, sites in tasks.rounds for t in (*sites, a)), tasks.publish]
+        every = [
+            tasks.prepare,
+            *(t for a, sites in tasks.rounds for t in (*tasks.with_launches(sites), a)),
+            tasks.publish,
+        ]
         rounds = len(tasks.rounds)
         return Plan(run_id=run_id, rounds_requested=rounds, from_round=0, clear=every)
     kept[0] = round0
@@ -139,7 +167,8 @@ def make_plan(dag: Any, run_id: str, from_round: int | None, session: Any) -> Pl
             f"first without a verified global model; choose a round in 1..{min(first_incomplete, requested)}"
         )
     kept = {r: sha for r, sha in kept.items() if r < start}
-    clear = [t for aggregate, sites in tasks.rounds[start - 1 :] for t in (*sites, aggregate)] + [tasks.publish]
+    clear = [t for aggregate, sites in tasks.rounds[start - 1 :] for t in (*tasks.with_launches(sites), aggregate)]
+    clear.append(tasks.publish)
     done = start == requested + 1 and states.get(tasks.publish) == "success"
     return Plan(run_id=run_id, rounds_requested=requested, from_round=start, clear=clear, kept=kept, nothing_to_do=done)
 

@@ -187,3 +187,19 @@ def test_a_sensor_needs_exactly_one_source_of_the_identity(tmp_path) -> None:
         SiteJobSensor(task_id="w", job=job, site="site-1", round_num=1)
     with pytest.raises(ConfigError, match="is not a site of job"):
         SiteJobSensor(task_id="w", job=job, site="site-9", round_num=1, launch_task_id="l")
+
+
+def test_resume_clears_a_sensor_watched_site_with_its_launch(tmp_path) -> None:
+    """flare-airflow resume clears site tasks: for watch: sensor, the launch too, or the cleared
+    sensor would only watch the same finished job again."""
+    from flare_airflow.resume import JobTasks
+
+    job = make_job(tmp_path, sites={"site-1": {**K8S_SITE, "watch": "sensor"}, "site-2": {}})
+    tasks = JobTasks.of(build_dag(job))
+    assert tasks.rounds[0] == ("round_1.global_model", ["round_1.site-1", "round_1.site-2"])
+    assert tasks.launches == {"round_1.site-1": "round_1.site-1_launch", "round_2.site-1": "round_2.site-1_launch"}
+    assert tasks.with_launches(["round_2.site-1", "round_2.site-2"]) == [
+        "round_2.site-1_launch",
+        "round_2.site-1",
+        "round_2.site-2",
+    ]
