@@ -38,7 +38,11 @@ def test_sensor_watched_kubernetes_and_slurm_sites_match_the_process_run_bitwise
         job["sites"]["site-3"] = {**copy.deepcopy(slurm_site), "watch": "sensor"}
         job["sites"]["site-4"] = copy.deepcopy(k8s)  # fused, in the same run
         (dag_file.parent / "job.yaml").write_text(yaml.safe_dump(job))
+        # Deferrable: the sensors wait in the (in-process) triggerer; poke and reschedule mode run
+        # under the real scheduler in tests/integration/sensors/test_sensor_on_the_scheduler.py.
+        airflow_home.env["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
         result = airflow_home.run("flare_digits_sensor", dag_file, conf={"rounds": 2})
+        airflow_home.env.pop("AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE")
         reference = airflow_home.run(
             "flare_digits_sensor_ref", digits_job(airflow_home, "digits-sensor-ref", [], {}), conf={"rounds": 2}
         )
@@ -57,6 +61,9 @@ def test_sensor_watched_kubernetes_and_slurm_sites_match_the_process_run_bitwise
     assert result.tasks == expected, result.log[-4000:]
     assert "site job digits-sensor/site-2/r1/t1 launched: {'backend': 'k8s'" in result.log
     assert "site job digits-sensor/site-3/r2/t1 launched: {'backend': 'slurm'" in result.log
+    # A sensor whose job still ran at its first check waited in the triggerer (a fast trainer may
+    # have finished before: then the first check decides without deferring).
+    assert "trigger event success" in result.log
     assert reference.returncode == 0, reference.log[-4000:]
     assert result.state["published"]["sha256"] == reference.state["published"]["sha256"]
     assert slurm.jobs() == []
