@@ -12,8 +12,10 @@ beyond the run's ``rounds`` form value are skipped, visibly, in the grid.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from airflow.sdk import DAG, Param, TaskGroup
@@ -129,25 +131,60 @@ def site_tasks(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> tupl
     return launch, watch
 
 
-def add_rounds(job: JobConfig) -> tuple[PrepareRunOperator, PublishOperator]:
-    """Create the job's tasks in the current DAG / TaskGroup context; return the first and last."""
+def running_site(job: JobConfig, dag_id: str | None) -> str | None:
+    """The site whose task this process runs, when Airflow parses the DAG to run one task of it.
+
+    A task process re-parses its DAG file before it runs (Airflow's parsing context names the
+    DAG and task). For a site task only that site's tasks are needed, next to the run's own tasks
+    (prepare, each round's aggregation, publish): building the other N-1 sites' tasks in each of
+    the N site tasks made a round's CPU grow with N^2 (benchmarks/results/scale.md). Every other
+    parse -- the dag-processor's, ``airflow dags test``, the aggregation's task -- builds the whole DAG.
+    """
+    from airflow.sdk import get_parsing_context
+
+    context = get_parsing_context()
+    if context.task_id is None or dag_id is None or context.dag_id != dag_id:
+        return None
+    name = context.task_id.rsplit(".", 1)[-1].removesuffix(LAUNCH_SUFFIX)
+    return name if name in job.sites else None
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Building thousands of operators allocates millions of objects, none of them garbage: the
+    collector's passes over the heap (Airflow's is large) took a third of a 1024-site build."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRunOperator, PublishOperator]:
+    """Create the job's tasks in the current DAG / TaskGroup context; return the first and last.
+
+    ``only_site``: build that site's tasks only (see :func:`running_site`).
+    """
     prepare = PrepareRunOperator(task_id="prepare", job=job, doc_md=f"Round-0 global model of job `{job.job}`.")
     previous: Any = prepare
     aggregates = []
+    built = [only_site] if only_site is not None else list(job.sites)
     for r in range(1, job.rounds + 1):
         with TaskGroup(group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then FedAvg"):
             pairs = [
                 site_tasks(
                     job, site, r, task_id=site, global_task_id=previous.task_id, doc_md=f"Site `{site}`, round {r}."
                 )
-                for site in job.sites
+                for site in built
             ]
             sites = [last for _, last in pairs]
             aggregate = AggregateOperator(
                 task_id=AGGREGATE_TASK,
                 job=job,
                 round_num=r,
-                site_task_ids={site: task.task_id for site, task in zip(job.sites, sites, strict=True)},
+                site_task_ids={site: task.task_id for site, task in zip(built, sites, strict=True)},
                 global_task_id=previous.task_id,
                 doc_md=f"FedAvg of round {r}; evaluation.",
             )
@@ -178,8 +215,11 @@ def federated_task_group(job: JobConfig | str | pathlib.Path, group_id: str | No
     """A TaskGroup running the job inside the current DAG. Run parameters come from the DAG's
     params when present (see :func:`job_params`), else from the job's defaults."""
     cfg = _job(job)
-    with TaskGroup(group_id=group_id or cfg.job.replace("-", "_"), tooltip=f"federated job {cfg.job}") as group:
-        add_rounds(cfg)
+    with (
+        _gc_paused(),
+        TaskGroup(group_id=group_id or cfg.job.replace("-", "_"), tooltip=f"federated job {cfg.job}") as group,
+    ):
+        add_rounds(cfg, running_site(cfg, group.dag.dag_id if group.dag else None))
     return group
 
 
@@ -223,11 +263,14 @@ def build_dag(
     dag_kwargs.setdefault("description", summary[:200])
     dag_kwargs.setdefault("doc_md", _job_doc(cfg, job))
     params = {**job_params(cfg), **dict(dag_kwargs.pop("params", {}) or {})}
-    with DAG(
-        dag_id=dag_id or f"flare_{cfg.job.replace('-', '_')}",
-        params=params,
-        default_args=dict(default_args or {}),
-        **dag_kwargs,
-    ) as dag:
-        add_rounds(cfg)
+    with (
+        _gc_paused(),
+        DAG(
+            dag_id=dag_id or f"flare_{cfg.job.replace('-', '_')}",
+            params=params,
+            default_args=dict(default_args or {}),
+            **dag_kwargs,
+        ) as dag,
+    ):
+        add_rounds(cfg, running_site(cfg, dag.dag_id))
     return dag

@@ -203,3 +203,54 @@ def test_resume_clears_a_sensor_watched_site_with_its_launch(tmp_path) -> None:
         "round_2.site-1",
         "round_2.site-2",
     ]
+
+
+def _parsing_for(monkeypatch, dag_id: str, task_id: str) -> None:
+    """What Airflow's task runner sets while it parses the DAG file to run ``task_id``."""
+    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", dag_id)
+    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_TASK_ID", task_id)
+
+
+def test_a_site_tasks_process_builds_that_site_and_the_runs_own_tasks_only(tmp_path, monkeypatch) -> None:
+    job = make_job(tmp_path, sites={"site-1": {}, "site-2": {}, "site-3": {}})
+    _parsing_for(monkeypatch, "flare_unit", "round_2.site-2")
+    t = build_dag(job).task_dict
+    assert sorted(t) == ["prepare", "publish", "round_1.global_model", "round_1.site-2", "round_2.global_model",
+                         "round_2.site-2"]  # fmt: skip
+    assert t["round_2.site-2"].downstream_task_ids == {"round_2.global_model"}
+    assert t["round_2.site-2"].global_task_id == "round_1.global_model"
+    # Another DAG's task, or one of this run's own tasks: the whole DAG.
+    for dag_id, task_id in (("another_dag", "round_2.site-2"), ("flare_unit", "round_2.global_model")):
+        _parsing_for(monkeypatch, dag_id, task_id)
+        assert len(build_dag(job).task_dict) == 2 * 3 + 2 + 2
+
+
+def test_a_site_tasks_process_finds_its_site_in_a_task_group_and_behind_a_launch_task(tmp_path, monkeypatch) -> None:
+    from airflow.sdk import DAG
+
+    from flare_airflow.builder import federated_task_group
+
+    job = make_job(
+        tmp_path, sites={"site-1": {**K8S_SITE, "watch": "sensor"}, "site-2": {**K8S_SITE, "watch": "sensor"}}
+    )
+    _parsing_for(monkeypatch, "mine", "fl.round_1.site-2_launch")
+    with DAG(dag_id="mine", schedule=None) as dag:
+        federated_task_group(job, group_id="fl")
+    assert sorted(t for t in dag.task_dict if ".round_" in t) == [
+        "fl.round_1.global_model", "fl.round_1.site-2", "fl.round_1.site-2_launch",
+        "fl.round_2.global_model", "fl.round_2.site-2", "fl.round_2.site-2_launch",
+    ]  # fmt: skip
+
+
+def test_the_builder_leaves_the_garbage_collector_as_it_found_it(tmp_path) -> None:
+    import gc
+
+    job = make_job(tmp_path)
+    build_dag(job)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        build_dag(job)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
