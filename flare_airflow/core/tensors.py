@@ -31,7 +31,7 @@ SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
     }.items()
 }  # fmt: skip
 MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
-CHUNK_BYTES = 1 << 19  # reading + hashing and the finite check go through a file in L2-sized pieces (also on Intel)
+CHUNK_BYTES = 1 << 20  # reading + hashing and the finite check go through a file in cache-sized pieces
 
 
 @dataclass(frozen=True)
