@@ -28,10 +28,10 @@ from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import Context
 from airflow.sdk.bases.sensor import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.bases.xcom import BaseXCom
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import read_artifact
 from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import path_from_uri, record_path
@@ -116,6 +116,8 @@ class SiteJobSensor(BaseSensorOperator):
         self.launch_task_id = launch_task_id
         self.identity = identity
         self.deferrable = deferrable
+        self._found: tuple[JobIdentity, Any] | None = None
+        self._lines: list[str] = []
 
     # ------------------------------------------------------------------ the job and its result
 
@@ -195,22 +197,42 @@ class SiteJobSensor(BaseSensorOperator):
         raises :class:`AirflowFailException` when it failed or cannot be found."""
         return self._look(context)[0]
 
-    def _look(self, context: Context) -> tuple[dict[str, Any] | None, Any]:
-        """:meth:`check`, and the job's handle while it runs."""
+    def _look(self, context: Context, offset: int | None = None) -> tuple[dict[str, Any] | None, Any]:
+        """:meth:`check`, and the job's handle while it runs. ``offset``: bytes of a SLURM job's
+        output already in the task log (its trigger showed them)."""
         identity = self._identity(context)
         run = self._run(context, identity)
-        launcher = site_launcher(self.job, self.site, try_number=identity.try_number, sink=self.log.info)
-        try:
-            handle = launcher.find_job(identity)
-        except FlareAirflowError as exc:
-            raise self._fail(context, None, JobReturnCode.INFRASTRUCTURE_ERROR, str(exc)) from None
+        handle = self._found[1] if self._found is not None and self._found[0] == identity else None
         if handle is None:
-            return self._gone(context, run, identity), None
+            launcher = site_launcher(self.job, self.site, try_number=identity.try_number, sink=self._lines.append)
+            try:
+                handle = launcher.find_job(identity)
+            except Exception as exc:  # the backend cannot be asked now: a retry looks again
+                detail = " ".join(str(exc).split())[:500] or type(exc).__name__
+                message = (
+                    f"site {self.site!r} round {self.round_num}: cannot look for site job {identity.label}: "
+                    f"{detail} [INFRASTRUCTURE_ERROR]"
+                )
+                push_failure(context, message)
+                raise AirflowException(message) from None
+            if handle is None:
+                return self._gone(context, run, identity), None
+            if offset is not None and hasattr(handle, "output"):
+                handle.output.offset = offset
         rc = handle.poll()
         state = handle.state
+        if self.reschedule and not state.finished:
+            # Each reschedule finds the job afresh and reads its output from the start: show it once, at the end.
+            self._lines.clear()
+        else:
+            for line in self._lines:
+                self.log.info("%s", line)
+            self._lines.clear()
         if not state.finished:
+            self._found = (identity, handle)  # the next poke of this process continues with it
             self.log.info("site job %s: %s", identity.label, state.value)
             return None, handle
+        self._found = None
         if state is JobState.SUCCEEDED:
             return self._succeeded(context, run, identity), None
         reason = handle.reason or state.value
@@ -288,6 +310,7 @@ class SiteJobSensor(BaseSensorOperator):
             pending_timeout=slurm.pending_timeout,
             startup_timeout=slurm.startup_timeout,
             poll_interval=slurm.poll_interval,
+            offset=handle.output.offset,  # the lines before it are in the task log already
             prefix=f"[{self.site} r{self.round_num}] ",
             secret_refs={n: ref.model_dump(exclude_defaults=True) for n, ref in slurm.secret_env.items()} or None,
             cancel_on_kill=False,
@@ -298,7 +321,8 @@ class SiteJobSensor(BaseSensorOperator):
         the same handle and state table as ``poke``, and decide there."""
         self.log.info("site %s round %d: trigger event %s (%s)", self.site, self.round_num, event.get("status"),
                       event.get("reason") or event.get("state"))  # fmt: skip
-        summary, handle = self._look(context)
+        offset = event.get("offset")
+        summary, handle = self._look(context, offset=int(offset) if isinstance(offset, int) else None)
         if summary is not None:
             return summary
         if event.get("status") == "error":

@@ -108,6 +108,20 @@ case(
     value="aws://AKIA:s3cr3t@",
 )
 case(
+    "watch-sensor-on-a-process-site",
+    "watch: sensor on a process site (its job ends with the task that launched it)",
+    "watch: sensor needs a site job that outlives the task that launched it",
+    field="sites.site-1.watch",
+    value="sensor",
+)
+case(
+    "watch-unknown",
+    "watch: poll (neither task nor sensor)",
+    "sites.site-1.watch (site 'site-1'): must be 'task' or 'sensor', got 'poll'",
+    field="sites.site-1.watch",
+    value="poll",
+)
+case(
     "site-executor-shell",
     "a site's executor that is not an executor name",
     "is not an Airflow executor name",
