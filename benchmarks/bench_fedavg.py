@@ -130,9 +130,11 @@ def _worker_fedavg(args: dict[str, Any]) -> dict[str, Any]:
 
         tracemalloc.start()
     reset, base_rss = rss_baseline()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     outcome = fedavg_from_store(global_params, updates, min_clients=n)
     seconds = time.perf_counter() - started
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     peak_kib = status_kib("VmHWM")
     traced_peak = tracemalloc.get_traced_memory()[1] if use_tracemalloc else None
     if use_tracemalloc:
@@ -157,6 +159,8 @@ def _worker_fedavg(args: dict[str, Any]) -> dict[str, Any]:
         raise BenchmarkFailed(f"FedAvg result is wrong by {err:.2e}: {outcome.params[name][0, :4]} vs {want[0, :4]}")
     return {
         "seconds": seconds,
+        # user + system CPU of all threads: the work done, which a loaded machine does not inflate much
+        "cpu_seconds": cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime,
         "bytes": nbytes,
         "peak_delta": (peak_kib - base_rss) * 1024,
         "hwm_reset": reset,

@@ -1036,6 +1036,7 @@ def _aggregation_tables(rows: list[dict[str, Any]], cases: list[tuple[int, list[
             "NVFlare load+aggregate GB/s",
             "ours / NVFlare (time, load+aggregate)",
             "before (sha256 records) / NVFlare",
+            "CPU s ours / NVFlare",
             "numpy (a) readinto GB/s",
             "ours / (a)",
             "numpy (b) `acc += a*w` GB/s",
@@ -1085,6 +1086,8 @@ def _aggregation_tables(rows: list[dict[str, Any]], cases: list[tuple[int, list[
             f"{median([gbps(nb, s) for s in both_s]):.2f}",
             _ratio_cell(ours_s, both_s),
             _ratio_cell(before_s, both_s),
+            f"{median([o['cpu_seconds'] for o in row['ours']]):.2f} / "
+            f"{median([t['cpu_seconds'] for t in row['nvflare']]):.2f}",
             f"{median(ref_read):.2f}",
             f"{median([gbps(nb, s) / r for s, r in zip(ours_s, ref_read, strict=True)]):.2f}",
             f"{median(ref_madd):.2f}",
@@ -1127,7 +1130,9 @@ def _aggregation_tables(rows: list[dict[str, Any]], cases: list[tuple[int, list[
         "as NVFlare's FedAvg controller does on each arriving result, and `get_result()`; NVFlare's helper does "
         "no validation and keeps the inputs' float32. The ratio compares ours with NVFlare's load + aggregate "
         "(both then start from files); > 1 means ours is slower; the goal (issue 15) is <= 0.8 in every row, and "
-        "ours / (a) >= 0.5 for 256 MiB updates. 'before (sha256 records)' = the same code on the "
+        "ours / (a) >= 0.5 for 256 MiB updates. 'CPU s' = user + system CPU time of the timed part (ours: all "
+        "its threads; NVFlare: load + aggregate), medians: the work each did, which other processes on a shared "
+        "machine inflate far less than wall time. 'before (sha256 records)' = the same code on the "
         "same files (hard links) whose records hold sha256 alone, as all records did before BLAKE3 was added: "
         "the path `main` ran until then, verified by sha256, measured in the same run, alternating with the rest.",
         "(a) = `readinto` of the same files into a preallocated buffer, (b) = `acc += a * np.float64(w)` in memory, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ def main(argv: list[str]) -> int:
     reset, base_rss = rss_baseline()
     helper = WeightedAggregationHelper()
     load_s = agg_s = 0.0
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     for i, (path, weight) in enumerate(zip(files, weights, strict=True)):
         t0 = time.perf_counter()
         params = load_file(path)
@@ -47,6 +49,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     result = helper.get_result()
     agg_s += time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     peak_kib = status_kib("VmHWM")
     dtypes = sorted({str(v.dtype) for v in result.values()})
     if args.get("out"):
@@ -57,6 +60,7 @@ def main(argv: list[str]) -> int:
             {
                 "load_seconds": load_s,
                 "aggregate_seconds": agg_s,
+                "cpu_seconds": cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime,  # load + aggregate
                 "peak_delta": (peak_kib - base_rss) * 1024,
                 "hwm_reset": reset,
                 "result_dtypes": dtypes,

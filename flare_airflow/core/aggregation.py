@@ -7,6 +7,7 @@ float64), and :func:`fedavg_from_store` holds at most two updates, in two reused
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -146,7 +147,8 @@ class FedAvg:
         self.min_clients = min_clients
         self.site_weights = dict(site_weights or {})
         self._acc = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items()}
-        self._scratches = [np.empty(ACC_CHUNK, dtype=np.float64)]  # one per thread of the accumulation pass
+        self._scratches = [np.empty(ACC_CHUNK, dtype=np.float64)]  # free ones; one per running thread
+        self._scratch_lock = threading.Lock()
         self._diff_weight = 0.0
         self._total_weight = 0.0
         self._metric_sums: dict[str, float] = {}
@@ -223,13 +225,22 @@ class FedAvg:
                 self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
         if not counted:
             return
-        parts = _GROUP if run is not None and sum(a.size for a in self._acc.values()) >= _PARALLEL_ELEMENTS else 1
-        while len(self._scratches) < parts:
-            self._scratches.append(np.empty(ACC_CHUNK, dtype=np.float64))
+        # More parts than threads: whichever thread is on a core takes the next part.
+        parts = 2 * _GROUP if run is not None and sum(a.size for a in self._acc.values()) >= _PARALLEL_ELEMENTS else 1
         if parts == 1 or run is None:
             accumulate(self._acc, counted, self._scratches[0])
         else:
-            run([partial(accumulate, self._acc, counted, self._scratches[i], (i, parts)) for i in range(parts)])
+            run([partial(self._accumulate_part, counted, (i, parts)) for i in range(parts)])
+
+    def _accumulate_part(self, counted: Sequence[tuple[Params, np.float64]], part: tuple[int, int]) -> None:
+        """One element range of the accumulation pass, with a scratch no other thread is using."""
+        with self._scratch_lock:
+            scratch = self._scratches.pop() if self._scratches else np.empty(ACC_CHUNK, dtype=np.float64)
+        try:
+            accumulate(self._acc, counted, scratch, part)
+        finally:
+            with self._scratch_lock:
+                self._scratches.append(scratch)
 
     def _not_finite(self, name: str, why: str) -> AggregateNotFinite:
         return AggregateNotFinite(
@@ -402,22 +413,33 @@ def fedavg_from_store(
     with ThreadPoolExecutor(max_workers=max(1, _GROUP - 1), thread_name_prefix="fedavg") as pool:
 
         def side_by_side(calls: Sequence[Callable[[], _T]]) -> list[_T]:
-            """Run ``calls`` at once, the first in this thread; wait for all, then raise the first error."""
+            """Run ``calls`` at once and return their results in order; raise the first error once all
+            have stopped (they use the read buffers).
+
+            This thread runs the first call, then every call the pool's thread has not started yet:
+            on a loaded machine a thread waiting for a core would otherwise hold up the group.
+            Which thread runs a call changes nothing in its result.
+            """
             futures = [pool.submit(call) for call in calls[1:]]
-            outcomes: list[_T] = []
-            error: BaseException | None = None
-            try:
-                outcomes.append(calls[0]())
-            except BaseException as exc:  # raised once the other threads stopped using the buffers
-                error = exc
-            for future in futures:
+            results: list[_T | None] = [None] * len(calls)
+            errors: list[BaseException] = []
+
+            def attempt(i: int, call: Callable[[], _T]) -> None:
                 try:
-                    outcomes.append(future.result())
+                    results[i] = call()
                 except BaseException as exc:
-                    error = error or exc
-            if error is not None:
-                raise error
-            return outcomes
+                    errors.append(exc)
+
+            attempt(0, calls[0])
+            for i, (call, future) in enumerate(zip(calls[1:], futures, strict=True), start=1):
+                if future.cancel():
+                    attempt(i, call)
+            for i, future in enumerate(futures, start=1):
+                if not future.cancelled():
+                    attempt(i, future.result)
+            if errors:
+                raise errors[0]
+            return results  # type: ignore[return-value]  # every call returned
 
         for start in range(0, len(ordered), _GROUP):
             group = side_by_side(
