@@ -36,7 +36,7 @@ from flare_airflow.core.model import read_artifact
 from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import path_from_uri, record_path
 from flare_airflow.operators.common import push_failure
-from flare_airflow.operators.site import SiteJobFailed, make_site_run, site_task_defaults
+from flare_airflow.operators.site import SiteJobFailed, job_at_site, make_site_run, site_task_defaults
 from flare_airflow.operators.site_job import as_job, site_argv, site_launcher, watchable
 from flare_airflow.operators.site_outputs import accept_update
 from flare_airflow.site_task.checks import read_failure, write_failure
@@ -110,6 +110,7 @@ class SiteJobSensor(BaseSensorOperator):
             kwargs.setdefault("timeout", cfg.trainer.timeout)
         super().__init__(**kwargs)
         self.job = cfg
+        self._declared = cfg  # the job as the DAG declares it; self.job: as this worker's site policy makes it
         self.job_name = cfg.job
         self.site = site
         self.round_num = round_num
@@ -200,6 +201,8 @@ class SiteJobSensor(BaseSensorOperator):
     def _look(self, context: Context, offset: int | None = None) -> tuple[dict[str, Any] | None, Any]:
         """:meth:`check`, and the job's handle while it runs. ``offset``: bytes of a SLURM job's
         output already in the task log (its trigger showed them)."""
+        # The worker's site policy (namespace, cluster, SLURM block) says where the job was launched.
+        self.job = job_at_site(self._declared, self.site, context, self.round_num)
         identity = self._identity(context)
         run = self._run(context, identity)
         handle = self._found[1] if self._found is not None and self._found[0] == identity else None

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskDeferred
 from kubernetes import client as k8s
 from safetensors.numpy import load_file
@@ -166,3 +167,23 @@ def test_a_failing_job_fails_the_sensor_with_its_reason_and_log_or_skips_it_with
     for name in pods(core, namespace):  # kept for debugging: the test removes it
         core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
     wait_for(lambda: pods(core, namespace) == [], 30, what="pods deleted")
+
+
+def test_launch_and_sensor_both_follow_the_workers_site_policy(
+    tmp_path, control_plane, node_agent, namespace, core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job file names a namespace that does not exist; the worker's site policy names the real
+    one. The launch creates the pod there and the sensor finds it there."""
+    declared = make_op(tmp_path, "not-this-one", control_plane.kubeconfig)[0].job
+    k8s_block = declared.sites["site-1"].launcher_spec.k8s.model_dump(exclude_defaults=True)
+    k8s_block["namespace"] = namespace
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump({"sites": {"site-1": {"launcher": "k8s", "launcher_spec": {"k8s": k8s_block}}}}))
+    monkeypatch.setenv("FLARE_SITE_CONFIG", str(policy))
+    launch = SiteJobLaunchOperator(task_id="site-1_launch", job=declared, site="site-1", round_num=1)
+    watch = SiteJobSensor(task_id="site-1", job=declared, site="site-1", round_num=1, launch_task_id="site-1_launch")
+    run = Run()
+    assert run.launch(launch)["namespace"] == namespace
+    result = wait_for(lambda: watch.poke(run.context("site-1")), 60, 0.5, what="the sensor sees success")
+    assert result.xcom_value["num_samples"] == 7  # type: ignore[union-attr]
+    wait_for(lambda: pods(core, namespace) == [], 30, what="the finished pod is deleted")
