@@ -1,9 +1,10 @@
 """SiteJobSensor under the real scheduler (PostgreSQL, LocalExecutor) on Kubernetes sites (real
-control plane; the LOCAL NODE AGENT test harness plays the kubelet).
+control plane; the LOCAL NODE AGENT test harness plays the kubelet) and SLURM sites (real daemons).
 
 * The worker running a sensor is killed (``kill -9`` of the task process and its supervisor) while
   the sensor waits: the scheduler fails that try, the next try re-attaches to the same pod -- one
-  pod per site round in the API audit, not two -- and the run completes.
+  pod per site round in the API audit, not two -- or SLURM job (one per site round in ``squeue -t
+  all``), and the run completes. Clearing the watch afterwards reports the published update.
 * In ``reschedule`` mode no worker slot is held between pokes: the sensors sit in
   ``up_for_reschedule`` while the pool counts no running slot.
 """
@@ -26,6 +27,7 @@ from tests.integration.k8s.test_site_pod_operator import TRAINER, pods
 from tests.k8s_harness.audit import AuditLog
 from tests.k8s_harness.kube import wait_for
 from tests.k8s_harness.node_agent import NodeAgent
+from tests.slurm_harness.cluster import SlurmCluster
 from tests.stack import AirflowStack, Postgres, alive, kill9
 
 MARKING_DAG = '''
@@ -51,12 +53,13 @@ for task in dag.tasks:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, slurm_cluster: SlurmCluster) -> Iterator[AirflowStack]:
     root = tmp_path_factory.mktemp("sensor-drill")
     pg = Postgres()
     airflow = AirflowStack(root / "af", pg.url, parallelism=4)
     airflow.env.update(
         {
+            **slurm_cluster.env,  # the workers are the SLURM sites' submit hosts
             # A killed worker stops heartbeating: the scheduler fails its try after this long.
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "12",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
@@ -72,7 +75,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
         pg.stop()
 
 
-def write_job(stack: AirflowStack, control_plane: Any, namespace: str, name: str, mode: str) -> pathlib.Path:
+def write_job(
+    stack: AirflowStack, control_plane: Any, namespace: str, name: str, mode: str, backend: str = "k8s"
+) -> pathlib.Path:
     store = stack.root / "store"
     store.mkdir(exist_ok=True)
     folder = stack.dags / name.replace("-", "_")
@@ -92,15 +97,22 @@ def write_job(stack: AirflowStack, control_plane: Any, namespace: str, name: str
         "min_clients": 2,
         "store": str(store),
         "initial_model": str(tiny_model(folder / "init.safetensors")),
-        "trainer": {"script": str(TRAINER), "args": ["--release", str(folder / "release")], "shutdown_timeout": 2},
+        "trainer": {
+            "script": str(TRAINER),
+            "args": ["--release", str(folder / "release")],
+            "shutdown_timeout": 2,
+            "command": [sys.executable],
+        },
         "evaluate": False,
         "sites": {
             "@default": {
                 "retries": 1,
                 "retry_delay_seconds": 1,
-                "launcher": "k8s",
+                "launcher": backend,
                 "watch": "sensor",
-                "launcher_spec": {"k8s": k8s_spec},
+                "launcher_spec": {"k8s": k8s_spec}
+                if backend == "k8s"
+                else {"slurm": {"output_dir": str(folder / "out"), "poll_interval": 1}},
             },
             "site-1": {},
             "site-2": {},
@@ -217,3 +229,35 @@ def test_in_reschedule_mode_no_worker_slot_is_held_between_pokes(
     tis = stack.task_instances(dag_id, run_id)
     assert {t: ti["state"] for t, ti in tis.items()} == dict.fromkeys(tis, "success")
     wait_for(lambda: pods(core, namespace) == [], 30, what="finished pods deleted")
+
+
+def test_a_killed_sensor_worker_re_attaches_to_the_same_slurm_job(
+    stack: AirflowStack, slurm: SlurmCluster, control_plane, namespace: str
+) -> None:
+    folder = write_job(stack, control_plane, namespace, "sensor-kill-slurm", "poke", backend="slurm")
+    dag_id = "flare_sensor_kill_slurm"
+    run_id = stack.trigger(dag_id)
+    marker = folder / "poked-round_1.site-1-1"
+    wait_for(marker.exists, 120, what="try 1 of the site-1 sensor pokes")
+    task_process, supervisor = (int(p) for p in marker.read_text().split())
+
+    def queued() -> list[list[str]]:
+        return sorted(line.split()[:2] for line in slurm.jobs())  # id and name (the state moves on)
+
+    first = queued()
+    assert len(first) == 2, first
+    kill9(supervisor)
+    kill9(task_process)
+    wait_for((folder / "poked-round_1.site-1-2").exists, 120, what="try 2 of the site-1 sensor pokes")
+    assert queued() == first, "try 2 watches the job try 1 watched; nothing else was submitted"
+    (folder / "release").touch()
+
+    assert stack.wait_for_run(dag_id, run_id, timeout=240) == "success"
+    tis = stack.task_instances(dag_id, run_id)
+    assert {t: ti["state"] for t, ti in tis.items()} == dict.fromkeys(tis, "success")
+    assert tries(stack, dag_id, run_id, "round_1.site-1") == ["failed", "success"]
+    assert tries(stack, dag_id, run_id, "round_1.site-1_launch") == ["success"]
+    # Every job slurmctld remembers (it keeps finished ones for MinJobAge): one per site round.
+    names = [n for n in slurm.run("squeue", "-h", "-t", "all", "-o", "%j").stdout.split() if "-sensor-kill-slurm-" in n]
+    assert sorted(names) == sorted(name for _, name in first), names
+    assert not alive(task_process) and not alive(supervisor)
