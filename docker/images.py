@@ -10,7 +10,7 @@ The build context is staged in a temporary directory with only what the Dockerfi
 registry traffic; the certificates are not part of the hash and never reach a final image.
 
 Usage: ``python docker/images.py [--engine podman|docker] [--base-image IMAGE] [NAME ...]``
-(names: trainer, airflow; default both). Prints ``NAME=TAG`` per image on stdout. Standard library only.
+(names: trainer, airflow, postgres; default all). Prints ``NAME=TAG`` per image on stdout. Standard library only.
 """
 
 from __future__ import annotations
@@ -29,13 +29,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKER_DIR = ROOT / "docker"
 DEFAULT_BASE_IMAGE = "localhost/debian:bookworm"
 REPOSITORY = "localhost/flare-airflow"
-IMAGES = {"trainer": DOCKER_DIR / "Dockerfile.trainer", "airflow": DOCKER_DIR / "Dockerfile.airflow"}
+IMAGES = {
+    "trainer": DOCKER_DIR / "Dockerfile.trainer",
+    "airflow": DOCKER_DIR / "Dockerfile.airflow",
+    "postgres": DOCKER_DIR / "Dockerfile.postgres",  # for docker/compose.yaml where no registry is reachable
+}
 CONTEXT_FILES = (
     "requirements.lock",
     "pyproject.toml",
     "README.md",
     "examples/digits/trainer.py",
     "examples/digits/initial_model.safetensors",
+    "docker/postgres-entrypoint.sh",
 )
 CONTEXT_TREES = ("flare_airflow",)
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
@@ -79,7 +84,8 @@ def content_hash(name: str, base_id: str, base_image: str) -> str:
         digest.update(part.encode() + b"\0")
     digest.update(IMAGES[name].read_bytes())
     for rel in context_paths():
-        digest.update(str(rel).encode() + b"\0")
+        executable = (ROOT / rel).stat().st_mode & 0o111 != 0
+        digest.update(f"{rel}:{executable:d}".encode() + b"\0")
         digest.update(hashlib.sha256((ROOT / rel).read_bytes()).digest())
     return digest.hexdigest()[:16]
 
@@ -88,7 +94,7 @@ def stage_context(target: Path) -> None:
     for rel in context_paths():
         dest = target / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / rel, dest)
+        shutil.copy(ROOT / rel, dest)  # with its mode: entrypoint scripts stay executable
     certs = target / "certs"
     certs.mkdir()
     for cert in sorted(EXTRA_CA_DIR.glob("*.crt")) if EXTRA_CA_DIR.is_dir() else []:
@@ -139,9 +145,11 @@ def build(engine: str, name: str, base_image: str, base_id: str) -> str:
 
 
 def remove_stale(engine: str, name: str, keep: str) -> None:
-    """Untag this image's earlier content-hash tags so that edits do not pile up images.
+    """Untag this image's earlier content-hash tags so that edits do not pile up tags.
 
-    An image a container still uses stays (the engine refuses); that is not an error here.
+    podman only untags (deleting the layers takes a minute; ``podman image prune`` frees them);
+    docker's ``rmi`` of a tag deletes the image when no other tag holds it. An image a container
+    still uses stays (the engine refuses); that is not an error here.
     """
     listed = subprocess.run(
         [engine, "images", "--format", "{{.Repository}}:{{.Tag}}", f"{REPOSITORY}/{name}"],
@@ -151,7 +159,8 @@ def remove_stale(engine: str, name: str, keep: str) -> None:
     ).stdout.split()
     stale = [t for t in listed if t != keep and not t.endswith((":latest", ":<none>"))]
     if stale:
-        subprocess.run([engine, "rmi", *stale], capture_output=True, check=False)
+        remove = "untag" if Path(engine).name == "podman" else "rmi"
+        subprocess.run([engine, remove, *stale], capture_output=True, check=False)
 
 
 def main(argv: list[str]) -> int:

@@ -102,6 +102,24 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^python -m flare_airflow\.site_task$", RunBy("tests/unit/site_task/test_runner.py", "flare_airflow.site_task")),
     (r"^python -m compileall$", NotRun("for builders of their own images; ours compile with uv --compile-bytecode")),
     (r"^make images$", RunBy("tests/containers.py", '"docker" / "images.py"')),
+    # the entrypoints of docker/compose.yaml's Airflow services, which that test brings up
+    (
+        r"^airflow (db check-migrations|<component>)$",
+        RunBy("tests/integration/containers/test_compose.py", "COMPOSE_FILE"),
+    ),
+    (r"^docker/secrets\.sh$", RunBy("tests/integration/containers/test_compose.py", '"docker" / "secrets.sh"')),
+    (
+        r"^podman-compose -f docker/compose\.yaml up -d$",
+        RunBy("tests/integration/containers/test_compose.py", '"up", "-d"'),
+    ),
+    (
+        r"^podman-compose -f docker/compose\.yaml down -v$",
+        RunBy("tests/integration/containers/test_compose.py", '"down", "-v"'),
+    ),
+    (
+        r"^podman-compose -f docker/compose\.yaml exec api-server cat ",
+        RunBy("tests/integration/containers/test_compose.py", '"exec", "-T", "api-server", "cat"'),
+    ),
 ]
 
 
