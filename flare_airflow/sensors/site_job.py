@@ -39,7 +39,7 @@ from flare_airflow.operators.common import push_failure
 from flare_airflow.operators.site import SiteJobFailed, job_at_site, make_site_run, site_task_defaults
 from flare_airflow.operators.site_job import as_job, site_argv, site_launcher, watchable
 from flare_airflow.operators.site_outputs import accept_update
-from flare_airflow.site_task.checks import read_failure, write_failure
+from flare_airflow.site_task.checks import read_failure, update_summary, write_failure
 from flare_airflow.site_task.spec import SiteRun
 
 LOG_LINES = 10
@@ -170,17 +170,7 @@ class SiteJobSensor(BaseSensorOperator):
         if not record_path(output).exists():
             return None
         _, record = read_artifact(output)  # verified against its record
-        return {
-            "site": run.site,
-            "round": run.round,
-            "task": run.task,
-            "uri": run.output,
-            "sha256": record.sha256,
-            "blake3": record.blake3,
-            "num_samples": record.num_samples,
-            "params_type": record.params_type.value,
-            "metrics": record.metrics,
-        }
+        return update_summary(run, record)
 
     def _succeeded(self, context: Context, run: SiteRun, identity: JobIdentity) -> dict[str, Any]:
         recorded = self._recorded(run)

@@ -127,7 +127,6 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
     published update, and it cannot overwrite one either.
     """
     from flare_airflow.core.aggregation import validate_update
-    from flare_airflow.core.digests import BLAKE3, available
     from flare_airflow.core.model import read_artifact, read_record
 
     sent = path_from_uri(run.staging) if run.staging else output
@@ -143,6 +142,13 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
     del params
     if run.staging:
         publish_current_try(sent, output)
+    return update_summary(run, record)
+
+
+def update_summary(run: SiteRun, record: Any) -> dict[str, Any]:
+    """What a site task returns (XCom) for an update whose record ``read_artifact`` just verified."""
+    from flare_airflow.core.digests import BLAKE3, available
+
     return {
         "site": run.site,
         "round": run.round,
