@@ -20,20 +20,21 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobIdentity, JobReturnCode
 from flare_airflow.launchers.trainer import trainer_argv
-from flare_airflow.operators.common import store_for
+from flare_airflow.operators.common import FINISHED_STATES, store_for, task_states
 from flare_airflow.operators.site import (
     SiteJobFailed,
-    check_site_task_may_run,
     job_at_site,
     make_site_run,
     resolve_secret_env,
     site_config_failed,
     site_task_defaults,
+    skip_beyond_rounds,
 )
 from flare_airflow.operators.site_outputs import claim_and_clear
 from flare_airflow.site_task.spec import SiteRun
@@ -159,8 +160,25 @@ class SiteJobLaunchOperator(BaseOperator):
     def _failed(self, context: Context, rc: JobReturnCode, reason: str) -> Exception:
         return site_config_failed(context, self.job, self.site, self.round_num, f"{reason} [{rc.name}]")
 
+    def _check_may_launch(self, context: Context) -> None:
+        """Skip a round beyond the run's ``rounds``; refuse a launch cleared without its watch.
+
+        A launch cleared on its own after its sensor finished would start a job nobody watches: its
+        update would never be published. It fails instead, before launching, saying what to clear.
+        """
+        skip_beyond_rounds(context, self.job, self.round_num)
+        downstream = sorted(getattr(context.get("task"), "downstream_task_ids", None) or ())
+        done = {t: s for t, s in task_states(context, downstream).items() if s in FINISHED_STATES}
+        if done:
+            task_id, state = sorted(done.items())[0]
+            raise AirflowFailException(
+                f"site {self.site!r} round {self.round_num} not launched: its watch {task_id} already finished "
+                f"({state}) and was not cleared with this task, so the job's update would never be published. "
+                f"Clear {context['ti'].task_id} with 'Downstream' on and 'Only failed' off"
+            )
+
     def execute(self, context: Context) -> dict[str, Any]:
-        check_site_task_may_run(context, self.job, self.site, self.round_num)
+        self._check_may_launch(context)
         self.job = job_at_site(self.job, self.site, context, self.round_num)
         try_number = int(context["ti"].try_number or 1)
         run: SiteRun = make_site_run(
