@@ -50,9 +50,10 @@ PARSE_ROUNDS = (1, 3)
 PARALLELISM = 8
 CHILD_TIMEOUT = 300  # one parse measurement in a fresh interpreter
 DAG_VISIBLE_TIMEOUT = 300  # from writing the DAG file until the API serves the DAG
-# Wall-time budget from trigger to the end of a run, per size. The biggest is expected not to finish:
-# it is stopped when its budget is spent and reported as far as it got.
-RUN_BUDGET = {64: 300.0, 256: 420.0, 1024: 240.0}
+# Wall-time budget from trigger to the end of a run, per size (the goal for 1024 sites is
+# 400 s on a quiet machine); a run still going when its budget is spent is stopped and reported as
+# far as it got.
+RUN_BUDGET = {64: 300.0, 256: 420.0, 1024: 600.0}
 QUICK_RUN_BUDGET = {64: 300.0}
 
 # Airflow settings that bound this benchmark: (section, key, what it does here).
@@ -267,8 +268,9 @@ def parse_tables(results: list[ParseResult], reps: int, limits: dict[str, str]) 
         "the dag-processor writes to the metadata DB), then `BundleDagBag(<dag file>)` -- Airflow's own loader "
         "(`airflow dags list-import-errors --local` runs the same) with our modules already imported, so it is "
         "Airflow's file import + `build_dag`. No import errors in any DagBag.",
-        "`DagBag(file)` is what every task process pays at start-up too: the Task SDK re-parses the DAG file in "
-        "each task (`Worker startup parse complete ... dag_file_parse_ms` in the task log; see the scheduler table). "
+        "`DagBag(file)` is what the dag-processor and each of the run's own tasks pay at start-up too: the Task SDK "
+        "re-parses the DAG file in each task (`Worker startup parse complete ... dag_file_parse_ms` in the task log; "
+        "see the scheduler table); a site task's process builds only its own site's tasks. "
         f"`core.dagbag_import_timeout` here: {limits.get('core.dagbag_import_timeout', '?')} s; "
         f"`dag_processor.dag_file_processor_timeout`: {limits.get('dag_processor.dag_file_processor_timeout', '?')} s.",
     ]
@@ -692,7 +694,9 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
         "Times from the API's task instances (`queued_when`, `start_date`, `end_date`) against our clock at the "
         "trigger (same machine); 'trigger -> run success' is polled every 1 s. A run that succeeded used all N "
         "updates (`min_clients` = N). 'per-task DAG re-parse' is the Task SDK's own `dag_file_parse_ms` from each "
-        "site task's log: every task process re-imports the DAG file and rebuilds all N+3 tasks before it runs.",
+        "site task's log: every task process re-imports the DAG file before it runs; for a site task the builder "
+        "then makes only that site's tasks and the run's own (prepare, aggregations, publish; "
+        "`flare_airflow.builder.running_site`), so this cost does not grow with N.",
         f"One DAG file at a time in the dags folder (removed after its run). Stack: `airflow db migrate` + private "
         f"PostgreSQL {info['migrate_s']:.0f} s, components up in {info['start_s']:.0f} s. Import errors at the end: "
         f"{info.get('import_errors', '?')}.",
