@@ -184,21 +184,7 @@ class SiteSlurmOperator(BaseOperator):
         deadline = None
         if self.execution_timeout is not None and start is not None:
             deadline = float(start.timestamp() + self.execution_timeout.total_seconds())
-        spec = self.spec
-        return SlurmJobTrigger(
-            job_id=submitted.job_id,
-            name=submitted.name,
-            output=submitted.output,
-            submitted_at=submitted.submitted_at,
-            connection=spec.connection,
-            pending_timeout=spec.pending_timeout,
-            startup_timeout=spec.startup_timeout,
-            poll_interval=spec.poll_interval,
-            execution_deadline=deadline,
-            offset=offset,
-            prefix=prefix,
-            secret_refs={name: ref.model_dump(exclude_defaults=True) for name, ref in spec.secret_env.items()} or None,
-        )
+        return SlurmJobTrigger.for_job(self.spec, submitted, offset=offset, prefix=prefix, execution_deadline=deadline)
 
     def cancel_earlier_tries(self, commands: Any, run: SiteRun, try_number: int) -> list[str]:
         """Cancel this site job's jobs of earlier tries (found by name) before this try submits its

@@ -292,20 +292,11 @@ class SiteJobSensor(BaseSensorOperator):
             )
         from flare_airflow.triggers.slurm_state import SlurmJobTrigger
 
-        slurm = spec.launcher_spec.slurm
-        submitted = handle.submitted
-        return SlurmJobTrigger(
-            job_id=submitted.job_id,
-            name=submitted.name,
-            output=submitted.output,
-            submitted_at=submitted.submitted_at,
-            connection=slurm.connection,
-            pending_timeout=slurm.pending_timeout,
-            startup_timeout=slurm.startup_timeout,
-            poll_interval=slurm.poll_interval,
+        return SlurmJobTrigger.for_job(
+            spec.launcher_spec.slurm,
+            handle.submitted,
             offset=handle.output.offset,  # the lines before it are in the task log already
             prefix=f"[{self.site} r{self.round_num}] ",
-            secret_refs={n: ref.model_dump(exclude_defaults=True) for n, ref in slurm.secret_env.items()} or None,
             cancel_on_kill=False,
         )
 

@@ -102,6 +102,34 @@ class SlurmJobTrigger(BaseTrigger):
         self._handle: SlurmJobHandle | None = None
         self._sink: Any = None
 
+    @classmethod
+    def for_job(
+        cls,
+        spec: SlurmLaunchSpec,
+        submitted: SubmittedJob,
+        *,
+        offset: int = 0,
+        prefix: str = "",
+        execution_deadline: float | None = None,
+        cancel_on_kill: bool = True,
+    ) -> SlurmJobTrigger:
+        """The trigger that watches ``submitted`` with the site's timeouts, polling and secret references."""
+        return cls(
+            job_id=submitted.job_id,
+            name=submitted.name,
+            output=submitted.output,
+            submitted_at=submitted.submitted_at,
+            connection=spec.connection,
+            pending_timeout=spec.pending_timeout,
+            startup_timeout=spec.startup_timeout,
+            poll_interval=spec.poll_interval,
+            execution_deadline=execution_deadline,
+            offset=offset,
+            prefix=prefix,
+            secret_refs={name: ref.model_dump(exclude_defaults=True) for name, ref in spec.secret_env.items()} or None,
+            cancel_on_kill=cancel_on_kill,
+        )
+
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", {f: getattr(self, f) for f in self._FIELDS}
 
