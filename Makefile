@@ -38,10 +38,11 @@ setup: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
 # of the 2-node one, and sshd; nothing is started here), Debian's headless Chromium (the Federated
 # runs page test drives it with Playwright: no browser download) and a real Kubernetes control
 # plane built from Debian's source package (cached; ~7 min when cold). Containers: rootful podman with
-# runc, buildah, and debootstrap for the base image (`make images`); podman's settings for these
-# machines go into a containers.conf drop-in (an existing containers.conf is not touched).
+# runc, buildah, and debootstrap for the base image (`make images`); netavark + aardvark-dns (compose
+# networks with names) need iptables, which only podman's recommends would bring; podman's settings
+# for these machines go into a containers.conf drop-in (an existing containers.conf is not touched).
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge openssh-server iproute2 chromium fonts-dejavu-core \
-	podman buildah debootstrap runc netavark aardvark-dns catatonit
+	podman buildah debootstrap runc netavark aardvark-dns catatonit iptables
 CONTAINERS_CONF := /etc/containers/containers.conf.d/50-flare-airflow.conf
 system-deps:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
