@@ -116,7 +116,7 @@ def test_a_k8s_site_without_an_image(job_dir) -> None:
     (job_dir / "opt").mkdir()
     data["trainer"]["script"] = "opt"
     _, msg = error(job_dir, data)
-    assert "image" not in msg
+    assert "image" not in msg.replace(str(job_dir), "<job dir>")  # the temp dir's name may say anything
 
 
 @pytest.mark.parametrize(
