@@ -41,7 +41,7 @@ def required_pools(job: JobConfig) -> dict[str, PoolRequirement]:
         if name is None or spec.resource_manager is None:
             continue
         slots = spec.resource_manager.num_of_gpus
-        request = spec.resource_spec.num_of_gpus
+        request = spec.gpus_per_job
         known = pools.get(name)
         if known is not None and known.slots != slots:
             raise ConfigError(

@@ -176,9 +176,10 @@ def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> Non
     spec = job.sites[site]
     pool = spec.pool_name(site)
     if pool is not None:
-        # One slot per GPU: the pool's slots are the site's GPUs (see docs/gpu-pools.md).
+        # One slot per GPU: the pool's slots are the site's GPUs (see docs/gpu-pools.md); a
+        # multi-node site job holds its GPUs on every node.
         kwargs.setdefault("pool", pool)
-        kwargs.setdefault("pool_slots", spec.resource_spec.num_of_gpus)
+        kwargs.setdefault("pool_slots", spec.gpus_per_job)
     # A site's queue and executor send its tasks to the site's own worker (docs/deploy-across-sites.md);
     # the aggregation and bookkeeping tasks keep Airflow's defaults and run centrally.
     queue = job.site_queue(site)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from flare_airflow.core.config.slurm import DISTRIBUTED_ENV
 from flare_airflow.core.config.validators import (
     RESERVED_ENV_PREFIX,
     Strict,
@@ -138,7 +139,8 @@ def _image_reference(value: str) -> str:
 
 
 class KubernetesLaunchSpec(Strict):
-    """Site policy for Kubernetes site jobs (``launcher_spec.k8s``): one pod per site job and round.
+    """Site policy for Kubernetes site jobs (``launcher_spec.k8s``): one pod per site job and round,
+    or with ``nodes: N`` one pod per node plus a headless Service through which they find rank 0.
 
     The pod manifest is built from this block by ``flare_airflow.launchers.kubernetes.build_pod``.
     Secrets are references only (``secret_env``); their values never appear in a job or a pod spec.
@@ -172,6 +174,13 @@ class KubernetesLaunchSpec(Strict):
     pending_timeout: float = Field(300.0, gt=0, description="seconds Pending for lack of cpu / memory / GPUs")
     startup_timeout: float = Field(120.0, gt=0, description="seconds Pending for any other reason")
     keep_pods: bool = Field(False, description="keep finished pods (debugging)")
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="pods per site job, one per node; > 1: torchrun's variables and a headless Service",
+    )
+    master_port: int = Field(29500, ge=1024, le=65535, description="rank 0's rendezvous port (nodes > 1)")
     poll_interval: float = Field(2.0, gt=0, description="seconds between pod status reads")
 
     @field_validator("image")
@@ -271,6 +280,12 @@ class KubernetesLaunchSpec(Strict):
     @model_validator(mode="after")
     def _consistent(self) -> KubernetesLaunchSpec:
         env_or_secret(self.env, self.secret_env)
+        for name in (*self.env, *self.secret_env):
+            if name in DISTRIBUTED_ENV:
+                raise ValueError(
+                    f"{name} is set by flare-airflow for each pod of a multi-node site job (RANK, WORLD_SIZE, "
+                    "LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT); choose another name"
+                )
         if self.in_cluster and self.config_file:
             raise ValueError("in_cluster and config_file exclude each other")
         names = [v.name for v in self.volumes]

@@ -100,6 +100,20 @@ class SiteSpec(Strict):
             )
         return self
 
+    @property
+    def nodes(self) -> int:
+        """Nodes one site job spans (``nodes`` of the site's k8s or slurm block; 1 otherwise)."""
+        if self.launcher == "k8s":
+            return self.launcher_spec.k8s.nodes
+        if self.launcher == "slurm":
+            return self.launcher_spec.slurm.nodes
+        return 1
+
+    @property
+    def gpus_per_job(self) -> int:
+        """GPUs one site job holds: ``num_of_gpus`` (per pod / per node) times its nodes (pool slots)."""
+        return self.resource_spec.num_of_gpus * self.nodes
+
     @model_validator(mode="after")
     def _watchable(self) -> SiteSpec:
         if self.watch == "sensor" and self.launcher == "process":
@@ -112,7 +126,7 @@ class SiteSpec(Strict):
 
     @model_validator(mode="after")
     def _gpus_fit(self) -> SiteSpec:
-        wanted = self.resource_spec.num_of_gpus
+        wanted = self.gpus_per_job
         manager = self.resource_manager
         if wanted and manager is None:
             raise ValueError(
@@ -124,8 +138,11 @@ class SiteSpec(Strict):
             if manager.num_of_gpus < 1:
                 raise ValueError("resource_manager.num_of_gpus must be >= 1 for type 'gpu' (the site's GPUs)")
             if wanted > manager.num_of_gpus:
+                per_node = (
+                    f" ({self.resource_spec.num_of_gpus} per node x {self.nodes} nodes)" if self.nodes > 1 else ""
+                )
                 raise ValueError(
-                    f"a site job asks for {wanted} GPUs but the site has only {manager.num_of_gpus} "
+                    f"a site job asks for {wanted} GPUs{per_node} but the site has only {manager.num_of_gpus} "
                     "(resource_manager.num_of_gpus): it could never run -- Airflow would wait for pool "
                     "slots forever. Lower resource_spec.num_of_gpus or raise the site's capacity."
                 )

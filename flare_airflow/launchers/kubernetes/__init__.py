@@ -1,4 +1,5 @@
-"""The Kubernetes backend: a site job is one pod. Usable without Airflow.
+"""The Kubernetes backend: a site job is one pod, or one pod per node plus a headless Service
+(``nodes: N``). Usable without Airflow.
 
 Rooms (the same as every backend's):
 
@@ -26,11 +27,29 @@ Only this package imports ``kubernetes`` (the launchers package does not import 
 from __future__ import annotations
 
 from flare_airflow.core.envvars import STORE_PATH_VARS
-from flare_airflow.launchers.kubernetes.api import delete_site_pods
+from flare_airflow.launchers.kubernetes.api import delete_service, delete_site_pods
 from flare_airflow.launchers.kubernetes.launcher import KubernetesJobHandle, KubernetesLauncher
-from flare_airflow.launchers.kubernetes.manifest import GPU_RESOURCE, RUN_AS_USER, build_pod, job_pod, pod_to_dict
-from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME, pod_labels, pod_name, site_pods_selector
-from flare_airflow.launchers.kubernetes.state import FAIL_FAST_REASONS, PodStatus, map_pod
+from flare_airflow.launchers.kubernetes.manifest import (
+    GPU_RESOURCE,
+    RUN_AS_USER,
+    SiteJobObjects,
+    build_pod,
+    build_service,
+    build_site_job,
+    job_pod,
+    pod_to_dict,
+)
+from flare_airflow.launchers.kubernetes.naming import (
+    CONTAINER_NAME,
+    NODE_RANK_LABEL,
+    group_name,
+    group_selector,
+    node_pod_name,
+    pod_labels,
+    pod_name,
+    site_pods_selector,
+)
+from flare_airflow.launchers.kubernetes.state import FAIL_FAST_REASONS, GroupStatus, PodStatus, map_pod, map_pod_group
 from flare_airflow.launchers.kubernetes.storage import (
     ALLOWED_HOST_PATHS_ENV,
     allowed_host_paths,
@@ -44,16 +63,26 @@ __all__ = [
     "CONTAINER_NAME",
     "FAIL_FAST_REASONS",
     "GPU_RESOURCE",
+    "NODE_RANK_LABEL",
     "RUN_AS_USER",
     "STORE_PATH_VARS",
+    "GroupStatus",
     "KubernetesJobHandle",
     "KubernetesLauncher",
     "PodStatus",
+    "SiteJobObjects",
     "allowed_host_paths",
     "build_pod",
+    "build_service",
+    "build_site_job",
+    "delete_service",
     "delete_site_pods",
+    "group_name",
+    "group_selector",
     "job_pod",
     "map_pod",
+    "map_pod_group",
+    "node_pod_name",
     "pod_labels",
     "pod_name",
     "pod_to_dict",

@@ -1,4 +1,5 @@
-"""Talking to the Kubernetes API: timeouts, retries with backoff, and finding / deleting site pods."""
+"""Talking to the Kubernetes API: timeouts, retries with backoff, and finding / deleting site pods
+(and the headless Services of multi-node site jobs)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,17 @@ def list_site_pods(core: k8s.CoreV1Api, namespace: str, selector: str) -> list[A
     return retrying(listed)
 
 
+def list_site_services(core: k8s.CoreV1Api, namespace: str, selector: str) -> list[Any]:
+    """The Services ``selector`` finds in ``namespace``: the headless Services of multi-node site jobs."""
+
+    def listed() -> list[Any]:
+        return list(
+            core.list_namespaced_service(namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items
+        )
+
+    return retrying(listed)
+
+
 def delete_site_pods(
     core: k8s.CoreV1Api,
     namespace: str,
@@ -62,7 +74,8 @@ def delete_site_pods(
     before_try: int | None = None,
     keep_finished: bool = False,
 ) -> list[str]:
-    """Delete, with no grace period, the pods ``selector`` finds in ``namespace``; return their names.
+    """Delete, with no grace period, the pods ``selector`` finds in ``namespace``, and the Services of
+    multi-node site jobs it finds; return their names.
 
     ``before_try``: only pods of tries below it (a new try supersedes them: they run unwatched,
     their task process is gone). ``keep_finished``: leave pods that already finished (a site that
@@ -92,4 +105,30 @@ def delete_site_pods(
 
         retrying(delete)
         deleted.append(f"{pod.metadata.name} (try {try_label or '?'}, {phase or 'unknown phase'})")
+
+    # A multi-node site job's headless Service goes with its pods (kept pods need no rendezvous).
+    for service in list_site_services(core, namespace, selector):
+        try_label = (service.metadata.labels or {}).get(TRY_LABEL, "")
+        if before_try is not None and not (try_label.isdigit() and int(try_label) < before_try):
+            continue
+        delete_service(core, namespace, service.metadata.name, service.metadata.uid)
+        deleted.append(f"service {service.metadata.name} (try {try_label or '?'})")
     return deleted
+
+
+def delete_service(core: k8s.CoreV1Api, namespace: str, name: str, uid: str | None) -> None:
+    """Delete a Service (only the one with ``uid`` when given); a Service already gone is not an error."""
+
+    def delete() -> None:
+        try:
+            core.delete_namespaced_service(
+                name,
+                namespace,
+                body=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid)),
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    retrying(delete)

@@ -8,13 +8,14 @@ with backoff) and deletes it when it finishes (unless the site keeps pods) or wh
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import posixpath
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,17 +40,25 @@ from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.kubernetes.api import (
     REQUEST_TIMEOUT,
     api_message,
+    delete_service,
     delete_site_pods,
     list_site_pods,
+    list_site_services,
     retrying,
 )
-from flare_airflow.launchers.kubernetes.manifest import build_pod
-from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME, site_job_selector, site_pods_selector
+from flare_airflow.launchers.kubernetes.manifest import build_site_job
+from flare_airflow.launchers.kubernetes.naming import (
+    CONTAINER_NAME,
+    group_name,
+    node_pod_name,
+    site_job_selector,
+    site_pods_selector,
+)
 from flare_airflow.launchers.kubernetes.state import (
     FAIL_FAST_REASONS,
     PodStatus,
     container_statuses,
-    map_pod,
+    map_pod_group,
     trainer_started,
 )
 from flare_airflow.launchers.kubernetes.storage import local_path
@@ -61,14 +70,27 @@ _GONE_EXTRA_SECONDS = 30.0
 
 
 class KubernetesJobHandle(JobHandleSpec):
-    """Handle of one site job's pod. Every read goes through :func:`map_pod`."""
+    """Handle of one site job: its pod, or the pods (node-rank order) and headless Service of a
+    multi-node site job. Every read goes through :func:`map_pod_group` (:func:`map_pod` per pod):
+    one pod failing fails the whole site job, and every pod and the Service are deleted together."""
 
-    def __init__(self, launcher: KubernetesLauncher, job: SiteJob, pod: k8s.V1Pod) -> None:
+    def __init__(
+        self,
+        launcher: KubernetesLauncher,
+        job: SiteJob,
+        pod: k8s.V1Pod | Sequence[k8s.V1Pod],
+        service: k8s.V1Service | None = None,
+    ) -> None:
+        pods = [pod] if isinstance(pod, k8s.V1Pod) else list(pod)
         self.launcher = launcher
         self.job = job
-        self.name: str = pod.metadata.name
-        self.namespace: str = pod.metadata.namespace
-        self.uid: str | None = pod.metadata.uid
+        self.names: list[str] = [p.metadata.name for p in pods]
+        self.uids: dict[str, str | None] = {p.metadata.name: p.metadata.uid for p in pods}
+        self.name: str = self.names[0]  # rank 0's pod
+        self.namespace: str = pods[0].metadata.namespace
+        self.uid: str | None = pods[0].metadata.uid
+        self.service_name: str | None = service.metadata.name if service is not None else None
+        self.service_uid: str | None = service.metadata.uid if service is not None else None
         self._status = PodStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
         self._final: PodStatus | None = None
         self._logs: str | None = None
@@ -88,19 +110,26 @@ class KubernetesJobHandle(JobHandleSpec):
         """The last :class:`PodStatus` seen (``waiting_for_resources`` and the scheduler's message while Pending)."""
         return self._final or self._status
 
-    def _read(self) -> k8s.V1Pod | None:
+    def _read_pod(self, name: str) -> k8s.V1Pod | None:
         def read() -> k8s.V1Pod | None:
             try:
-                return self._core.read_namespaced_pod(self.name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
+                return self._core.read_namespaced_pod(name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
             except ApiException as exc:
                 if exc.status == 404:
                     return None
                 raise
 
         pod = retrying(read)
-        if pod is not None and self.uid is not None and pod.metadata.uid != self.uid:
+        uid = self.uids.get(name)
+        if pod is not None and uid is not None and pod.metadata.uid != uid:
             return None  # a different pod under our name: ours is gone
         return pod
+
+    def _read(self) -> k8s.V1Pod | None:
+        return self._read_pod(self.name)
+
+    def _read_all(self) -> list[tuple[str, k8s.V1Pod | None]]:
+        return [(name, self._read_pod(name)) for name in self.names]
 
     def _warning_events(self, pod: k8s.V1Pod) -> list[Any]:
         # Mount failures show up only as events; read them while the pod is bound but not running.
@@ -126,20 +155,20 @@ class KubernetesJobHandle(JobHandleSpec):
         with self._lock:
             if self._final is not None:
                 return self._final.return_code
-            pod = self._read()
-            events = self._warning_events(pod) if pod is not None else []
+            pods = self._read_all()
+            events = {name: self._warning_events(pod) for name, pod in pods if pod is not None}
             spec = self._spec
-            status = map_pod(
-                pod,
+            group = map_pod_group(
+                pods,
                 now=datetime.now(UTC),
                 pending_timeout=spec.pending_timeout,
                 startup_timeout=spec.startup_timeout,
                 events=events,
             )
-            self._status = status
-            if status.done:
-                self._finish(pod, status)
-            return status.return_code
+            self._status = group.status
+            if group.status.done:
+                self._finish(pods, group.status)
+            return group.status.return_code
 
     @property
     def state(self) -> JobState:
@@ -154,18 +183,28 @@ class KubernetesJobHandle(JobHandleSpec):
         return wait_by_polling(self.poll, lambda: self._final is not None, self._spec.poll_interval, timeout)
 
     def logs(self) -> str:
-        """The trainer container's log (kept after the pod is deleted; empty if it never started)."""
+        """The trainer container's log (kept after the pod is deleted; empty if it never started);
+        of a multi-node site job, every pod's log, each under a ``--- node rank R (pod NAME) ---`` line."""
         with self._lock:
             if self._logs is not None:
                 return self._logs
-            return self._read_logs()
+            return self._join({name: self._read_logs(name) for name in self.names})
 
-    def _read_logs(self) -> str:
+    def _join(self, logs: Mapping[str, str]) -> str:
+        if len(self.names) == 1:
+            return logs.get(self.name, "")
+        return "".join(
+            f"--- node rank {rank} (pod {name}) ---\n{logs[name]}"
+            for rank, name in enumerate(self.names)
+            if logs.get(name)
+        )
+
+    def _read_logs(self, name: str) -> str:
         def read() -> str:
             try:
                 # kubernetes 36 mangles the decoded body (str(bytes)); read the raw response.
                 resp = self._core.read_namespaced_pod_log(
-                    self.name,
+                    name,
                     self.namespace,
                     container=CONTAINER_NAME,
                     _preload_content=False,
@@ -180,37 +219,49 @@ class KubernetesJobHandle(JobHandleSpec):
 
         return retrying(read)
 
-    def _collect_logs(self, pod: k8s.V1Pod | None) -> None:
+    def _collect_logs(self, pods: Sequence[tuple[str, k8s.V1Pod | None]]) -> None:
         self._logs = ""
-        if not trainer_started(pod):
-            return
-        try:
-            self._logs = self._read_logs()
-        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
-            # A missing log must not keep the pod alive: note it and go on deleting.
-            log.warning("%s: cannot read the log of pod %s/%s: %s", self.job.label, self.namespace, self.name, exc)
-            return
+        logs: dict[str, str] = {}
+        for name, pod in pods:
+            if not trainer_started(pod):
+                continue
+            try:
+                logs[name] = self._read_logs(name)
+            except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+                # A missing log must not keep the pod alive: note it and go on deleting.
+                log.warning("%s: cannot read the log of pod %s/%s: %s", self.job.label, self.namespace, name, exc)
+        self._logs = self._join(logs)
         if self.launcher.sink is not None:
             prefix = output_prefix(self.job)
-            for line in self._logs.splitlines():
-                self.launcher.sink(prefix + line)
+            for rank, name in enumerate(self.names):
+                node = f"(node {rank}) " if len(self.names) > 1 else ""
+                for line in logs.get(name, "").splitlines():
+                    self.launcher.sink(prefix + node + line)
 
-    def _finish(self, pod: k8s.V1Pod | None, status: PodStatus) -> None:
+    def _finish(self, pods: Sequence[tuple[str, k8s.V1Pod | None]], status: PodStatus) -> None:
         self._final = status
         try:
-            self._collect_logs(pod)
+            self._collect_logs(pods)
         finally:
-            if pod is not None and not self._spec.keep_pods:
+            if all(pod is None for _name, pod in pods) and self.service_name is None:
+                pass  # nothing of this site job is left to delete
+            elif not self._spec.keep_pods:
                 self._delete(grace=None)
+            elif len(self.names) > 1:
+                # A failed group's other pods may still run: keep only what finished, and the Service goes.
+                self._delete(grace=None, keep_finished=True)
 
-    def _delete(self, grace: int | None) -> None:
-        def delete() -> None:
+    def _delete(self, grace: int | None, keep_finished: bool = False) -> None:
+        if self._deleted:
+            return
+
+        def delete(name: str) -> None:
             try:
                 self._core.delete_namespaced_pod(
-                    self.name,
+                    name,
                     self.namespace,
                     body=k8s.V1DeleteOptions(
-                        grace_period_seconds=grace, preconditions=k8s.V1Preconditions(uid=self.uid)
+                        grace_period_seconds=grace, preconditions=k8s.V1Preconditions(uid=self.uids.get(name))
                     ),
                     _request_timeout=REQUEST_TIMEOUT,
                 )
@@ -218,41 +269,50 @@ class KubernetesJobHandle(JobHandleSpec):
                 if exc.status not in (404, 409):  # gone already / another pod under our name
                     raise
 
-        if self._deleted:
-            return
-        retrying(delete)
+        doomed = []
+        for name in self.names:
+            if keep_finished:
+                pod = self._read_pod(name)
+                if pod is None or (pod.status is not None and pod.status.phase in ("Succeeded", "Failed")):
+                    continue
+            retrying(functools.partial(delete, name))
+            doomed.append(name)
+        if self.service_name is not None:
+            delete_service(self._core, self.namespace, self.service_name, self.service_uid)
         limit = (grace if grace is not None else math.ceil(self.job.shutdown_timeout)) + _GONE_EXTRA_SECONDS
         deadline = time.monotonic() + limit
-        while self._read() is not None:
-            if time.monotonic() >= deadline:
-                raise LaunchError(
-                    f"{self.job.label}: pod {self.namespace}/{self.name} still exists {limit:g}s after its deletion"
-                )
-            time.sleep(0.2)
+        for name in doomed:
+            while self._read_pod(name) is not None:
+                if time.monotonic() >= deadline:
+                    raise LaunchError(
+                        f"{self.job.label}: pod {self.namespace}/{name} still exists {limit:g}s after its deletion"
+                    )
+                time.sleep(0.2)
         self._deleted = True
 
     def terminate(self) -> None:
-        """Delete the pod (grace = the job's shutdown timeout) and wait until it is gone. Idempotent.
+        """Delete the pod(s) (grace = the job's shutdown timeout) and wait until they are gone. Idempotent.
 
-        A pod that already finished keeps its result (success stays success) and, with
-        ``keep_pods``, its pod.
+        A site job that already finished keeps its result (success stays success) and, with
+        ``keep_pods``, its pods.
         """
         with self._lock:
             if self._final is not None:
                 if not self._spec.keep_pods:
                     self._delete(grace=None)
                 return
-            pod = self._read()
-            status = map_pod(pod, now=datetime.now(UTC), pending_timeout=math.inf, startup_timeout=math.inf)
-            if status.done:
-                self._status = status
-                self._finish(pod, status)
+            pods = self._read_all()
+            group = map_pod_group(pods, now=datetime.now(UTC), pending_timeout=math.inf, startup_timeout=math.inf)
+            if group.status.done:
+                self._status = group.status
+                self._finish(pods, group.status)
                 return
+            what = "pod deleted" if len(self.names) == 1 else "pods deleted"
             self._final = PodStatus(
-                JobState.TERMINATED, JobReturnCode.ABORTED, "terminated: pod deleted on request", done=True
+                JobState.TERMINATED, JobReturnCode.ABORTED, f"terminated: {what} on request", done=True
             )
             try:
-                self._collect_logs(pod)
+                self._collect_logs(pods)
             finally:
                 self._delete(grace=math.ceil(self.job.shutdown_timeout))
 
@@ -307,30 +367,56 @@ class KubernetesLauncher(JobLauncherSpec):
 
     def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> KubernetesJobHandle:
         try_number = int((fl_ctx or {}).get("try_number", self.try_number))
-        pod = build_pod(job_meta, self.spec, self.resources, store_root=self.store_root, try_number=try_number)
+        objects = build_site_job(job_meta, self.spec, self.resources, store_root=self.store_root, try_number=try_number)
         self._make_output_dir(job_meta)
+        service = None
+        created: list[k8s.V1Pod] = []
         try:
-            created = self.core.create_namespaced_pod(self.spec.namespace, pod, _request_timeout=REQUEST_TIMEOUT)
+            if objects.service is not None:
+                service = self._create(job_meta, "Service", objects.service, self.core.create_namespaced_service)
+            for pod in objects.pods:
+                created.append(self._create(job_meta, "pod", pod, self.core.create_namespaced_pod))
+        except BaseException:
+            # Half a group never runs: what was created goes again.
+            if service is not None or created:
+                KubernetesJobHandle(self, job_meta, created or list(objects.pods[:1]), service)._delete(grace=0)
+            raise
+        return KubernetesJobHandle(self, job_meta, created, service)
+
+    def _create(self, job_meta: SiteJob, kind: str, body: Any, create: Any) -> Any:
+        try:
+            return create(self.spec.namespace, body, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as exc:
-            what = {409: "a pod with this name already exists", 422: "the API refused the pod"}.get(
-                exc.status or 0, f"creating the pod failed (HTTP {exc.status})"
+            what = {409: f"a {kind} with this name already exists", 422: f"the API refused the {kind}"}.get(
+                exc.status or 0, f"creating the {kind} failed (HTTP {exc.status})"
             )
             raise LaunchError(
-                f"{job_meta.label}: {what}: {pod.metadata.namespace}/{pod.metadata.name}: {api_message(exc)}"
+                f"{job_meta.label}: {what}: {body.metadata.namespace}/{body.metadata.name}: {api_message(exc)}"
             ) from exc
-        return KubernetesJobHandle(self, job_meta, created)
 
     def find_job(self, identity: JobIdentity, *, shutdown_timeout: float = 10.0) -> KubernetesJobHandle | None:
         """The handle of the pod launched under ``identity`` (found by its labels in the site's
         namespace, whoever created it), or ``None`` when no such pod exists (never created, or
         deleted once it finished). Polling the handle maps the pod as a fresh launch would; a
         finished pod gives its result (and is deleted unless the site keeps pods)."""
-        pods = list_site_pods(self.core, self.spec.namespace, site_job_selector(identity))
+        selector = site_job_selector(identity)
+        pods = list_site_pods(self.core, self.spec.namespace, selector)
         if not pods:
             return None
-        # Several pods of one launch: a multi-pod site job; the first by name stands for it here.
-        pod = min(pods, key=lambda p: str(p.metadata.name))
-        return KubernetesJobHandle(self, identity.site_job(shutdown_timeout), pod)
+        site_job = identity.site_job(shutdown_timeout)
+        if self.spec.nodes <= 1:
+            return KubernetesJobHandle(self, site_job, min(pods, key=lambda p: str(p.metadata.name)))
+        # A multi-node site job: every rank's pod (one missing counts as vanished) and its Service.
+        group = group_name(
+            identity.job, identity.site, identity.round, identity.run_id, identity.try_number, self.spec.nodes
+        )
+        by_name = {p.metadata.name: p for p in pods}
+        members = [
+            by_name.get(name) or k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, namespace=self.spec.namespace))
+            for name in (node_pod_name(group, rank) for rank in range(self.spec.nodes))
+        ]
+        service = next(iter(list_site_services(self.core, self.spec.namespace, selector)), None)
+        return KubernetesJobHandle(self, site_job, members, service)
 
     def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
         """Delete the pods of the tries of this site job before ``identity``'s (found by their

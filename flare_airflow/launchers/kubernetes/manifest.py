@@ -1,4 +1,4 @@
-"""The ONE place a site job's pod manifest is built.
+"""The ONE place a site job's pod manifest is built (and, for several nodes, its headless Service).
 
 :func:`build_pod`: the trainer as an exact argv, the Client API's ``FLARE_*`` environment (store
 paths rewritten to the store mount), the site's plain env and Secret *references*
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import posixpath
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kubernetes import client as k8s
@@ -31,7 +31,15 @@ from flare_airflow.core.config import (
 from flare_airflow.core.envvars import STORE_PATH_VARS
 from flare_airflow.core.spec import SiteJob
 from flare_airflow.launchers.errors import LaunchError
-from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME, RUN_ID_ANNOTATION, pod_labels, pod_name
+from flare_airflow.launchers.kubernetes.naming import (
+    CONTAINER_NAME,
+    RUN_ID_ANNOTATION,
+    group_name,
+    node_labels,
+    node_pod_name,
+    pod_labels,
+    pod_name,
+)
 from flare_airflow.launchers.kubernetes.storage import (
     check_host_paths,
     needed_store_paths,
@@ -69,7 +77,9 @@ def _resources(resources: ResourceSpec) -> k8s.V1ResourceRequirements | None:
     return k8s.V1ResourceRequirements(requests=dict(amounts), limits=dict(amounts))
 
 
-def _env(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) -> list[k8s.V1EnvVar]:
+def _env(
+    site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None, distributed: Mapping[str, str]
+) -> list[k8s.V1EnvVar]:
     problem = unreachable_store(spec, store_root)
     if problem is not None:
         raise LaunchError(f"{site_job.label}: {problem}")
@@ -85,6 +95,7 @@ def _env(site_job: SiteJob, spec: KubernetesLaunchSpec, store_root: str | None) 
                 raise LaunchError(f"{site_job.label}: {name}: {exc}") from None
         plain[name] = value
     plain.update(spec.env)
+    plain.update(distributed)
     env = [
         k8s.V1EnvVar(name=name, value=_literal(value)) for name, value in plain.items() if name not in spec.secret_env
     ]
@@ -135,6 +146,39 @@ def _volumes(
     return volumes, mounts
 
 
+def _distributed_env(spec: KubernetesLaunchSpec, group: str, node_rank: int) -> dict[str, str]:
+    """torchrun's variables for the pod of ``node_rank`` (one process per pod: RANK = NODE_RANK)."""
+    return {
+        "RANK": str(node_rank),
+        "NODE_RANK": str(node_rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": str(spec.nodes),
+        "LOCAL_WORLD_SIZE": "1",
+        # Rank 0's DNS name through the headless Service (<hostname>.<subdomain>, found through the
+        # pod's DNS search path in its namespace).
+        "MASTER_ADDR": f"{node_pod_name(group, 0)}.{group}",
+        "MASTER_PORT": str(spec.master_port),
+    }
+
+
+def _spread(identity: Mapping[str, str]) -> k8s.V1Affinity:
+    # One pod per node where the cluster has enough of them; preferred, not required, so that a
+    # site whose nodes are fewer (or one big node) still runs the job.
+    return k8s.V1Affinity(
+        pod_anti_affinity=k8s.V1PodAntiAffinity(
+            preferred_during_scheduling_ignored_during_execution=[
+                k8s.V1WeightedPodAffinityTerm(
+                    weight=100,
+                    pod_affinity_term=k8s.V1PodAffinityTerm(
+                        label_selector=k8s.V1LabelSelector(match_labels=dict(identity)),
+                        topology_key="kubernetes.io/hostname",
+                    ),
+                )
+            ]
+        )
+    )
+
+
 def build_pod(
     site_job: SiteJob,
     spec: KubernetesLaunchSpec,
@@ -142,8 +186,9 @@ def build_pod(
     *,
     store_root: str | None,
     try_number: int = 1,
+    node_rank: int = 0,
 ) -> k8s.V1Pod:
-    """The pod of one site job.
+    """The pod of one site job (with ``spec.nodes`` > 1: the pod of node ``node_rank`` of it).
 
     ``site_job.argv`` is the trainer's exact argv inside the image (see :func:`trainer_argv`; it
     becomes the container's ``command``, escaped against the kubelet's ``$(VAR)`` expansion);
@@ -154,16 +199,37 @@ def build_pod(
     place under the mount path. Raises :class:`LaunchError` when the site job cannot run as a pod
     (no image, a store path the pod cannot reach, empty argv, a host path outside
     :func:`allowed_host_paths`).
+
+    A multi-node pod is named ``<group>-n<rank>`` (:func:`~.naming.group_name`), has that name as
+    its ``hostname`` and the group's headless Service (:func:`build_service`) as its
+    ``subdomain``, carries a ``flare-airflow/node-rank`` label, torchrun's variables (``RANK`` =
+    ``NODE_RANK`` = the node rank, ``LOCAL_RANK`` 0, ``WORLD_SIZE`` = ``LOCAL_WORLD_SIZE`` x nodes,
+    ``MASTER_ADDR`` = rank 0's DNS name, ``MASTER_PORT``) and a preferred anti-affinity that
+    spreads the group over nodes. ``resources`` are per pod.
     """
     if not spec.image:
         raise LaunchError(f"{site_job.label}: launcher_spec.k8s.image is not set; a pod needs the site's trainer image")
     if not site_job.argv:
         raise LaunchError(f"{site_job.label}: empty argv")
+    if not 0 <= node_rank < spec.nodes:
+        raise LaunchError(f"{site_job.label}: node rank {node_rank} is outside 0..{spec.nodes - 1} (nodes)")
     check_host_paths(site_job, spec)
-    name = pod_name(site_job.job, site_job.site, site_job.round, site_job.run_id, try_number)
-    labels = {**spec.labels, **pod_labels(site_job.job, site_job.run_id, site_job.round, site_job.site, try_number)}
+    identity = pod_labels(site_job.job, site_job.run_id, site_job.round, site_job.site, try_number)
+    distributed: dict[str, str] = {}
+    hostname = subdomain = None
+    affinity = None
+    if spec.nodes > 1:
+        group = group_name(site_job.job, site_job.site, site_job.round, site_job.run_id, try_number, spec.nodes)
+        name = hostname = node_pod_name(group, node_rank)
+        subdomain = group
+        labels = {**spec.labels, **node_labels(identity, node_rank)}
+        distributed = _distributed_env(spec, group, node_rank)
+        affinity = _spread(identity)
+    else:
+        name = pod_name(site_job.job, site_job.site, site_job.round, site_job.run_id, try_number)
+        labels = {**spec.labels, **identity}
     annotations = {**spec.annotations, RUN_ID_ANNOTATION: site_job.run_id}
-    env = _env(site_job, spec, store_root)
+    env = _env(site_job, spec, store_root, distributed)
     volumes, mounts = _volumes(spec, needed_store_paths(site_job, spec, store_root))
     container = k8s.V1Container(
         name=CONTAINER_NAME,
@@ -192,6 +258,9 @@ def build_pod(
         node_selector=dict(spec.node_selector) or None,
         tolerations=[_toleration(t) for t in spec.tolerations] or None,
         termination_grace_period_seconds=math.ceil(site_job.shutdown_timeout),
+        hostname=hostname,
+        subdomain=subdomain,
+        affinity=affinity,
         security_context=k8s.V1PodSecurityContext(
             run_as_non_root=True,
             run_as_user=RUN_AS_USER,
@@ -208,6 +277,57 @@ def build_pod(
     )
 
 
+def build_service(site_job: SiteJob, spec: KubernetesLaunchSpec, *, try_number: int = 1) -> k8s.V1Service | None:
+    """The headless Service of a multi-node site job (``None`` for one pod): named
+    :func:`~.naming.group_name`, labelled and selecting by the site job's identity (this try's
+    pods only), publishing addresses of pods not yet ready so that rank 0's name resolves as soon
+    as its pod has an address."""
+    if spec.nodes <= 1:
+        return None
+    identity = pod_labels(site_job.job, site_job.run_id, site_job.round, site_job.site, try_number)
+    name = group_name(site_job.job, site_job.site, site_job.round, site_job.run_id, try_number, spec.nodes)
+    return k8s.V1Service(
+        api_version="v1",
+        kind="Service",
+        metadata=k8s.V1ObjectMeta(
+            name=name,
+            namespace=spec.namespace,
+            labels={**spec.labels, **identity},
+            annotations={**spec.annotations, RUN_ID_ANNOTATION: site_job.run_id},
+        ),
+        spec=k8s.V1ServiceSpec(
+            cluster_ip="None",
+            selector=dict(identity),
+            publish_not_ready_addresses=True,
+            ports=[k8s.V1ServicePort(name="rendezvous", port=spec.master_port, protocol="TCP")],
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class SiteJobObjects:
+    """What one try of one site job creates: its pods (rank order) and, for several nodes, the Service."""
+
+    pods: tuple[k8s.V1Pod, ...]
+    service: k8s.V1Service | None
+
+
+def build_site_job(
+    site_job: SiteJob,
+    spec: KubernetesLaunchSpec,
+    resources: ResourceSpec,
+    *,
+    store_root: str | None,
+    try_number: int = 1,
+) -> SiteJobObjects:
+    """Every object of one site job: :func:`build_pod` for each node rank and :func:`build_service`."""
+    pods = tuple(
+        build_pod(site_job, spec, resources, store_root=store_root, try_number=try_number, node_rank=rank)
+        for rank in range(spec.nodes)
+    )
+    return SiteJobObjects(pods, build_service(site_job, spec, try_number=try_number))
+
+
 def _toleration(item: Mapping[str, Any]) -> k8s.V1Toleration:
     return k8s.V1Toleration(
         key=item.get("key"),
@@ -218,20 +338,24 @@ def _toleration(item: Mapping[str, Any]) -> k8s.V1Toleration:
     )
 
 
-def job_pod(job: JobConfig, site: str, site_job: SiteJob, *, store_root: str | None, try_number: int = 1) -> k8s.V1Pod:
+def job_pod(
+    job: JobConfig, site: str, site_job: SiteJob, *, store_root: str | None, try_number: int = 1, node_rank: int = 0
+) -> k8s.V1Pod:
     """:func:`build_pod` for ``site`` of a validated job: the site's k8s block and resources, and the
     trainer's argv in the image (:func:`trainer_argv`) in place of ``site_job.argv``."""
     site_spec = job.sites[site]
     spec = site_spec.launcher_spec.k8s
     pod_job = replace(site_job, argv=tuple(trainer_argv(job, spec)))
-    return build_pod(pod_job, spec, site_spec.resource_spec, store_root=store_root, try_number=try_number)
+    return build_pod(
+        pod_job, spec, site_spec.resource_spec, store_root=store_root, try_number=try_number, node_rank=node_rank
+    )
 
 
 _SERIALIZER: k8s.ApiClient | None = None
 
 
-def pod_to_dict(pod: k8s.V1Pod) -> dict[str, Any]:
-    """The pod as the JSON the API receives (camelCase keys, no ``None`` fields)."""
+def pod_to_dict(pod: k8s.V1Pod | k8s.V1Service) -> dict[str, Any]:
+    """The pod (or Service) as the JSON the API receives (camelCase keys, no ``None`` fields)."""
     global _SERIALIZER
     if _SERIALIZER is None:
         _SERIALIZER = k8s.ApiClient()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -209,3 +209,56 @@ def _pending_detail(status: Any) -> str:
         if c.status == "False" and (c.reason or c.message):
             return ": ".join(x for x in (c.reason, c.message) if x)
     return ""
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """A multi-node site job's meaning (see :func:`map_pod_group`): ``pod`` is the pod that decided
+    it (the failing one, or rank 0) and its status, with the reason naming that pod's node rank."""
+
+    pod: str
+    status: PodStatus
+
+
+def map_pod_group(
+    pods: Sequence[tuple[str, k8s.V1Pod | None]],
+    *,
+    now: datetime,
+    pending_timeout: float,
+    startup_timeout: float,
+    events: Mapping[str, Sequence[Any]] | None = None,
+) -> GroupStatus:
+    """The state table of a group of pods that is ONE site job (``docs/state-mapping.md``).
+
+    ``pods`` are ``(name, pod as read now or None)`` in node-rank order. Each pod goes through
+    :func:`map_pod`; the group fails as soon as one pod fails, vanishes or times out (the first by
+    node rank among those, its reason prefixed with ``node rank R of N (pod NAME)``), succeeds when
+    every pod succeeded, waits for resources while any pod does, and runs once every pod runs or
+    has finished. One pod is the same as :func:`map_pod`.
+    """
+    if not pods:
+        raise ValueError("a site job has at least one pod")
+    statuses = [
+        (name, map_pod(
+            pod, now=now, pending_timeout=pending_timeout, startup_timeout=startup_timeout,
+            events=(events or {}).get(name, ()),
+        ))
+        for name, pod in pods
+    ]  # fmt: skip
+    if len(statuses) == 1:
+        return GroupStatus(*statuses[0])
+    total = len(statuses)
+    for rank, (name, status) in enumerate(statuses):
+        if status.done and status.state is not JobState.SUCCEEDED:
+            reason = f"node rank {rank} of {total} (pod {name}): {status.reason}"
+            return GroupStatus(name, replace(status, reason=reason))
+    first = statuses[0][0]
+    if all(status.done for _name, status in statuses):
+        return GroupStatus(first, statuses[0][1])
+    waiting = [(rank, name, s) for rank, (name, s) in enumerate(statuses) if s.waiting_for_resources]
+    if waiting:
+        rank, name, status = waiting[0]
+        return GroupStatus(name, replace(status, reason=f"node rank {rank} of {total} (pod {name}): {status.reason}"))
+    if all(s.state in (JobState.RUNNING, JobState.SUCCEEDED) for _name, s in statuses):
+        return GroupStatus(first, PodStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False))
+    return GroupStatus(first, PodStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False))
