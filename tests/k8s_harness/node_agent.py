@@ -57,6 +57,11 @@ Everything goes through the real Kubernetes API with the ``kubernetes`` Python c
   start); an unresolvable volume gives ContainerCreating plus a ``FailedMount`` event.
   Events (Started, Killing, Failed, BackOff, FailedMount …) are recorded like a kubelet's.
 
+* **Pod network and DNS (stand-in)**: a pod with ``hostname`` and ``subdomain`` (a headless
+  Service's member, e.g. a multi-node site job's pod) gets a network namespace and address of its
+  own on a private bridge and sees a hosts file with the records a cluster DNS would serve
+  (:class:`PodNetwork`, :meth:`NodeAgent.refresh_dns`); other pods share the host network.
+
 Not simulated: exec/attach/port-forward, probes, securityContext (processes run as the agent's
 user), image pulls, cgroups other than the memory check.
 
@@ -78,6 +83,7 @@ import math
 import os
 import pathlib
 import re
+import secrets
 import signal
 import ssl
 import subprocess
@@ -277,6 +283,9 @@ class _PodRun:
         self.ready_since: str | None = None
         self.initialized = not self.init_containers
         self._last_status: str = ""
+        self.pod_ip = "127.0.0.1"
+        # (network namespace, address) when the pod has a network of its own (see PodNetwork)
+        self.net: tuple[str, str] | None = None
         self.thread = threading.Thread(target=self._lifecycle, name=f"pod-{self.ns}/{self.name}", daemon=True)
         self._delete_thread: threading.Thread | None = None
 
@@ -338,8 +347,8 @@ class _PodRun:
             if self.init_containers:
                 status["initContainerStatuses"] = [c.status() for c in self.init_containers]
             if self.phase != "Pending" or any(c.container_id for c in self.containers):
-                status["podIP"] = "127.0.0.1"
-                status["podIPs"] = [{"ip": "127.0.0.1"}]
+                status["podIP"] = self.pod_ip
+                status["podIPs"] = [{"ip": self.pod_ip}]
             key = json.dumps({k: v for k, v in status.items() if k != "conditions"}, sort_keys=True)
             if key == self._last_status and not force:
                 return
@@ -418,7 +427,12 @@ class _PodRun:
                     self.event("FailedMount", str(e), "Warning")
                 if self._wait(agent.config_retry_seconds):
                     return
-        # 3. init containers, in order, then the containers together
+        # 3. a network of its own for a pod that others find by name (hostname + subdomain)
+        if self.agent.wants_network(self.pod):
+            self.net = self.agent.network.attach()
+            self.pod_ip = self.net[1]
+            self.agent.refresh_dns(self.ns)
+        # 4. init containers, in order, then the containers together
         for c in self.init_containers:
             if not self._run_init(c, volumes):
                 return
@@ -437,6 +451,21 @@ class _PodRun:
         with self.lock:
             self._set_final_phase()
         self.patch_status()  # usually a no-op: the last container's exit already reported it
+        self.release_network()
+
+    def vanish(self) -> None:
+        """The pod object is gone (deleted with grace 0 by someone else): end everything of it."""
+        self.kill_all(0)
+        self.done.wait(timeout=10)
+        self.release_network()
+
+    def release_network(self) -> None:
+        """Give the pod's network namespace and address back (its processes are gone)."""
+        with self.lock:
+            net, self.net = self.net, None
+        if net is not None:
+            self.agent.network.release(*net)
+            self.agent.refresh_dns(self.ns)
 
     def _prepare(self, c: _Container, volumes: dict[str, str]) -> tuple[list[str], dict[str, str], str] | None:
         """argv, env, cwd; None when the pod is deleted while waiting for its configuration."""
@@ -511,6 +540,8 @@ class _PodRun:
                 c.state = {"terminated": {"exitCode": 137, "reason": "Error", "startedAt": started}}
                 return
             c.killed_by_agent = c.oom = False
+            if self.net is not None:
+                argv = self.agent.network.exec_argv(self.net[0], self.agent.hosts_file(self.ns), argv)
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -641,6 +672,7 @@ class _PodRun:
             self.event("Killing", "Stopping container " + ", ".join(c.name for c in self.containers if c.running))
         self.kill_all(grace)
         self.done.wait(timeout=10)
+        self.release_network()
         self.agent.confirm_delete(self.ns, self.name, self.uid)
 
 
@@ -727,6 +759,85 @@ class _LogServer(http.server.ThreadingHTTPServer):
         self.socket = ctx.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
 
+# ----------------------------------------------------------------------------- pod network
+class PodNetwork:
+    """THE HARNESS'S STAND-IN FOR A POD NETWORK AND CLUSTER DNS (not a CNI plugin, not CoreDNS).
+
+    Pods that others find by name (``hostname`` + ``subdomain``: the pods of a multi-node site
+    job) each get a network namespace of their own on a private bridge: ``10.X.Y.1`` on this host,
+    ``10.X.Y.(10 + n)`` for pod n (reported as its podIP), so that two pods of a group are two hosts
+    with their own ports, as on a cluster. Their processes run under ``nsenter --net`` and
+    ``unshare --mount`` with the namespace's hosts file (:meth:`NodeAgent.refresh_dns`) bind-mounted
+    over /etc/hosts: the names a cluster DNS would serve resolve there. Every other pod keeps the
+    host network (podIP 127.0.0.1), as before. Names and subnet are random per agent; :meth:`close`
+    removes them.
+    """
+
+    _HOSTS_WRAPPER = 'mount --bind "$0" /etc/hosts && exec "$@"'
+
+    def __init__(self, dns_dir: pathlib.Path) -> None:
+        tag = secrets.token_hex(3)
+        self.dns_dir = dns_dir
+        self.bridge = f"fk{tag}"
+        rnd = secrets.randbelow(200 * 250)
+        self.prefix = f"10.{20 + rnd // 250}.{rnd % 250}"
+        self.gateway = f"{self.prefix}.1"
+        self._tag = tag
+        self._free = list(range(10, 250))
+        self._made = False
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        res = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        if res.returncode != 0:
+            raise RuntimeError(f"node agent: ip {' '.join(args)} failed: {res.stderr.strip()}")
+
+    def attach(self) -> tuple[str, str]:
+        """A new network namespace with its own address on the bridge: ``(namespace, address)``."""
+        with self._lock:
+            if not self._made:
+                self._ip("link", "add", self.bridge, "type", "bridge")
+                self._made = True
+                self._ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+                self._ip("link", "set", self.bridge, "up")
+            if not self._free:
+                raise RuntimeError("node agent: no pod address left on the harness bridge")
+            n = self._free.pop(0)
+        ns, host_end, pod_end = f"{self.bridge}-{n}", f"{self.bridge}h{n}", f"{self.bridge}p{n}"
+        address = f"{self.prefix}.{n}"
+        self._ip("netns", "add", ns)
+        self._ip("link", "add", host_end, "type", "veth", "peer", "name", pod_end)
+        self._ip("link", "set", host_end, "master", self.bridge)
+        self._ip("link", "set", host_end, "up")
+        self._ip("link", "set", pod_end, "netns", ns)
+        self._ip("-n", ns, "addr", "add", f"{address}/24", "dev", pod_end)
+        self._ip("-n", ns, "link", "set", pod_end, "up")
+        self._ip("-n", ns, "link", "set", "lo", "up")
+        self._ip("-n", ns, "route", "add", "default", "via", self.gateway)
+        return ns, address
+
+    def release(self, ns: str, address: str) -> None:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # its veth goes with it
+        with self._lock:
+            self._free.append(int(address.rsplit(".", 1)[1]))
+
+    def exec_argv(self, ns: str, hosts_file: str, argv: list[str]) -> list[str]:
+        # Fixed text; the pod's argv follows as "$@" (never parsed by the shell). nsenter and unshare
+        # exec (no fork): the container's process keeps its pid and process group.
+        return [
+            "nsenter", f"--net=/var/run/netns/{ns}", "--",
+            "unshare", "--mount", "--propagation", "private", "--",
+            "sh", "-c", self._HOSTS_WRAPPER, hosts_file, *argv,
+        ]  # fmt: skip
+
+    def close(self) -> None:
+        with self._lock:
+            made, self._made = self._made, False
+        if made:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
 # ----------------------------------------------------------------------------- the agent
 class NodeAgent:
     """The local node agent (see the module docstring). ``start()`` returns once the node is Ready."""
@@ -783,6 +894,8 @@ class NodeAgent:
         self._server_thread: threading.Thread | None = None
         self._synced = threading.Event()
         self.errors: list[str] = []
+        self.network = PodNetwork(self.work_dir / "dns")
+        self._dns_lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> NodeAgent:
@@ -814,6 +927,9 @@ class NodeAgent:
         for run in runs:
             run.done.wait(timeout=10)
         self._kill_everything()
+        for run in runs:
+            run.release_network()
+        self.network.close()
         if self._watch_thread:
             self._watch_thread.join(timeout=10)
         if self._server:
@@ -851,6 +967,58 @@ class NodeAgent:
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
+
+    # ---------------------------------------------------------------- pod network and DNS
+    @staticmethod
+    def wants_network(pod: dict[str, Any]) -> bool:
+        """A pod other pods find by name (``hostname`` + ``subdomain``, a headless Service's member)."""
+        spec = pod.get("spec") or {}
+        return bool(spec.get("hostname") and spec.get("subdomain"))
+
+    def hosts_file(self, ns: str) -> str:
+        """The hosts file pods with a network of their own in ``ns`` see as /etc/hosts."""
+        path = self.network.dns_dir / f"{ns}.hosts"
+        if not path.exists():
+            self.network.dns_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text("127.0.0.1\tlocalhost\n")
+        return str(path)
+
+    def _headless_selector(self, ns: str, name: str) -> dict[str, str] | None:
+        try:
+            svc = json.loads(self.core.read_namespaced_service(name, ns, _preload_content=False).data)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        spec = svc.get("spec") or {}
+        if spec.get("clusterIP") != "None" or not spec.get("selector"):
+            return None
+        return dict(spec["selector"])
+
+    def refresh_dns(self, ns: str) -> None:
+        """Rewrite ``ns``'s hosts file IN PLACE (pods bind-mount its inode) with the records a cluster
+        DNS serves for pods with hostname + subdomain: ``<hostname>.<subdomain>[.<ns>[.svc[.cluster.local]]]``
+        for each such pod of this node that has an address, when a headless Service named
+        ``<subdomain>`` exists in ``ns`` and selects the pod (as the endpoints controller decides)."""
+        with self._dns_lock:
+            with self._lock:
+                runs = [r for r in self._runs.values() if r.ns == ns and r.net is not None]
+            selectors: dict[str, dict[str, str] | None] = {}
+            lines = ["127.0.0.1\tlocalhost"]
+            for run in sorted(runs, key=lambda r: r.name):
+                spec, labels = run.pod["spec"], run.pod["metadata"].get("labels") or {}
+                sub = spec["subdomain"]
+                if sub not in selectors:
+                    selectors[sub] = self._headless_selector(ns, sub)
+                selector = selectors[sub]
+                if selector is None or not selector.items() <= labels.items():
+                    continue
+                host = f"{spec['hostname']}.{sub}"
+                names = [f"{host}.{ns}.svc.cluster.local", f"{host}.{ns}.svc", f"{host}.{ns}", host]
+                lines.append(f"{run.pod_ip}\t" + " ".join(names))
+            with open(self.hosts_file(ns), "r+", encoding="utf-8") as f:
+                f.truncate(0)
+                f.write("\n".join(lines) + "\n")
 
     # ---------------------------------------------------------------- node
     def _start_log_server(self) -> None:
@@ -1049,7 +1217,7 @@ class NodeAgent:
                         self._by_name.pop((ns, name), None)
                     run.gone.set()
                     run.deleting.set()
-                    threading.Thread(target=run.kill_all, args=(0,), daemon=True).start()
+                    threading.Thread(target=run.vanish, daemon=True).start()
                 self._confirming.discard(uid)
                 return
             if run is not None:
@@ -1149,7 +1317,8 @@ class NodeAgent:
         )
         return data
 
-    def _field(self, pod: dict[str, Any], path: str) -> str:
+    def _field(self, run: _PodRun, path: str) -> str:
+        pod = run.pod
         meta, spec = pod["metadata"], pod["spec"]
         simple = {
             "metadata.name": meta.get("name", ""),
@@ -1158,8 +1327,8 @@ class NodeAgent:
             "spec.nodeName": spec.get("nodeName", ""),
             "spec.serviceAccountName": spec.get("serviceAccountName", ""),
             "status.hostIP": "127.0.0.1",
-            "status.podIP": "127.0.0.1",
-            "status.podIPs": "127.0.0.1",
+            "status.podIP": run.pod_ip,
+            "status.podIPs": run.pod_ip,
         }
         if path in simple:
             return simple[path]
@@ -1236,7 +1405,7 @@ class NodeAgent:
                     raise _ConfigError(f"couldn't find key {ref['key']} in {label} {ns}/{ref['name']}")
                 env[name] = data[ref["key"]]
             elif "fieldRef" in vf:
-                env[name] = self._field(pod, vf["fieldRef"]["fieldPath"])
+                env[name] = self._field(run, vf["fieldRef"]["fieldPath"])
             elif "resourceFieldRef" in vf:
                 env[name] = self._resource(spec, vf["resourceFieldRef"])
         mounts: dict[str, str] = {}
@@ -1322,7 +1491,7 @@ class NodeAgent:
                 for it in vol["downwardAPI"].get("items") or []:
                     if "fieldRef" in it:
                         try:
-                            (d / it["path"]).write_text(self._field(run.pod, it["fieldRef"]["fieldPath"]))
+                            (d / it["path"]).write_text(self._field(run, it["fieldRef"]["fieldPath"]))
                         except _ConfigError as e:
                             raise _MountError(str(e)) from None
                 out[name] = str(d)

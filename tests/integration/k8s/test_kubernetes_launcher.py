@@ -57,10 +57,10 @@ class Sites:
     def launcher(self, gpus: int = 0, **spec: Any) -> KubernetesLauncher:
         spec.setdefault("image", "registry.example.org/fl/trainer:1")
         spec.setdefault("store_mount", {"host_path": str(self.store.root), "mount_path": "/flare-store"})
+        spec.setdefault("trainer_script", "/opt/trainer/k8s_trainer.py")
         self.spec = KubernetesLaunchSpec(
             namespace=self.namespace,
             trainer_command=[sys.executable],
-            trainer_script="/opt/trainer/k8s_trainer.py",
             volumes=[{"name": "code", "mount_path": "/opt/trainer", "host_path": str(TRAINERS), "read_only": True}],
             poll_interval=0.5,
             **spec,
