@@ -27,12 +27,16 @@ from kubernetes.client import models as k8s
 
 from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
-from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.spec import JobIdentity, JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.kubernetes import (
     CONTAINER_NAME,
     delete_site_pods,
+    group_name,
     job_pod,
+    job_site_job,
+    node_pod_name,
+    site_job_selector,
     site_pods_selector,
     unreachable_store,
 )
@@ -141,6 +145,8 @@ class SitePodOperator(KubernetesPodOperator):
         self.global_task_id = global_task_id
         self._run: SiteRun | None = None
         self._policy_applied = False
+        # A multi-node site job (nodes > 1): this try's group, (label selector, pod names by rank).
+        self._group: tuple[str, list[str]] | None = None
 
     def apply_site_policy(self, context: Context) -> None:
         """Run the pod as this worker's site policy says (cluster, namespace, image, volumes, store).
@@ -193,12 +199,66 @@ class SitePodOperator(KubernetesPodOperator):
         pod.metadata.labels.update(self._get_ti_pod_labels(context))
         return pod
 
+    def _know_group(self, context: Context) -> None:
+        """Name this try's group of pods (nodes > 1) so that every exit path can delete it."""
+        spec = self.job.sites[self.site].launcher_spec.k8s
+        if spec.nodes <= 1:
+            return
+        run = self._site_run(context)
+        try_number = int(context["ti"].try_number or 1)
+        identity = JobIdentity(self.job.job, run.run_id, self.round_num, self.site, try_number)
+        group = group_name(self.job.job, self.site, self.round_num, run.run_id, try_number, spec.nodes)
+        self._group = (site_job_selector(identity), [node_pod_name(group, rank) for rank in range(spec.nodes)])
+
+    def get_or_create_pod(self, pod_request_obj: k8s.V1Pod, context: Context) -> k8s.V1Pod:
+        """Rank 0's pod, as the stock operator creates it; for several nodes the headless Service and
+        the other ranks' pods first (from the one manifest builder, with the same labels)."""
+        if self._group is not None:
+            run = self._site_run(context)
+            objects = job_site_job(
+                self.job,
+                self.site,
+                run.site_job(),
+                store_root=str(store_for(self.job).root),
+                try_number=int(context["ti"].try_number or 1),
+            )
+            assert objects.service is not None
+            namespace = pod_request_obj.metadata.namespace
+            self.client.create_namespaced_service(namespace, objects.service)
+            for pod in objects.pods[1:]:
+                pod.metadata.labels.update(self._get_ti_pod_labels(context))
+                self.client.create_namespaced_pod(namespace, pod)
+            self.log.info(
+                "site %s round %d: %d pods (one per node) and headless Service %s in %s",
+                self.site, self.round_num, len(objects.pods), objects.service.metadata.name, namespace,
+            )  # fmt: skip
+        return super().get_or_create_pod(pod_request_obj, context)
+
+    def _delete_group_quietly(self) -> None:
+        """Delete every pod of this try's group and its Service (a site that keeps pods keeps the
+        finished ones); nothing for a one-pod site job."""
+        if self._group is None:
+            return
+        spec = self.job.sites[self.site].launcher_spec.k8s
+        try:
+            deleted = delete_site_pods(self.client, spec.namespace, self._group[0], keep_finished=spec.keep_pods)
+        except Exception as exc:  # the original error matters more; say why pods may remain
+            self.log.warning("could not delete the pods of %s: %s", self._group[0], exc)
+            return
+        if deleted:
+            self.log.info("site %s round %d: deleted %s", self.site, self.round_num, ", ".join(deleted))
+
+    def on_kill(self) -> None:
+        super().on_kill()
+        self._delete_group_quietly()
+
     def execute(self, context: Context) -> Any:
         check_site_task_may_run(context, self.job, self.site, self.round_num)
         self.apply_site_policy(context)
         run = self._site_run(context)
         claim_and_clear(run)
         self.delete_earlier_tries(context)
+        self._know_group(context)
         try:
             return super().execute(context)
         except (AirflowSkipException, TaskDeferred):
@@ -259,6 +319,8 @@ class SitePodOperator(KubernetesPodOperator):
             grace_period=math.ceil(self.job.trainer.shutdown_timeout),  # as the pod's own grace period
             delete_on_kill=not spec.keep_pods,
             redefer_count=int((self.trigger_kwargs or {}).get("_redefer_count", 0)),
+            group_selector=self._group[0] if self._group else None,
+            group_pods=self._group[1] if self._group else None,
         )
 
     def _kubeconfig(self) -> dict[str, Any] | None:
@@ -307,7 +369,9 @@ class SitePodOperator(KubernetesPodOperator):
         }
 
     def _delete_pod_quietly(self, event: dict[str, Any] | None = None) -> None:
-        """Delete this try's pod (a 404 counts as done); ``event`` names it when ``self.pod`` is unset."""
+        """Delete this try's pod (a 404 counts as done); ``event`` names it when ``self.pod`` is unset.
+        Of a multi-node site job, every pod and the Service."""
+        self._delete_group_quietly()
         if self.job.sites[self.site].launcher_spec.k8s.keep_pods:
             return
         pod: Any = self.pod
@@ -323,6 +387,7 @@ class SitePodOperator(KubernetesPodOperator):
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> Any:
         self.apply_site_policy(context)
         run = self._site_run(context)
+        self._know_group(context)
         output = path_from_uri(run.output)
         reason = str(event.get("reason") or event.get("message") or event.get("status"))
         self.log.info("site %s round %d pod %s: %s", self.site, self.round_num, event.get("name"), event.get("status"))
@@ -345,8 +410,10 @@ class SitePodOperator(KubernetesPodOperator):
                 self._delete_pod_quietly(event)
             if event.get("status") == "success":
                 reason = f"pod succeeded but its result could not be collected: {exc}"
+            self._delete_group_quietly()
             rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
             write_failure(output, rc, reason)
             raise site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]") from None
+        self._delete_group_quietly()  # the stock operator deleted the pod it re-read (rank 0) only
         # do_xcom_push is the stock operator's sidecar switch (off): accept_update pushes the summary.
         return accept_update(context, self.site, self.round_num, run)

@@ -289,6 +289,9 @@ class SiteJobSensor(BaseSensorOperator):
                 pending_timeout=k8s.pending_timeout,
                 startup_timeout=k8s.startup_timeout,
                 delete_on_kill=False,  # the sensor does not own the pod: a later try re-attaches
+                # a multi-node site job: every pod of the launch, watched as one
+                group_selector=handle.group_selector,
+                group_pods=handle.names if handle.group_selector else None,
             )
         from flare_airflow.triggers.slurm_state import SlurmJobTrigger
 

@@ -1,4 +1,5 @@
-"""Pod-state trigger: watches one site pod with NVIDIA FLARE's launcher semantics.
+"""Pod-state trigger: watches one site pod (or the pods of a multi-node site job, as one) with
+NVIDIA FLARE's launcher semantics.
 
 It does not poll: it holds one watch on the pod (``list`` with a field selector, then ``watch``)
 and re-opens it only when the API closes it or a deadline (``pending_timeout`` while the pod waits
@@ -31,7 +32,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from flare_airflow.core.spec import JobReturnCode, JobState
-from flare_airflow.launchers.kubernetes import PodStatus, map_pod
+from flare_airflow.launchers.kubernetes import GroupStatus, PodStatus, map_pod, map_pod_group
 
 # Apiservers end watches after --min-request-timeout (30-60 min by default); ask for as long.
 _MAX_WATCH_SECONDS = 1800
@@ -60,6 +61,9 @@ class PodStateTrigger(BaseTrigger):
     :param grace_period: seconds the pod gets to stop when this trigger deletes it.
     :param delete_on_kill: delete the pod when the deferred task is killed or marked failed.
     :param redefer_count: how many times the operator re-deferred after an ``error`` event (echoed back).
+    :param group_selector: a multi-node site job: the label selector of its pods and Service (this
+        try's identity); the trigger watches every pod it selects, as one site job.
+    :param group_pods: the group's pod names in node-rank order (``pod_name`` is rank 0's).
     """
 
     # The constructor's keyword arguments: what serialize() hands the triggerer.
@@ -77,6 +81,8 @@ class PodStateTrigger(BaseTrigger):
         "grace_period",
         "delete_on_kill",
         "redefer_count",
+        "group_selector",
+        "group_pods",
     )
 
     def __init__(
@@ -95,6 +101,8 @@ class PodStateTrigger(BaseTrigger):
         grace_period: int = 10,
         delete_on_kill: bool = True,
         redefer_count: int = 0,
+        group_selector: str | None = None,
+        group_pods: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.pod_name = pod_name
@@ -110,6 +118,8 @@ class PodStateTrigger(BaseTrigger):
         self.grace_period = grace_period
         self.delete_on_kill = delete_on_kill
         self.redefer_count = redefer_count
+        self.group_selector = group_selector
+        self.group_pods = group_pods
         self._fired = False
         self._events_readable = True
 
@@ -127,7 +137,8 @@ class PodStateTrigger(BaseTrigger):
             connection_extras=self.connection_extras,
         )
 
-    def _event(self, status: PodStatus, pod: Any) -> TriggerEvent:
+    def _event(self, status: PodStatus, pod: Any, name: str | None = None) -> TriggerEvent:
+        name = name or self.pod_name
         phase = getattr(getattr(pod, "status", None), "phase", None)
         if status.state is JobState.SUCCEEDED:
             kind = "success"
@@ -138,12 +149,12 @@ class PodStateTrigger(BaseTrigger):
         return TriggerEvent(
             {
                 "status": kind,
-                "name": self.pod_name,
+                "name": name,
                 "namespace": self.pod_namespace,
                 "state": status.state.value,
                 "return_code": int(status.return_code),
                 "reason": status.reason,
-                "message": f"pod {self.pod_namespace}/{self.pod_name}: {status.reason or status.state.value}",
+                "message": f"pod {self.pod_namespace}/{name}: {status.reason or status.state.value}",
             }
         )
 
@@ -167,8 +178,21 @@ class PodStateTrigger(BaseTrigger):
         return self.execution_deadline - time.time()
 
     async def _delete(self, core: Any) -> None:
+        """Delete the pod, or every pod and the Service of the group."""
         from kubernetes_asyncio.client.exceptions import ApiException
 
+        if self.group_selector is not None:
+            await core.delete_collection_namespaced_pod(
+                self.pod_namespace, label_selector=self.group_selector, grace_period_seconds=self.grace_period
+            )
+            services = await core.list_namespaced_service(self.pod_namespace, label_selector=self.group_selector)
+            for service in services.items:
+                try:
+                    await core.delete_namespaced_service(service.metadata.name, self.pod_namespace)
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+            return
         try:
             await core.delete_namespaced_pod(self.pod_name, self.pod_namespace, grace_period_seconds=self.grace_period)
         except ApiException as exc:
@@ -181,7 +205,8 @@ class PodStateTrigger(BaseTrigger):
             return
         from kubernetes_asyncio import client
 
-        self.log.info("task killed: deleting pod %s/%s", self.pod_namespace, self.pod_name)
+        what = f"the pods of {self.group_selector}" if self.group_selector else self.pod_name
+        self.log.info("task killed: deleting %s in %s", what, self.pod_namespace)
         async with self._hook().get_conn() as api:
             await self._delete(client.CoreV1Api(api))
 
@@ -205,17 +230,18 @@ class PodStateTrigger(BaseTrigger):
         """The pod's Warning events: one list request, filtered by the API."""
         from kubernetes_asyncio.client.exceptions import ApiException
 
+        name = getattr(getattr(pod, "metadata", None), "name", None) or self.pod_name
         try:
             listed = await core.list_namespaced_event(
                 self.pod_namespace,
-                field_selector=f"involvedObject.name={self.pod_name},type=Warning",
+                field_selector=f"involvedObject.name={name},type=Warning",
                 _request_timeout=_REQUEST_TIMEOUT,
             )
         except ApiException as exc:
             if exc.status in (401, 403):  # the site's role may not read events: watch the pod alone
                 self.log.warning(
                     "cannot read events of pod %s (%s): mount failures show only at startup_timeout",
-                    self.pod_name,
+                    name,
                     exc.status,
                 )
                 self._events_readable = False
@@ -229,6 +255,25 @@ class PodStateTrigger(BaseTrigger):
         if status.done or not self._needs_events(pod):
             return status
         return self._status(pod, await self._warnings(core, pod))
+
+    @property
+    def _names(self) -> list[str]:
+        return list(self.group_pods or [self.pod_name])
+
+    async def _decide_group(self, core: Any, pods: dict[str, Any]) -> GroupStatus:
+        """The site job's status from its pods (absent from ``pods``: gone), through map_pod_group."""
+        ordered = [(name, pods.get(name)) for name in self._names]
+        events: dict[str, list[Any]] = {}
+        for name, pod in ordered:
+            if pod is not None and not self._status(pod).done and self._needs_events(pod):
+                events[name] = await self._warnings(core, pod)
+        return map_pod_group(
+            ordered,
+            now=datetime.now(UTC),
+            pending_timeout=self.pending_timeout,
+            startup_timeout=self.startup_timeout,
+            events=events,
+        )
 
     def _error_event(self, reason: str) -> TriggerEvent:
         return TriggerEvent(
@@ -279,34 +324,39 @@ class PodStateTrigger(BaseTrigger):
         from kubernetes_asyncio import client, watch
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        selector = f"metadata.name={self.pod_name}"
+        # One pod by name, or every pod of a multi-node site job by its labels: one watch either way.
+        selector: dict[str, Any] = (
+            {"label_selector": self.group_selector}
+            if self.group_selector
+            else {"field_selector": f"metadata.name={self.pod_name}"}
+        )
         async with self._hook().get_conn() as api:
             core = client.CoreV1Api(api)
             failures = 0
-            pod: Any = None
+            pods: dict[str, Any] = {}
             version: str | None = None  # None: list (again) before watching
             while True:
                 try:
                     if version is None:
                         listed = await core.list_namespaced_pod(
-                            self.pod_namespace, field_selector=selector, _request_timeout=_REQUEST_TIMEOUT
+                            self.pod_namespace, **selector, _request_timeout=_REQUEST_TIMEOUT
                         )
-                        pod = listed.items[0] if listed.items else None
+                        pods = {item.metadata.name: item for item in listed.items}
                         version = listed.metadata.resource_version
-                    status = await self._decide(core, pod)
-                    if status.done:
-                        return self._event(status, pod)
+                    group = await self._decide_group(core, pods)
+                    if group.status.done:
+                        return self._event(group.status, pods.get(group.pod), group.pod)
                     left = self._seconds_left()
                     if left is not None and left <= 0:
                         await self._delete(core)
                         return self._deadline_event()
-                    wait = self._watch_seconds(pod)
+                    wait = min(self._watch_seconds(pods.get(name)) for name in self._names)
                     # The provider's API client gives every request a 60 s total timeout unless the
                     # call names its own: a watch states how long it may stay silent instead.
                     stream = watch.Watch().stream(
                         core.list_namespaced_pod,
                         self.pod_namespace,
-                        field_selector=selector,
+                        **selector,
                         resource_version=version,
                         timeout_seconds=wait,
                         allow_watch_bookmarks=True,
@@ -325,10 +375,14 @@ class PodStateTrigger(BaseTrigger):
                         failures = 0
                         if item["type"] == "BOOKMARK":
                             continue
-                        pod = None if item["type"] == "DELETED" else obj
-                        status = await self._decide(core, pod)
-                        if status.done:
-                            return self._event(status, pod)
+                        name = meta.get("name") if isinstance(meta, dict) else getattr(meta, "name", None)
+                        if name and item["type"] == "DELETED":
+                            pods.pop(name, None)
+                        elif name:
+                            pods[name] = obj
+                        group = await self._decide_group(core, pods)
+                        if group.status.done:
+                            return self._event(group.status, pods.get(group.pod), group.pod)
                     failures = 0  # the server ended the watch (timeoutSeconds): check deadlines, go on
                 except ApiException as exc:
                     if exc.status == 410:  # the resourceVersion was compacted away: list again

@@ -10,11 +10,13 @@ import pathlib
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import yaml
 from kubernetes import client as k8s
+from safetensors.numpy import load_file
 
-from tests.harness import REPO, AirflowHome
+from tests.harness import REPO, AirflowHome, tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -110,3 +112,47 @@ def test_a_site_policy_on_the_worker_decides_the_pods_cluster_namespace_and_imag
     assert ran == ["fl-digits-policy-site-2-r1", "fl-digits-policy-site-4-r1"]
     assert all(p.name.startswith(f"{namespace}_") for p in (node_agent.work_dir / "pods").glob("*_fl-digits-policy-*"))
     shutil.rmtree(dag_file.parent)
+
+
+def test_a_two_node_kubernetes_site_in_a_federated_run(
+    airflow_home: AirflowHome, control_plane, node_agent, namespace: str, core: k8s.CoreV1Api, tmp_path: pathlib.Path
+) -> None:
+    trainer = REPO / "tests" / "integration" / "trainers" / "rendezvous_trainer.py"
+    block = k8s_block(airflow_home, namespace, control_plane.kubeconfig_path(), nodes=2, trainer_script=str(trainer))
+    folder = tmp_path / "job"
+    folder.mkdir()
+    job = {
+        "job": "k8s-two-nodes",
+        "rounds": 1,
+        "min_clients": 2,
+        "store": str(airflow_home.store),
+        "initial_model": str(tiny_model(folder / "init.safetensors")),
+        "trainer": {"script": str(trainer), "command": [sys.executable]},
+        "evaluate": False,
+        "sites": {
+            "@default": {"retries": 0},
+            "cluster": {"launcher": "k8s", "launcher_spec": {"k8s": block}},
+            "local": {},
+        },
+    }
+    saved = dict(airflow_home.env)
+    # The process site has no group: its trainer runs as one rank of one.
+    airflow_home.env.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    try:
+        result = airflow_home.run("flare_k8s_two_nodes", airflow_home.write_job("k8s_two_nodes", job))
+    finally:
+        airflow_home.env.clear()
+        airflow_home.env.update(saved)
+    assert result.tasks == {
+        "prepare": "success",
+        "round_1.cluster": "success",
+        "round_1.local": "success",
+        "round_1.global_model": "success",
+        "publish": "success",
+        "sweep_pods": "success",
+    }, result.log[-4000:]
+    assert "rank 0 of 2 at fl-k8s-two-nodes-cluster-r1-" in result.log and "gathered [0, 1]" in result.log
+    # FedAvg by samples: the 2-node site sent zeros + 2 with 2 samples (rank 0's), local zeros + 1 with 1.
+    final = load_file(result.metrics()["final_model"].removeprefix("file://"))
+    np.testing.assert_allclose(final["w"], np.full(4, 5 / 3, np.float32), rtol=1e-6)
+    assert core.list_namespaced_pod(namespace).items == [] and core.list_namespaced_service(namespace).items == []

@@ -80,6 +80,7 @@ class KubernetesJobHandle(JobHandleSpec):
         job: SiteJob,
         pod: k8s.V1Pod | Sequence[k8s.V1Pod],
         service: k8s.V1Service | None = None,
+        group_selector: str | None = None,
     ) -> None:
         pods = [pod] if isinstance(pod, k8s.V1Pod) else list(pod)
         self.launcher = launcher
@@ -91,6 +92,8 @@ class KubernetesJobHandle(JobHandleSpec):
         self.uid: str | None = pods[0].metadata.uid
         self.service_name: str | None = service.metadata.name if service is not None else None
         self.service_uid: str | None = service.metadata.uid if service is not None else None
+        # A multi-node site job: the label selector of its pods and Service (what a watch follows).
+        self.group_selector = group_selector if len(self.names) > 1 else None
         self._status = PodStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
         self._final: PodStatus | None = None
         self._logs: str | None = None
@@ -381,7 +384,8 @@ class KubernetesLauncher(JobLauncherSpec):
             if service is not None or created:
                 KubernetesJobHandle(self, job_meta, created or list(objects.pods[:1]), service)._delete(grace=0)
             raise
-        return KubernetesJobHandle(self, job_meta, created, service)
+        selector = site_job_selector(JobIdentity.of(job_meta, try_number))
+        return KubernetesJobHandle(self, job_meta, created, service, selector)
 
     def _create(self, job_meta: SiteJob, kind: str, body: Any, create: Any) -> Any:
         try:
@@ -416,7 +420,7 @@ class KubernetesLauncher(JobLauncherSpec):
             for name in (node_pod_name(group, rank) for rank in range(self.spec.nodes))
         ]
         service = next(iter(list_site_services(self.core, self.spec.namespace, selector)), None)
-        return KubernetesJobHandle(self, site_job, members, service)
+        return KubernetesJobHandle(self, site_job, members, service, selector)
 
     def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
         """Delete the pods of the tries of this site job before ``identity``'s (found by their

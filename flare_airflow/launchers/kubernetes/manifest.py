@@ -351,6 +351,16 @@ def job_pod(
     )
 
 
+def job_site_job(
+    job: JobConfig, site: str, site_job: SiteJob, *, store_root: str | None, try_number: int = 1
+) -> SiteJobObjects:
+    """:func:`build_site_job` for ``site`` of a validated job (every pod and the Service), as :func:`job_pod`."""
+    site_spec = job.sites[site]
+    spec = site_spec.launcher_spec.k8s
+    pod_job = replace(site_job, argv=tuple(trainer_argv(job, spec)))
+    return build_site_job(pod_job, spec, site_spec.resource_spec, store_root=store_root, try_number=try_number)
+
+
 _SERIALIZER: k8s.ApiClient | None = None
 
 

@@ -100,11 +100,6 @@ def node_labels(identity: dict[str, str], node_rank: int) -> dict[str, str]:
     return {**identity, NODE_RANK_LABEL: str(node_rank)}
 
 
-def group_selector(identity: dict[str, str]) -> str:
-    """Label selector for the pods (and Service) of one try of one site job, from :func:`pod_labels`."""
-    return ",".join(f"{key}={value}" for key, value in identity.items())
-
-
 def site_pods_selector(job: str, run_id: str, round_num: int | None = None, site: str | None = None) -> str:
     """Label selector for the pods of a run, or of one site job (round and site) of it, every try."""
     labels = pod_labels(job, run_id, round_num or 0, site or "", 0)

@@ -7,17 +7,31 @@ every rank's number at MASTER_ADDR:MASTER_PORT."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import time
+from typing import Any
 
 import numpy as np
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
 from kubernetes import client as k8s
+from safetensors.numpy import load_file
 
 from flare_airflow.core.model import read_artifact
 from flare_airflow.core.spec import JobState
+from flare_airflow.core.store import ModelStore
 from flare_airflow.launchers.kubernetes import NODE_RANK_LABEL, KubernetesJobHandle
+from flare_airflow.operators.pod import SitePodOperator
+from flare_airflow.operators.run import SweepPodsOperator
+from flare_airflow.operators.site import SiteJobFailed
+from tests.harness import REPO
 from tests.integration.k8s.test_kubernetes_launcher import GLOBAL, JOB, RC, RUN, Sites, alive, pid_of, sites, store
+from tests.integration.k8s.test_site_pod_operator import RUN_ID, context_for, make_op, run_deferred
 from tests.k8s_harness.kube import pod_dict, wait_for
 from tests.k8s_harness.node_agent import NodeAgent
 
@@ -87,3 +101,106 @@ def test_terminate_deletes_the_group(sites: Sites, core: k8s.CoreV1Api, namespac
     assert (handle.state, handle.poll()) == (JobState.TERMINATED, RC.ABORTED)
     assert objects(core, namespace) == []
     assert not any(alive(pid) for pid in pids)
+
+
+# ---------------------------------------------------------------- through the Airflow pod operator
+
+RENDEZVOUS = pathlib.Path(__file__).parents[1] / "trainers" / "rendezvous_trainer.py"
+
+
+def group_op(tmp_path: pathlib.Path, namespace: str, kubeconfig: pathlib.Path, *args: str) -> SitePodOperator:
+    op, _store = make_op(tmp_path, namespace, kubeconfig, args=args, nodes=2, trainer_script=str(RENDEZVOUS))
+    return op
+
+
+def test_the_site_task_runs_two_pods_as_one_site_job(
+    tmp_path: pathlib.Path, control_plane, node_agent: NodeAgent, namespace: str, core: k8s.CoreV1Api
+) -> None:
+    op = group_op(tmp_path, namespace, control_plane.kubeconfig)
+    summary = run_deferred(op, context_for(op))
+    assert summary["site"] == "site-1" and summary["num_samples"] == 2  # rank 0's update
+    update = load_file(str(ModelStore(tmp_path / "store").site_update("podjob", RUN_ID, 1, "site-1")))
+    np.testing.assert_array_equal(update["w"], np.full(4, 2.0, np.float32))
+    assert objects(core, namespace) == []
+
+
+def test_one_pod_failing_fails_the_site_task_and_deletes_the_group(
+    tmp_path: pathlib.Path, control_plane, node_agent: NodeAgent, namespace: str, core: k8s.CoreV1Api
+) -> None:
+    op = group_op(tmp_path, namespace, control_plane.kubeconfig, "--die-rank", "1")
+    with pytest.raises(SiteJobFailed, match=r"node rank 1 of 2 \(pod fl-podjob-site-1-r1-[0-9a-f]{8}-n1\): .*137"):
+        run_deferred(op, context_for(op))
+    wait_for(lambda: objects(core, namespace) == [], 30, what="both pods and the Service deleted")
+
+
+def test_killing_the_deferred_task_deletes_the_group(
+    tmp_path: pathlib.Path, control_plane, node_agent: NodeAgent, namespace: str, core: k8s.CoreV1Api
+) -> None:
+    op = group_op(tmp_path, namespace, control_plane.kubeconfig, "--die-rank", "99")
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(context_for(op))
+    trigger = deferred.value.trigger
+    assert trigger.group_pods == [f"{op.pod.metadata.name[:-3]}-n0", f"{op.pod.metadata.name[:-3]}-n1"]
+    wait_for(lambda: len(node_agent.running_processes()) >= 2, 30, what="both trainers running")
+    processes = set(node_agent.running_processes())
+
+    async def run_then_kill() -> None:
+        task = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(1)
+        assert not task.done()
+        task.cancel()
+        await trigger.on_kill()
+
+    asyncio.run(run_then_kill())
+    wait_for(lambda: objects(core, namespace) == [], 30, what="both pods and the Service deleted")
+    wait_for(lambda: not (set(node_agent.running_processes()) & processes), 30, what="both trainers gone")
+
+
+KILLED_TASK = """
+import pathlib, sys
+from tests.integration.k8s.test_multinode import group_op
+from tests.integration.k8s.test_site_pod_operator import context_for
+tmp, namespace, kubeconfig = sys.argv[1:4]
+op = group_op(pathlib.Path(tmp), namespace, pathlib.Path(kubeconfig), "--die-rank", "99")
+op.deferrable = False
+op.execute(context_for(op))  # waits in this process (sync mode) until it is killed
+"""
+
+
+def test_after_kill_9_of_the_task_the_next_try_and_the_sweep_leave_nothing(
+    tmp_path: pathlib.Path, control_plane, node_agent: NodeAgent, namespace: str, core: k8s.CoreV1Api
+) -> None:
+    task = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TASK, str(tmp_path), namespace, str(control_plane.kubeconfig)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        wait_for(lambda: len(objects(core, namespace)) == 3, 60, what="the try's two pods and Service")
+        wait_for(lambda: len(node_agent.running_processes()) >= 2, 30, what="both trainers running")
+    finally:
+        task.kill()  # kill -9: no on_kill, no finally
+        task.wait(10)
+    processes = set(node_agent.running_processes())
+    time.sleep(1)
+    left = objects(core, namespace)
+    assert len(left) == 3, "nobody cleaned up after the killed task"
+    # The next try deletes the killed try's whole group (pods and Service) before it starts its own.
+    retry = group_op(tmp_path, namespace, control_plane.kubeconfig)
+    context = context_for(retry)
+    context["ti"].try_number = 2
+    deleted: list[str] = []
+    delete_earlier_tries = retry.delete_earlier_tries
+
+    def spy(ctx: Any) -> list[str]:
+        deleted.extend(delete_earlier_tries(ctx))
+        return deleted
+
+    retry.delete_earlier_tries = spy  # type: ignore[method-assign]
+    assert run_deferred(retry, context)["num_samples"] == 2
+    assert sorted(d.split(" (")[0].replace("service ", "service/") for d in deleted) == sorted(
+        name.removeprefix("pod/") for name in left
+    )
+    assert objects(core, namespace) == []
+    wait_for(lambda: not (set(node_agent.running_processes()) & processes), 30, what="try 1's trainers gone")
+    assert SweepPodsOperator(task_id="sweep_pods", job=retry.job).sweep_site_pods({"run_id": RUN_ID}) == []

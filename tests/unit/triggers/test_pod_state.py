@@ -23,6 +23,8 @@ NON_DEFAULTS = {
     "grace_period": 3,
     "delete_on_kill": False,
     "redefer_count": 2,
+    "group_selector": "flare-airflow/job=unit,flare-airflow/try=1",
+    "group_pods": ["fl-unit-site-1-r1-0a1b2c3d-n0", "fl-unit-site-1-r1-0a1b2c3d-n1"],
 }
 
 

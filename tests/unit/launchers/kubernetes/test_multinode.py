@@ -17,16 +17,16 @@ from pydantic import ValidationError
 from flare_airflow.core.config import KubernetesLaunchSpec, ResourceSpec
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.pools import required_pools
-from flare_airflow.core.spec import JobState
+from flare_airflow.core.spec import JobIdentity, JobState
 from flare_airflow.launchers.kubernetes import (
     NODE_RANK_LABEL,
     build_pod,
     build_site_job,
     group_name,
-    group_selector,
     map_pod_group,
     pod_labels,
     pod_to_dict,
+    site_job_selector,
     site_pods_selector,
 )
 from flare_airflow.launchers.process import LaunchError
@@ -104,7 +104,11 @@ def test_one_site_job_one_identity_every_try_its_own_group() -> None:
         assert site.items() <= p["metadata"]["labels"].items()
     assert later_service["metadata"]["name"] != service["metadata"]["name"]
     assert not set(later_service["spec"]["selector"].items()) <= set(pods[0]["metadata"]["labels"].items())
-    assert group_selector(identity) == ",".join(f"{k}={v}" for k, v in identity.items())
+    selected = dict(
+        item.split("=")
+        for item in site_job_selector(JobIdentity("digits", site_job().run_id, 3, "site-1", 1)).split(",")
+    )
+    assert selected == identity  # what finds a launch again selects exactly the Service's pods
 
 
 def test_names_fit_63_characters_and_dns_rules_with_many_nodes() -> None:
