@@ -488,6 +488,31 @@ case(
     site={"resource_spec": {"num_of_gpus": 4}, "resource_manager": {"type": "gpu", "num_of_gpus": 2}},
 )
 case(
+    "k8s-gpus-times-nodes-more-than-site",
+    "`nodes: 2` with 2 GPUs per pod on a site with `resource_manager: {type: gpu, num_of_gpus: 3}`",
+    "a site job asks for 4 GPUs (2 per node x 2 nodes) but the site has only 3",
+    k8s={"nodes": 2},
+    site={"resource_spec": {"num_of_gpus": 2}, "resource_manager": {"type": "gpu", "num_of_gpus": 3}},
+)
+case(
+    "k8s-nodes-zero",
+    "`nodes: 0`",
+    "nodes (site 'site-1'): must be greater than or equal to 1, got 0",
+    k8s={"nodes": 0},
+)
+case(
+    "k8s-master-port-low",
+    "`master_port: 80` (a privileged port)",
+    "master_port (site 'site-1'): must be greater than or equal to 1024, got 80",
+    k8s={"nodes": 2, "master_port": 80},
+)
+case(
+    "k8s-rank-in-env",
+    "`env: {MASTER_ADDR: 10.0.0.1}` (set per pod by flare-airflow)",
+    "MASTER_ADDR is set by flare-airflow for each pod of a multi-node site job",
+    k8s={"env": {"MASTER_ADDR": "10.0.0.1"}},
+)
+case(
     "k8s-memory-quantity",
     "`resource_spec: {memory: 16GB}`",
     "'16GB' is not a quantity like '512Mi', '4Gi' or '2G'",
