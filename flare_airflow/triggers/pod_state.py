@@ -261,7 +261,10 @@ class PodStateTrigger(BaseTrigger):
         return list(self.group_pods or [self.pod_name])
 
     async def _decide_group(self, core: Any, pods: dict[str, Any]) -> GroupStatus:
-        """The site job's status from its pods (absent from ``pods``: gone), through map_pod_group."""
+        """The site job's status from its pods (absent from ``pods``: gone), through map_pod_group;
+        one pod's through :meth:`_decide`, as it always was."""
+        if not self.group_pods:
+            return GroupStatus(self.pod_name, await self._decide(core, pods.get(self.pod_name)))
         ordered = [(name, pods.get(name)) for name in self._names]
         events: dict[str, list[Any]] = {}
         for name, pod in ordered:
