@@ -193,6 +193,8 @@ def test_every_trigger_field_survives_serialize() -> None:
         "grace_period": 14,
         "delete_on_kill": False,
         "redefer_count": 2,
+        "group_selector": "flare-airflow/try=1",
+        "group_pods": ["p-n0", "p-n1"],
     }
     path, out = pod_state.PodStateTrigger(**kwargs).serialize()
     assert path == "flare_airflow.triggers.pod_state.PodStateTrigger"
