@@ -187,3 +187,42 @@ def test_launch_and_sensor_both_follow_the_workers_site_policy(
     result = wait_for(lambda: watch.poke(run.context("site-1")), 60, 0.5, what="the sensor sees success")
     assert result.xcom_value["num_samples"] == 7  # type: ignore[union-attr]
     wait_for(lambda: pods(core, namespace) == [], 30, what="the finished pod is deleted")
+
+
+RENDEZVOUS = pathlib.Path(__file__).parents[1] / "trainers" / "rendezvous_trainer.py"
+
+
+@pytest.mark.parametrize("deferrable", [False, True], ids=["poke", "deferred"])
+def test_a_two_node_launch_is_watched_as_one_site_job(
+    tmp_path, control_plane, node_agent, namespace, core: k8s.CoreV1Api, deferrable: bool
+) -> None:
+    launch, watch, store = tasks(
+        tmp_path, namespace, control_plane.kubeconfig, deferrable=deferrable, nodes=2, trainer_script=str(RENDEZVOUS)
+    )
+    run = Run()
+    run.launch(launch)
+    assert len(pods(core, namespace)) == 2 and len(core.list_namespaced_service(namespace).items) == 1
+    context = run.context("site-1")
+    if deferrable:
+        with pytest.raises(TaskDeferred) as deferred:
+            watch.execute(context)
+        trigger = deferred.value.trigger
+        assert len(trigger.group_pods) == 2 and trigger.group_selector
+
+        async def first_event() -> dict[str, Any]:
+            async for event in trigger.run():
+                return dict(event.payload)
+            raise AssertionError("no event")
+
+        summary = getattr(watch, deferred.value.method_name)(context, asyncio.run(first_event()))
+    else:
+        wait_for(lambda: watch.poke(context) is not False, 60, 0.5, what="the sensor sees the group succeed")
+        summary = run.xcom[("site-1", "return_value")]
+    assert summary["num_samples"] == 2  # rank 0's update: the group's world size
+    update = ModelStore(store).site_update("podjob", RUN_ID, 1, "site-1")
+    np.testing.assert_array_equal(load_file(str(update))["w"], np.full(4, 2.0, np.float32))
+    wait_for(
+        lambda: pods(core, namespace) == [] and not core.list_namespaced_service(namespace).items,
+        30,
+        what="both pods and the Service deleted",
+    )
