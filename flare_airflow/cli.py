@@ -49,8 +49,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return 2
     print(f"job {job.job!r}: {job.rounds} rounds, min_clients {job.min_clients}, trainer {job.script_path()}")
     for name, site in job.sites.items():
-        gpus = site.resource_spec.num_of_gpus
-        print(f"  site {name}: launcher {site.launcher}, {gpus} GPU(s), weight {site.weight:g}, retries {site.retries}")
+        gpus = f"{site.resource_spec.num_of_gpus} GPU(s)"
+        if site.nodes > 1:  # what the site's pool gives one site job
+            gpus = f"{site.nodes} nodes x {gpus} = {site.gpus_per_job} GPU(s)"
+        print(f"  site {name}: launcher {site.launcher}, {gpus}, weight {site.weight:g}, retries {site.retries}")
     return 0
 
 

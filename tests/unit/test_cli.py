@@ -88,3 +88,32 @@ def test_a_dag_file_import_error_is_reduced_to_the_exception_and_its_message() -
         "flare_airflow.core.errors.ConfigError: invalid job configuration:\n  job.yaml: rounds: must be an integer\n"
     )
     assert exception_text(trace) == "ConfigError: invalid job configuration:\n  job.yaml: rounds: must be an integer"
+
+
+def test_validate_shows_what_a_multi_node_site_job_takes_of_its_pool(tmp_path: pathlib.Path, capsys) -> None:
+    import yaml
+
+    from flare_airflow.cli import main
+
+    from tests.harness import tiny_model
+
+    tiny_model(tmp_path / "init.safetensors")
+    k8s = {"image": "registry.example/t:1", "nodes": 2}
+    job = {
+        "job": "multi",
+        "rounds": 1,
+        "min_clients": 1,
+        "initial_model": "init.safetensors",
+        "trainer": {"script": "train.py"},
+        "sites": {
+            "cluster": {
+                "launcher": "k8s",
+                "resource_spec": {"num_of_gpus": 2},
+                "resource_manager": {"type": "gpu", "num_of_gpus": 4},
+                "launcher_spec": {"k8s": k8s},
+            }
+        },
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["validate", str(tmp_path / "job.yaml")]) == 0
+    assert "site cluster: launcher k8s, 2 nodes x 2 GPU(s) = 4 GPU(s)," in capsys.readouterr().out
