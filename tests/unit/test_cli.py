@@ -94,7 +94,6 @@ def test_validate_shows_what_a_multi_node_site_job_takes_of_its_pool(tmp_path: p
     import yaml
 
     from flare_airflow.cli import main
-
     from tests.harness import tiny_model
 
     tiny_model(tmp_path / "init.safetensors")
