@@ -149,6 +149,14 @@ def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfi
     except ValidationError as exc:
         reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
         raise ConfigError(cap(f"{where}: the job's request does not fit the site's policy: {reasons}")) from None
+    if spec.gpus_per_job != asked.gpus_per_job:
+        # The task's pool slots were fixed when the DAG was parsed, from the job's nodes x GPUs:
+        # a job spanning more nodes here would hold fewer slots than the GPUs it takes.
+        raise ConfigError(
+            f"{where}: the site runs a site job on {spec.nodes} node(s) x {spec.resource_spec.num_of_gpus} GPU(s) "
+            f"= {spec.gpus_per_job} GPU(s), but this job's DAG took {asked.gpus_per_job} pool slot(s) for it "
+            f"({asked.nodes} node(s)); set the site's nodes in the job file to {spec.nodes}"
+        )
     update: dict[str, Any] = {"sites": {**job.sites, site: spec}}
     if entry.store_conn_id is not None:
         update["store_conn_id"] = entry.store_conn_id  # the site's own credentials to the store

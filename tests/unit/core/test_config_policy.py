@@ -66,3 +66,18 @@ def test_a_policy_file_is_read_with_the_job_files_reader(tmp_path) -> None:
     path.write_text("sites:\n  site-1:\n    launcher_spec: {process: {env: {A: '1'}}}\n")
     assert load_site_policy(path).sites["site-1"].launcher_spec == {"process": {"env": {"A": "1"}}}
     assert load_site_policy(path).source == str(path)
+
+
+def test_a_policy_spanning_more_nodes_than_the_dag_took_pool_slots_for_is_refused(tmp_path) -> None:
+    k8s = {"image": "site/t:1", "store_mount": {"pvc": "store", "mount_path": "/s"}}
+    asked = {"launcher": "k8s", "resource_spec": {"num_of_gpus": 1}, "launcher_spec": {"k8s": {"image": "j:1"}}}
+    asked["resource_manager"] = {"type": "gpu", "num_of_gpus": 4}
+    job = make_job(tmp_path, sites={"site-1": asked, "site-2": {}})
+    entry = {"launcher": "k8s", "resource_manager": {"type": "gpu", "num_of_gpus": 4}}
+    policy = site_policy_from_dict({"sites": {"site-1": {**entry, "launcher_spec": {"k8s": {**k8s, "nodes": 2}}}}})
+    with pytest.raises(
+        ConfigError, match=r"2 node\(s\) x 1 GPU\(s\) = 2 GPU\(s\), but this job's DAG took 1 pool slot"
+    ):
+        apply_site_policy(job, "site-1", policy)
+    same = site_policy_from_dict({"sites": {"site-1": {**entry, "launcher_spec": {"k8s": k8s}}}})
+    assert apply_site_policy(job, "site-1", same).sites["site-1"].launcher_spec.k8s.image == "site/t:1"
