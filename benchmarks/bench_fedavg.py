@@ -320,7 +320,8 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
     import blake3
     import numpy as np
 
-    from flare_airflow.core.aggregation import ACC_CHUNK, FedAvg, accumulate, check_spec
+    from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
+    from flare_airflow.core.aggregation import FedAvg, check_spec
     from flare_airflow.core.model import (
         FiniteScan,
         all_finite,

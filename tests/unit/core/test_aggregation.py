@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from upath import UPath
 
-from flare_airflow.core.aggregation import ACC_CHUNK, FedAvg, fedavg_from_store, validate_update
+from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
+from flare_airflow.core.aggregation import FedAvg, fedavg_from_store, validate_update
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
 from flare_airflow.core.model import (
     CHUNK_BYTES,
@@ -419,11 +420,11 @@ def test_the_accumulation_split_over_threads_is_bitwise_the_same(tmp_path: pathl
     for k in (1, 2, 3, 7):
         acc = {name: a.copy() for name, a in acc0.items()}
         for i in range(k):
-            aggregation.accumulate(acc, group, np.empty(ACC_CHUNK // 3), (i, k))
+            accumulate(acc, group, np.empty(ACC_CHUNK // 3), (i, k))
         results.add(b"".join(a.tobytes() for a in acc.values()))
     one_by_one = {name: a.copy() for name, a in acc0.items()}
     for update in group:
-        aggregation.accumulate(one_by_one, [update], np.empty(ACC_CHUNK))
+        accumulate(one_by_one, [update], np.empty(ACC_CHUNK))
     results.add(b"".join(a.tobytes() for a in one_by_one.values()))
     assert len(results) == 1
 
