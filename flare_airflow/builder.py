@@ -263,14 +263,17 @@ def build_dag(
     dag_kwargs.setdefault("description", summary[:200])
     dag_kwargs.setdefault("doc_md", _job_doc(cfg, job))
     params = {**job_params(cfg), **dict(dag_kwargs.pop("params", {}) or {})}
+    task_defaults = dict(default_args or {})
+    params.update(task_defaults.pop("params", None) or {})  # as DAG(default_args={"params": ...}) merges them
     with (
         _gc_paused(),
-        DAG(
-            dag_id=dag_id or f"flare_{cfg.job.replace('-', '_')}",
-            params=params,
-            default_args=dict(default_args or {}),
-            **dag_kwargs,
-        ) as dag,
+        DAG(dag_id=dag_id or f"flare_{cfg.job.replace('-', '_')}", default_args=task_defaults, **dag_kwargs) as dag,
     ):
         add_rounds(cfg, running_site(cfg, dag.dag_id))
+    # The form goes on the DAG once its tasks exist. A task created inside a DAG that has params
+    # gets its own deep copy of them, which Airflow serialises -- and validates against each Param's
+    # JSON schema -- task by task: 60 % of a site task's serialized bytes and 95 % of the 1024-site
+    # DAG's serialization time (benchmarks/results/scale.md). Tasks without params of their own get
+    # the DAG's at run time (the Task SDK merges DAG and task params), so what a task sees is unchanged.
+    dag.params = params  # type: ignore[assignment]  # DAG's converter makes the ParamsDict and validates it
     return dag

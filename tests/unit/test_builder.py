@@ -254,3 +254,30 @@ def test_the_builder_leaves_the_garbage_collector_as_it_found_it(tmp_path) -> No
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_form_lives_on_the_dag_and_every_task_sees_it_at_run_time(dag) -> None:
+    # Tasks carry no copy of the form: Airflow would serialise (and schema-check) it once per task.
+    from airflow.sdk.definitions.param import process_params
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    serialized = DagSerialization.to_dict(dag)["dag"]
+    assert [key for key, _ in serialized["params"]] == ["rounds", "min_clients", "warm_start", "hp_lr", "hp_epochs"]
+    assert all("params" not in task["__var"] for task in serialized["tasks"])
+    for task_id in ("prepare", "round_1.site-1", "round_2.global_model", "publish"):
+        task = dag.task_dict[task_id]
+        assert not task.params
+        seen = process_params(dag, task, {"rounds": 1, "hp_lr": 0.5}, suppress_exception=False)
+        assert seen == {"rounds": 1, "min_clients": 2, "warm_start": False, "hp_lr": 0.5, "hp_epochs": 2}
+
+
+def test_params_given_to_build_dag_join_the_form(tmp_path) -> None:
+    job = make_job(tmp_path, sites={"site-1": {}, "site-2": {}})
+    dag = build_dag(job, params={"note": "x"}, default_args={"params": {"owner_note": "y"}, "owner": "fl"})
+    assert {key: dag.params[key] for key in ("note", "owner_note", "rounds")} == {
+        "note": "x",
+        "owner_note": "y",
+        "rounds": 2,
+    }
+    assert dag.default_args == {"owner": "fl"}
+    assert dag.task_dict["round_1.site-1"].owner == "fl"
