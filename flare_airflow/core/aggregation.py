@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,11 +40,14 @@ from flare_airflow.core.model import (
 )
 from flare_airflow.core.store import WritablePath
 
-# fedavg_from_store verifies this many updates side by side (one per thread, each in its own read
-# buffer), then adds them to the accumulator in one pass: peak memory is the float64 accumulator +
-# this many updates, and the accumulator is loaded from memory once per group instead of per update.
+# fedavg_from_store verifies this many updates side by side (two threads, each update in its own
+# read buffer), then adds them to the accumulator in one pass: peak memory is the float64
+# accumulator + this many updates, and the accumulator is loaded from memory once per group instead
+# of per update. Measured at 1 MiB x 256: groups of 4-16 small updates cost more CPU than they save
+# (each buffer is fresh memory, whose first touch costs more than the hand-overs between threads).
 _GROUP = 2
-_PARALLEL_ELEMENTS = 1 << 20  # from here on the accumulation pass is split over _GROUP threads
+_THREADS = 2
+_PARALLEL_ELEMENTS = 1 << 20  # from this much multiply-add work (elements x updates) the pass is split over the threads
 
 
 def check_spec(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
@@ -190,7 +194,8 @@ class FedAvg:
         if not counted:
             return
         # More parts than threads: whichever thread is on a core takes the next part.
-        parts = 2 * _GROUP if run is not None and sum(a.size for a in self._acc.values()) >= _PARALLEL_ELEMENTS else 1
+        work = sum(a.size for a in self._acc.values()) * len(counted)
+        parts = 2 * _THREADS if run is not None and work >= _PARALLEL_ELEMENTS else 1
         if parts == 1 or run is None:
             accumulate(self._acc, counted, self._scratches[0])
         else:
@@ -337,12 +342,12 @@ def fedavg_from_store(
     threads). hashlib, blake3 and numpy release the GIL, so both cores work in both phases.
     """
     agg = FedAvg(global_params, min_clients=min_clients, site_weights=site_weights)
-    buffers = [np.empty(0, dtype=np.uint8) for _ in range(_GROUP)]
     # No update of the global model's tensors is larger: a record claiming more is refused before
     # a buffer of that size is allocated.
     max_size = (
         8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in agg.expected.values())
     )
+    buffers = [np.empty(0, dtype=np.uint8) for _ in range(_GROUP)]
 
     def verified(slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
         """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
@@ -374,35 +379,38 @@ def fedavg_from_store(
         return site, params, record, None
 
     ordered = sorted(updates, key=lambda u: u[0])
-    with ThreadPoolExecutor(max_workers=max(1, _GROUP - 1), thread_name_prefix="fedavg") as pool:
+    with ThreadPoolExecutor(max_workers=_THREADS - 1, thread_name_prefix="fedavg") as pool:
 
         def side_by_side(calls: Sequence[Callable[[], _T]]) -> list[_T]:
-            """Run ``calls`` at once and return their results in order; raise the first error once all
-            have stopped (they use the read buffers).
+            """Run ``calls`` on this thread and the pool's one thread, whichever is free taking the next
+            call, and return their results in order; raise the first call's error once all have
+            stopped (they use the read buffers).
 
-            This thread runs the first call, then every call the pool's thread has not started yet:
-            on a loaded machine a thread waiting for a core would otherwise hold up the group.
-            Which thread runs a call changes nothing in its result.
+            One hand-over to the pool's thread per list, not per call; on a loaded machine a thread
+            waiting for a core holds up nothing: this thread takes every call that thread has not
+            started. Which thread runs a call changes nothing in its result.
             """
-            futures = [pool.submit(call) for call in calls[1:]]
+            pending = deque(enumerate(calls))
             results: list[_T | None] = [None] * len(calls)
-            errors: list[BaseException] = []
+            errors: list[tuple[int, BaseException]] = []
 
-            def attempt(i: int, call: Callable[[], _T]) -> None:
-                try:
-                    results[i] = call()
-                except BaseException as exc:
-                    errors.append(exc)
+            def drain() -> None:
+                while True:
+                    try:
+                        i, call = pending.popleft()  # atomic: each call is taken by one thread
+                    except IndexError:
+                        return
+                    try:
+                        results[i] = call()
+                    except BaseException as exc:
+                        errors.append((i, exc))
 
-            attempt(0, calls[0])
-            for i, (call, future) in enumerate(zip(calls[1:], futures, strict=True), start=1):
-                if future.cancel():
-                    attempt(i, call)
-            for i, future in enumerate(futures, start=1):
-                if not future.cancelled():
-                    attempt(i, future.result)
+            helper = pool.submit(drain) if len(calls) > 1 else None
+            drain()
+            if helper is not None and not helper.cancel():
+                helper.result()
             if errors:
-                raise errors[0]
+                raise min(errors, key=lambda e: e[0])[1]
             return results  # type: ignore[return-value]  # every call returned
 
         for start in range(0, len(ordered), _GROUP):

@@ -23,7 +23,7 @@ import safetensors.numpy
 
 from flare_airflow.core.digests import BLAKE3, HEX_DIGEST, SHA256, available, digest_all, verifiable
 from flare_airflow.core.errors import ModelFormatError
-from flare_airflow.core.store import WritablePath, record_path
+from flare_airflow.core.store import WritablePath, open_for_reading, record_path
 from flare_airflow.core.tensors import (
     CHUNK_BYTES,
     MAX_HEADER,
@@ -322,16 +322,17 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
 
 def read_record(path: WritablePath) -> ArtifactRecord:
     rec = record_path(path)
-    if not rec.exists():
-        raise ModelFormatError(f"{path}: no artifact record {rec.name} (the artifact was never completed)")
     try:
-        # In pieces: read(n) would allocate n bytes up front, and records are small.
+        # In pieces: read(n) would allocate n bytes up front, and records are small. Opened without
+        # asking exists() first (one call less per record; each is slow on object stores).
         pieces, size = [], 0
-        with rec.open("rb") as fh:
+        with open_for_reading(rec) as fh:
             while size <= MAX_RECORD_BYTES and (piece := fh.read(1 << 16)):
                 pieces.append(piece)
                 size += len(piece)
         text = b"".join(pieces).decode()
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: no artifact record {rec.name} (the artifact was never completed)") from None
     except UnicodeDecodeError:
         raise ModelFormatError(f"{rec}: unreadable artifact record (not UTF-8 text)") from None
     except OSError as exc:
@@ -364,7 +365,8 @@ def read_verified(
             raise ModelFormatError(
                 f"{path}: {algorithm} {got[algorithm][:12]}… does not match its record {recorded[algorithm][:12]}…"
             )
-    return parse_safetensors(data, str(path))
+    # The scan parsed the header of these very bytes already (strictly): reuse its layout.
+    return parse_safetensors(data, str(path), scan.layout if scan is not None else None)
 
 
 def read_artifact(path: WritablePath) -> tuple[Params, ArtifactRecord]:

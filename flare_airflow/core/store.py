@@ -49,6 +49,26 @@ class WritablePath(Protocol):
     def name(self) -> str: ...
 
 
+def local_file(path: Any) -> str | None:
+    """The local filesystem path of a store path (``pathlib.Path``, or a file:// ``ObjectStoragePath``
+    / ``UPath``), or ``None`` when the path lives elsewhere (s3://, gs://, memory://, ...)."""
+    if isinstance(path, pathlib.PurePath):
+        return str(path)
+    protocol = getattr(path, "protocol", None)
+    if isinstance(protocol, tuple | list):
+        protocol = protocol[0] if protocol else None
+    local = getattr(path, "path", None)
+    return local if protocol in ("file", "local") and isinstance(local, str) and local.startswith("/") else None
+
+
+def open_for_reading(path: WritablePath) -> Any:
+    """An unbuffered binary file object for reading ``path``: a plain ``open()`` when it is a local file
+    (fsspec's ``ObjectStoragePath.open`` costs ~0.8 ms per call, ``open()`` a few microseconds), its
+    own ``open("rb")`` otherwise."""
+    local = local_file(path)
+    return open(local, "rb", buffering=0) if local is not None else path.open("rb")
+
+
 def record_path(tensors_path: WritablePath) -> WritablePath:
     """Where an artifact's JSON record (checksum, tensors, metadata) sits: next to its tensors."""
     return tensors_path.parent / (tensors_path.name.removesuffix(".safetensors") + ".json")

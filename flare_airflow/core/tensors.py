@@ -16,7 +16,7 @@ import numpy as np
 
 from flare_airflow.core.digests import SHA256, Hasher, new_hasher
 from flare_airflow.core.errors import ModelFormatError
-from flare_airflow.core.store import WritablePath
+from flare_airflow.core.store import WritablePath, open_for_reading
 
 Params = dict[str, np.ndarray]
 
@@ -113,9 +113,13 @@ def tensor_view(data: Any, t: TensorSlice) -> np.ndarray:
     return np.frombuffer(data, dtype=t.dtype, count=math.prod(t.shape), offset=t.start).reshape(t.shape)
 
 
-def parse_safetensors(data: Any, where: str) -> Params:
-    """Tensors of a safetensors buffer as zero-copy arrays over it (read-only if ``data`` is ``bytes``)."""
-    tensors = safetensors_layout(data, where)
+def parse_safetensors(data: Any, where: str, layout: list[TensorSlice] | None = None) -> Params:
+    """Tensors of a safetensors buffer as zero-copy arrays over it (read-only if ``data`` is ``bytes``).
+
+    ``layout``: the buffer's :func:`safetensors_layout`, when already parsed from these same bytes
+    (:attr:`FiniteScan.layout`); parsed here otherwise.
+    """
+    tensors = safetensors_layout(data, where) if layout is None else layout
     return {t.name: tensor_view(data, t) for t in sorted(tensors, key=lambda t: t.name)}
 
 
@@ -134,6 +138,12 @@ class FiniteScan:
         self._tensors: list[TensorSlice] | None = None
         self._next = 0  # the tensor being checked
         self._done = 0  # absolute offset checked up to in it
+
+    @property
+    def layout(self) -> list[TensorSlice] | None:
+        """The strict layout of the header it scanned (None: not read yet, or invalid), for
+        :func:`parse_safetensors` to reuse instead of parsing the same header again."""
+        return self._tensors or None
 
     def feed(self, data: Any, upto: int) -> None:
         if self._tensors is None:
@@ -174,7 +184,7 @@ def read_into(
     checks release the GIL.
     """
     hashers: list[Hasher] = [new_hasher(a) for a in algorithms]
-    with path.open("rb") as fh:
+    with open_for_reading(path) as fh:
         if not hasattr(fh, "readinto"):
             data: Any = fh.read(size + 1)
             got = len(data)

@@ -52,6 +52,21 @@ def test_a_local_store_is_not_staged(tmp_path) -> None:
         assert local is run
 
 
+def test_the_aggregation_reads_a_local_object_storage_path_with_plain_open(tmp_path) -> None:
+    """What the aggregation task passes for a file:// store: read with open(), not through fsspec."""
+    import io
+
+    from flare_airflow.core.store import local_file, open_for_reading
+
+    store = ModelStore(ObjectStoragePath(f"file://{tmp_path}"))
+    path = store.global_model("j", "r", 0)
+    write_artifact(path, FLModel(params={"w": np.arange(4, dtype=np.float32)}))
+    assert local_file(path) == str(tmp_path / "j" / "r" / "round-0000" / "global.safetensors")
+    with open_for_reading(path) as fh:
+        assert isinstance(fh, io.FileIO)
+    assert read_artifact(path)[0]["w"].tolist() == [0, 1, 2, 3]
+
+
 def test_the_trainer_gets_local_files_and_the_update_goes_up_with_its_record_last(memory_store) -> None:
     run = _run(memory_store)
     with staged(run, memory_store) as local:
