@@ -55,6 +55,7 @@ DAG_VISIBLE_TIMEOUT = 300  # from writing the DAG file until the API serves the 
 # far as it got.
 RUN_BUDGET = {64: 300.0, 256: 420.0, 1024: 600.0}
 QUICK_RUN_BUDGET = {64: 300.0}
+PLAIN_SIZES = (256,)  # sizes also run on a stack without the preload (full set only)
 
 # Airflow settings that bound this benchmark: (section, key, what it does here).
 LIMITS = (
@@ -76,7 +77,7 @@ LIMITS = (
 PARSE_CHILD = textwrap.dedent(
     """
     import json, sys, time
-    job, dag_file, dag_id, ablate = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    job, dag_file, dag_id = sys.argv[1], sys.argv[2], sys.argv[3]
     t0 = time.perf_counter()
     import flare_airflow.builder as builder
     t1 = time.perf_counter()
@@ -87,8 +88,8 @@ PARSE_CHILD = textwrap.dedent(
     serialized = DagSerialization.to_dict(dag)
     blob = json.dumps(serialized)
     t4 = time.perf_counter()
-    site = next(t["__var"] for t in serialized["dag"]["tasks"] if t["__var"]["task_id"].startswith("round_1.site-"))
-    params_bytes = len(json.dumps(site.get("params", [])))
+    tasks = serialized["dag"]["tasks"]
+    site = next(t["__var"] for t in tasks if t["__var"]["task_id"].startswith("round_1.site-"))
     from pathlib import Path
     from airflow.dag_processing.dagbag import BundleDagBag
     t5 = time.perf_counter()
@@ -98,22 +99,24 @@ PARSE_CHILD = textwrap.dedent(
         bundle_path=Path(dag_file).parent, bundle_name="dags-folder",
     )
     t6 = time.perf_counter()
+    # What one site task's process parses: Airflow's parsing context names the DAG and the task.
+    import os
+    os.environ["_AIRFLOW_PARSING_CONTEXT_DAG_ID"] = dag_id
+    os.environ["_AIRFLOW_PARSING_CONTEXT_TASK_ID"] = site["task_id"]
+    site_bag = BundleDagBag(
+        dag_folder=dag_file, safe_mode=False, load_op_links=False,
+        bundle_path=Path(dag_file).parent, bundle_name="dags-folder",
+    )
+    t7 = time.perf_counter()
     out = {
-        "import": t1 - t0, "build": t2 - t1, "serialize": t4 - t3, "dagbag": t6 - t5,
-        "tasks": len(dag.tasks), "size": len(blob), "params_bytes": params_bytes,
+        "import": t1 - t0, "build": t2 - t1, "serialize": t4 - t3, "dagbag": t6 - t5, "site_dagbag": t7 - t6,
+        "site_dagbag_tasks": len(site_bag.dags[dag_id].tasks),
+        "tasks": len(dag.tasks), "size": len(blob), "site_task_bytes": len(json.dumps(site)),
+        "tasks_with_params": sum(1 for t in tasks if t["__var"].get("params")),
+        "dag_params_bytes": len(json.dumps(serialized["dag"].get("params", []))),
         "dagbag_dags": sorted(bag.dag_ids),
         "import_errors": {str(k): str(v)[-500:] for k, v in bag.import_errors.items()},
     }
-    if ablate:
-        # Hypothetical: the same DAG if the min_clients Param's description did not list every site.
-        original = builder.job_params
-        def short_params(cfg):
-            params = original(cfg)
-            params["min_clients"].description = f"Valid site updates a round needs (of {len(cfg.sites)} sites)."
-            return params
-        builder.job_params = short_params
-        short = builder.build_dag(job, dag_id=dag_id + "_short")
-        out["size_short_params"] = len(json.dumps(DagSerialization.to_dict(short)))
     print("RESULT " + json.dumps(out))
     """
 )
@@ -188,8 +191,10 @@ class ParseResult:
     phases: dict[str, list[float]] = field(default_factory=dict)
     tasks: int = 0
     size: int = 0
-    params_bytes: int = 0
-    size_short_params: int | None = None
+    site_task_bytes: int = 0
+    tasks_with_params: int = 0
+    dag_params_bytes: int = 0
+    site_dagbag_tasks: int = 0
 
 
 def parse_part(root: Path, sizes: tuple[int, ...], rounds_list: tuple[int, ...], reps: int) -> list[ParseResult]:
@@ -204,8 +209,7 @@ def parse_part(root: Path, sizes: tuple[int, ...], rounds_list: tuple[int, ...],
         # Alternate the order each repetition (forward, backward) so no size always runs first.
         for n, r in cases if rep % 2 == 0 else cases[::-1]:
             job_file, dag_file = files[(n, r)]
-            ablate = rep == 0 and r == 1
-            argv = [sys.executable, "-c", PARSE_CHILD, str(job_file), str(dag_file), dag_id_of(n, r), str(int(ablate))]
+            argv = [sys.executable, "-c", PARSE_CHILD, str(job_file), str(dag_file), dag_id_of(n, r)]
             started = time.monotonic()
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT, check=False)
             wall = time.monotonic() - started
@@ -219,11 +223,11 @@ def parse_part(root: Path, sizes: tuple[int, ...], rounds_list: tuple[int, ...],
                 raise BenchmarkFailed(f"DagBag of {dag_file}: dags {out['dagbag_dags']}, errors {out['import_errors']}")
             res = results[(n, r)]
             res.wall.append(wall)
-            for key in ("import", "build", "serialize", "dagbag"):
+            res.site_dagbag_tasks = out["site_dagbag_tasks"]
+            for key in ("import", "build", "serialize", "dagbag", "site_dagbag"):
                 res.phases.setdefault(key, []).append(out[key])
-            res.tasks, res.size, res.params_bytes = out["tasks"], out["size"], out["params_bytes"]
-            if "size_short_params" in out:
-                res.size_short_params = out["size_short_params"]
+            res.tasks, res.size, res.site_task_bytes = out["tasks"], out["size"], out["site_task_bytes"]
+            res.tasks_with_params, res.dag_params_bytes = out["tasks_with_params"], out["dag_params_bytes"]
             log(
                 f"[scale] parse rep {rep + 1}/{reps} {n} sites x {r}: build {out['build']:.2f}s, "
                 f"serialize {out['serialize']:.2f}s ({out['size'] / 1e6:.1f} MB), DagBag {out['dagbag']:.2f}s, "
@@ -243,6 +247,7 @@ def parse_tables(results: list[ParseResult], reps: int, limits: dict[str, str]) 
             "serialize s",
             "serialized JSON MB",
             "`DagBag(file)` s",
+            "a site task's `DagBag(file)` s",
             "whole interpreter s",
         ],
     )
@@ -260,6 +265,7 @@ def parse_tables(results: list[ParseResult], reps: int, limits: dict[str, str]) 
             cell("serialize"),
             f"{res.size / 1e6:.2f}",
             cell("dagbag"),
+            cell("site_dagbag") + f", {res.site_dagbag_tasks} tasks",
             f"{median(res.wall):.2f} ({spread(res.wall)})",
         )
     main.notes += [
@@ -268,39 +274,44 @@ def parse_tables(results: list[ParseResult], reps: int, limits: dict[str, str]) 
         "the dag-processor writes to the metadata DB), then `BundleDagBag(<dag file>)` -- Airflow's own loader "
         "(`airflow dags list-import-errors --local` runs the same) with our modules already imported, so it is "
         "Airflow's file import + `build_dag`. No import errors in any DagBag.",
-        "`DagBag(file)` is what the dag-processor and each of the run's own tasks pay at start-up too: the Task SDK "
-        "re-parses the DAG file in each task (`Worker startup parse complete ... dag_file_parse_ms` in the task log; "
-        "see the scheduler table); a site task's process builds only its own site's tasks. "
+        "`DagBag(file)` is what the dag-processor pays per parse. Each task's process re-parses the DAG file too "
+        "(`Worker startup parse complete ... dag_file_parse_ms` in the task log; see the scheduler table), and a "
+        "site task's process builds only its own site's tasks and the run's own: 'a site task's `DagBag(file)`' is "
+        "that parse with Airflow's parsing context naming a site task (`_AIRFLOW_PARSING_CONTEXT_DAG_ID`/`_TASK_ID`, "
+        "as the Task SDK sets them) and our modules already imported -- what a task pays when its worker preloaded "
+        "them (docs/scale.md); without that, the task pays the import column as well. "
         f"`core.dagbag_import_timeout` here: {limits.get('core.dagbag_import_timeout', '?')} s; "
         f"`dag_processor.dag_file_processor_timeout`: {limits.get('dag_processor.dag_file_processor_timeout', '?')} s.",
     ]
     size = Table(
-        "Serialized DAG size: what repeats per task (1 round)",
+        "Serialized DAG: what each task costs (1 round)",
         [
             "sites",
             "serialized JSON MB",
-            "`params` copy per task KB",
-            "x tasks = MB",
-            "MB if `min_clients` did not list the sites",
+            "bytes per site task",
+            "serialize ms per task (median)",
+            "tasks carrying a copy of the form (`params`)",
+            "the form on the DAG, bytes",
         ],
     )
     for res in results:
         if res.rounds != 1:
             continue
-        short = f"{res.size_short_params / 1e6:.2f}" if res.size_short_params else "-"
         size.add(
             res.n,
             f"{res.size / 1e6:.2f}",
-            f"{res.params_bytes / 1e3:.1f}",
-            f"{res.params_bytes * res.tasks / 1e6:.2f}",
-            short,
+            res.site_task_bytes,
+            f"{median(res.phases['serialize']) / res.tasks * 1000:.2f}",
+            res.tasks_with_params,
+            res.dag_params_bytes,
         )
     size.notes.append(
-        "Airflow serialises the DAG's `params` into every task, so a form field whose text grew with N would make "
-        "the serialized DAG grow with N^2 -- as the `min_clients` description did when it named every site (13 MB "
-        "at 1024 sites before it was shortened). The per-task copy must stay flat in N; the last column is the same "
-        "DAG built with a fixed-length `min_clients` description (applied only inside the benchmark process), as a "
-        "check that nothing else in the form grows."
+        "Airflow gives every task created inside a DAG that has `params` its own deep copy of them, and "
+        "`DagSerialization` writes and JSON-schema-checks that copy task by task. `build_dag` puts the trigger "
+        "form on the DAG after its tasks exist, so the form is stored (and checked) once; tasks get it at run "
+        "time from the DAG (the Task SDK merges DAG and task params). Before that (git 2df1acd, 1024 sites x 1 "
+        "round, same machine): 1599 bytes per site task, of which 949 the form's copy; to_dict 1.41 s = 1.37 ms "
+        "per task, 95 % of it the per-task Param schema checks; 1.79 MB in all."
     )
     return [main, size]
 
@@ -383,6 +394,7 @@ class StackRun:
     n: int
     dag_id: str
     budget: float
+    preload: bool = True  # the stack's Airflow local settings import the provider (docs/scale.md)
     visible_s: float = 0.0  # file written -> DAG served by the API
     processor_parse_s: float | None = None  # the dag-processor's own last_parse_duration
     outcome: str = ""
@@ -397,6 +409,10 @@ class StackRun:
     worker_parse_ms: list[float] = field(default_factory=list)
     log_summary: dict[str, Counter[str]] = field(default_factory=dict)
     log_flags: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.n}" if self.preload else f"{self.n} (not preloaded)"
 
     def sites(self) -> list[dict[str, Any]]:
         return [t for t in self.tis if ".site-" in t["task_id"]]
@@ -589,7 +605,29 @@ def run_one(stack: Any, slicer: LogSlicer, components: dict[str, int], n: int, b
     return res
 
 
-def stack_part(root: Path, sizes: tuple[int, ...], budgets: dict[int, float]) -> tuple[list[StackRun], dict[str, Any]]:
+def write_preload(home: Path) -> Path:
+    """``$AIRFLOW_HOME/config/airflow_local_settings.py`` importing the provider, as docs/scale.md recommends."""
+    block = re.search(
+        r"```python\n(# \$AIRFLOW_HOME/config/airflow_local_settings\.py\n.*?)```",
+        (REPO / "docs" / "scale.md").read_text(),
+        re.S,
+    )
+    if block is None:
+        raise BenchmarkFailed("docs/scale.md has no airflow_local_settings.py block to benchmark")
+    path = home / "config" / "airflow_local_settings.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(block.group(1))
+    return path
+
+
+def stack_part(
+    root: Path,
+    sizes: tuple[int, ...],
+    budgets: dict[int, float],
+    extra_env: dict[str, str] | None = None,
+    *,
+    preload: bool = True,
+) -> tuple[list[StackRun], dict[str, Any]]:
     sys.path.insert(0, str(REPO))
     from tests.stack import AirflowStack, Postgres
 
@@ -601,8 +639,11 @@ def stack_part(root: Path, sizes: tuple[int, ...], budgets: dict[int, float]) ->
     try:
         started = time.monotonic()
         pg = Postgres()
-        stack = AirflowStack(root / "stack", pg.url, parallelism=PARALLELISM)
+        stack = AirflowStack(root / "stack", pg.url, parallelism=PARALLELISM, extra_env=extra_env)
         info["migrate_s"] = time.monotonic() - started
+        if preload:
+            write_preload(stack.home)
+        info["preload"] = preload
         info["limits"] = airflow_limits(stack.env)
         started = time.monotonic()
         stack.start()
@@ -624,6 +665,7 @@ def stack_part(root: Path, sizes: tuple[int, ...], budgets: dict[int, float]) ->
             log(f"[scale] one round of {n} sites (budget {budgets[n]:.0f}s) ...")
             runs.append(run_one(stack, slicer, components, n, budgets[n], init))
             r = runs[-1]
+            r.preload = preload
             log(f"[scale] {r.dag_id}: {r.outcome} in {r.elapsed_s:.0f}s")
         info["import_errors"] = stack.api("GET", "/importErrors")["total_entries"]
     finally:
@@ -645,6 +687,7 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
         f"One round under the real scheduler (PostgreSQL, LocalExecutor, `core.parallelism` = {PARALLELISM})",
         [
             "sites",
+            "provider preloaded",
             "outcome",
             "file -> DAG in API s",
             "dag-processor parse s",
@@ -676,6 +719,7 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
         )
         sched.add(
             r.n,
+            "yes" if r.preload else "**no**",
             r.outcome
             if r.finished
             else f"**{r.outcome}**" + (f"; all {r.n} at this rate: ~{r.n / rate:.0f} s" if rate else ""),
@@ -697,6 +741,10 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
         "site task's log: every task process re-imports the DAG file before it runs; for a site task the builder "
         "then makes only that site's tasks and the run's own (prepare, aggregations, publish; "
         "`flare_airflow.builder.running_site`), so this cost does not grow with N.",
+        "'provider preloaded': the stack's `$AIRFLOW_HOME/config/airflow_local_settings.py` imports "
+        "`flare_airflow.builder` (docs/scale.md), so the LocalExecutor's workers -- forked from the scheduler -- "
+        "fork each task process with our modules already imported and the re-parse skips their import. The "
+        "'not preloaded' row ran first, on a stack of its own with everything else equal.",
         f"One DAG file at a time in the dags folder (removed after its run). Stack: `airflow db migrate` + private "
         f"PostgreSQL {info['migrate_s']:.0f} s, components up in {info['start_s']:.0f} s. Import errors at the end: "
         f"{info.get('import_errors', '?')}.",
@@ -706,6 +754,7 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
         "CPU seconds per site task (CPU of each component's sessions during the run / site tasks that succeeded)",
         [
             "sites",
+            "provider preloaded",
             "site tasks counted",
             "scheduler loop",
             "executor workers + task processes",
@@ -727,6 +776,7 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
         rate = site_rate(r)
         cpu.add(
             r.n,
+            "yes" if r.preload else "**no**",
             counted,
             f"{r.sched_self / counted:.2f}",
             f"{workers / counted:.2f}",
@@ -769,12 +819,12 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
             top = "; ".join(f"`{m}` x{c}" for m, c in counts.most_common(4)) or "none"
             flags = r.log_flags.get(component, {})
             flag_cell = ", ".join(f"{k}: {len(v)}" for k, v in flags.items()) or "none"
-            logs.add(r.n, component, top.replace("|", "\\|"), flag_cell)
+            logs.add(r.label, component, top.replace("|", "\\|"), flag_cell)
     examples = []
     for r in runs:
         for component, flags in r.log_flags.items():
             for name, lines in flags.items():
-                examples.append(f"- {r.n} sites, {component}, {name} (first of {len(lines)}): `{lines[0][:240]}`")
+                examples.append(f"- {r.label} sites, {component}, {name} (first of {len(lines)}): `{lines[0][:240]}`")
     if examples:
         logs.notes += ["Example lines:", *(e.replace("|", "\\|") for e in examples[:12])]
 
@@ -784,8 +834,10 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
     config.notes.append(
         f"Set by the benchmark (tests/stack.py): `core.parallelism` = {PARALLELISM}, "
         "`scheduler.scheduler_heartbeat_sec` = 1, `dag_processor.refresh_interval` = 5, LocalExecutor, PostgreSQL "
-        "(fsync off). Everything else is Airflow's default. With `core.parallelism` (8) below "
-        "`core.max_active_tasks_per_dag` (16), the executor's slots are the binding Airflow limit on concurrency."
+        "(fsync off); the 'provider preloaded' stacks also have docs/scale.md's `airflow_local_settings.py`. "
+        "Everything else is Airflow's default. The binding Airflow limit on concurrency is the smaller of "
+        f"`core.parallelism` ({PARALLELISM}) and `core.max_active_tasks_per_dag` "
+        f"({limits.get('core.max_active_tasks_per_dag', '?')}); docs/scale.md has the measurements of other values."
     )
     return [sched, cpu, logs, config]
 
@@ -812,22 +864,41 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
 
 
 def run(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Table]:
+    """Both parts; while iterating, ``FLARE_SCALE_PARTS=parse`` (or ``stack``) runs one of them,
+    ``FLARE_SCALE_SIZES=256`` picks the sizes of the scheduler part (preloaded stack only) and
+    ``FLARE_SCALE_PARALLELISM`` its ``core.parallelism``."""
+    global PARALLELISM
+    parts = set(os.environ.get("FLARE_SCALE_PARTS", "parse,stack").split(","))
+    PARALLELISM = int(os.environ.get("FLARE_SCALE_PARALLELISM", PARALLELISM))
     root = Path(tempfile.mkdtemp(prefix="flare-bench-scale-", dir=tmp_base))
     root.chmod(0o755)
     ok = False
+    tables: list[Table] = []
     try:
-        parse_sizes = SIZES[:2] if quick else SIZES
-        parse_rounds = PARSE_ROUNDS[:1] if quick else PARSE_ROUNDS
-        log(f"[scale] parse: {parse_sizes} sites x {parse_rounds} rounds, {reps} repetitions ({root})")
-        parse_results = parse_part(root / "parse", parse_sizes, parse_rounds, reps)
-        ours_cpu, ours_wall = our_task_cpu(root, reps)
-        log(f"[scale] one site job's own processes outside Airflow: {ours_cpu:.2f} CPU s, {ours_wall:.2f} s wall")
-        budgets = QUICK_RUN_BUDGET if quick else RUN_BUDGET
-        runs, info = stack_part(root / "stack-root", tuple(budgets), budgets)
+        if "parse" in parts:
+            parse_sizes = SIZES[:2] if quick else SIZES
+            parse_rounds = PARSE_ROUNDS[:1] if quick else PARSE_ROUNDS
+            log(f"[scale] parse: {parse_sizes} sites x {parse_rounds} rounds, {reps} repetitions ({root})")
+            parse_results = parse_part(root / "parse", parse_sizes, parse_rounds, reps)
+            tables += parse_tables(parse_results, reps, airflow_limits(clean_env(root / "parse" / "parse-home")))
+        if "stack" in parts:
+            ours_cpu, ours_wall = our_task_cpu(root, reps)
+            log(f"[scale] one site job's own processes outside Airflow: {ours_cpu:.2f} CPU s, {ours_wall:.2f} s wall")
+            budgets = QUICK_RUN_BUDGET if quick else RUN_BUDGET
+            sizes = tuple(int(n) for n in os.environ.get("FLARE_SCALE_SIZES", "").split(",") if n) or tuple(budgets)
+            plain_runs: list[StackRun] = []
+            if not quick and "FLARE_SCALE_SIZES" not in os.environ:
+                # The same round without the preload, on a stack of its own (the scheduler imports its
+                # local settings once, at start), as the comparison for docs/scale.md's recommendation.
+                plain_runs, _ = stack_part(root / "stack-plain", PLAIN_SIZES, budgets, preload=False)
+            runs, info = stack_part(
+                root / "stack-root", sizes, {n: budgets.get(n, max(budgets.values())) for n in sizes}, preload=True
+            )
+            tables += stack_tables(plain_runs + runs, info, ours_cpu, ours_wall)
         ok = True
     finally:
         if keep or not ok:
             log(f"[scale] kept {root} (component logs under {root / 'stack-root' / 'stack'})")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    return [*parse_tables(parse_results, reps, info["limits"]), *stack_tables(runs, info, ours_cpu, ours_wall)]
+    return tables
