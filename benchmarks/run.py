@@ -60,6 +60,7 @@ OWN_OUTPUTS = {
     "scale": SCALE_OUTPUT,
     "nvflare": NVFLARE_OUTPUT,
     "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
+    "nvflare-e2e": BENCH_DIR / "results" / "nvflare_e2e.md",
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
 }
@@ -72,7 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--only",
-        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation", "rounds", "edge"),
+        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation", "nvflare-e2e", "rounds", "edge"),
         help="run one benchmark (all but e2e write a report of their own)",
     )
     p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
@@ -140,6 +141,10 @@ def main(argv: list[str]) -> int:
                 reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir
             )
             sections.append(("5. Side by side with NVIDIA FLARE 2.9.0: aggregation", tables))
+        if args.only == "nvflare-e2e":
+            log("[nvflare] end to end side by side with NVIDIA FLARE 2.9.0's simulator (its own venv) ...")
+            tables = bench_nvflare.run_e2e_only(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("5. Side by side with NVIDIA FLARE 2.9.0: end to end", tables))
     except BenchmarkFailed as exc:
         print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
         return 1
