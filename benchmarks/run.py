@@ -16,7 +16,9 @@
    and x 3 rounds, digits 4 x 5) through ``flare-airflow run`` and NVFlare's simulator, and FedAvg on
    the same updates vs NVFlare's ``WeightedAggregationHelper`` (~10 min; ``--only nvflare`` writes
    ``benchmarks/results/nvflare.md``; ``--only nvflare-aggregation`` runs its aggregation part alone,
-   ~3 min, into ``benchmarks/results/nvflare_aggregation.md``).
+   ~3 min, into ``benchmarks/results/nvflare_aggregation.md``; ``--only nvflare-poc``: the same jobs
+   under Airflow's real scheduler vs NVFlare's POC mode (server + client processes, admin API),
+   Airflow defaults and tuned settings side by side, into ``benchmarks/results/nvflare_poc.md``).
 7. **edge** -- sites on Edge workers vs the central LocalExecutor (per-round cost), and model
    exchange through an S3 endpoint (moto, an emulator) vs the local store (~4 min;
    ``benchmarks/results/edge.md``).
@@ -45,6 +47,7 @@ import bench_edge
 import bench_fedavg
 import bench_k8s_api
 import bench_nvflare
+import bench_poc
 import bench_rounds
 import bench_scale
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
@@ -61,6 +64,7 @@ OWN_OUTPUTS = {
     "nvflare": NVFLARE_OUTPUT,
     "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
     "nvflare-e2e": BENCH_DIR / "results" / "nvflare_e2e.md",
+    "nvflare-poc": BENCH_DIR / "results" / "nvflare_poc.md",
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
 }
@@ -73,7 +77,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--only",
-        choices=("e2e", "fedavg", "k8s", "scale", "nvflare", "nvflare-aggregation", "nvflare-e2e", "rounds", "edge"),
+        choices=(
+            "e2e",
+            "fedavg",
+            "k8s",
+            "scale",
+            "nvflare",
+            "nvflare-aggregation",
+            "nvflare-e2e",
+            "nvflare-poc",
+            "rounds",
+            "edge",
+        ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
     p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
@@ -145,6 +160,10 @@ def main(argv: list[str]) -> int:
             log("[nvflare] end to end side by side with NVIDIA FLARE 2.9.0's simulator (its own venv) ...")
             tables = bench_nvflare.run_e2e_only(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("5. Side by side with NVIDIA FLARE 2.9.0: end to end", tables))
+        if args.only == "nvflare-poc":
+            log("[poc] under the real scheduler vs NVIDIA FLARE 2.9.0's POC mode (its own venv) ...")
+            tables = bench_poc.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Under the real scheduler: side by side with NVIDIA FLARE 2.9.0's POC mode", tables))
     except BenchmarkFailed as exc:
         print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ with one thread per client.
 
     python job.py hello  --sites 2 --rounds 3 --workspace DIR
     python job.py digits --sites 4 --rounds 5 --workspace DIR --trainer PATH --digits-data PATH --hparams JSON
+    python job.py hello  --sites 2 --rounds 3 --workspace DIR --export-dir JOBS   # export only (POC mode)
 
 The last stdout line is ``RESULT {json}``: wall-clock marks (``time.time()``) and the path of the
 final global model (``server.npy``).
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--digits-data", help="digits: path of scikit-learn's digits.csv.gz")
     p.add_argument("--trainer-args", default="[]", help="digits: the job's trainer args (JSON list)")
     p.add_argument("--hparams", default="{}", help="digits: the job's hparams (JSON)")
+    p.add_argument("--export-dir", help="export the job folder here (for `nvflare job submit`) instead of running it")
     args = p.parse_args(argv)
 
     import numpy as np
@@ -71,6 +73,11 @@ def main(argv: list[str]) -> int:
         train_script=script,
         train_args=train_args,
     )
+    if args.export_dir:
+        recipe.export(args.export_dir)
+        job_folder = os.path.join(args.export_dir, name)
+        print("RESULT " + json.dumps({"job_folder": job_folder, "name": name}), flush=True)
+        return 0
     env = SimEnv(num_clients=args.sites, workspace_root=args.workspace)
     run_started = time.time()
     recipe.run(env)  # raises if the simulator exits non-zero
