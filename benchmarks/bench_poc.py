@@ -53,36 +53,29 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
     (
         "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME",
         "1",
-        "0.05",
+        "0.1",
         "the scheduler sleeps this long after a loop that queued nothing and saw no finished task: a task that "
-        "ends during the sleep waits for it before its downstream tasks are queued",
+        "ends during the sleep waits for it before its downstream tasks are queued (twice a round: sites, then "
+        "FedAvg)",
     ),
     (
         "AIRFLOW__CORE__PARALLELISM",
         "32",
         "8",
-        "LocalExecutor workers (forked at start-up); 8 covers the widest round here (4 sites) with room, "
-        "32 idle forks only cost memory",
-    ),
-    (
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC",
-        "5",
-        "5",
-        "the scheduler's liveness heartbeat; not on the task path (kept)",
+        "executor slots; the LocalExecutor forks that many workers at start-up; 8 covers the widest round here "
+        "(4 sites) on 2 cores (docs/scale.md)",
     ),
     (
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL",
         "30",
         "300",
-        "how often each DAG file is re-parsed: every parse takes CPU from the running round on 2 cores",
-    ),
-    (
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL",
-        "300",
-        "300",
-        "how often the dags folder is listed for new files (kept)",
+        "how often each unchanged DAG file is re-parsed: every parse takes CPU from a running round on 2 cores "
+        "(a changed file is still picked up when the dags folder is listed)",
     ),
 )
+LOCAL_SETTINGS = "airflow_local_settings.py importing flare_airflow.builder"  # the tuned deployment's preload
+# Both deployments: Airflow's defaults for these two (tests/stack.py sets 1 s and 5 s for its tests).
+COMMON = {"AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "5", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "300"}
 VARIANTS = ("ours-default", "ours-tuned")
 SYSTEMS = (*VARIANTS, "nvflare")
 LABEL = {
@@ -93,8 +86,18 @@ LABEL = {
 
 
 def variant_env(variant: str) -> dict[str, str]:
+    """The environment of a deployment; the defaults are set explicitly where Airflow has a value."""
     column = 1 if variant == "ours-default" else 2
-    return {s[0]: s[column] for s in SETTINGS}
+    return {**COMMON, **{s[0]: s[column] for s in SETTINGS}}
+
+
+def documented_local_settings() -> str:
+    """docs/scale.md's ``airflow_local_settings.py`` block: the tuned deployment uses it as documented."""
+    text = (REPO / "docs" / "scale.md").read_text()
+    block = re.search(r"```python\n(# \$AIRFLOW_HOME/config/airflow_local_settings\.py\n.*?)```", text, re.S)
+    if block is None:
+        raise BenchmarkFailed("docs/scale.md lost its airflow_local_settings.py block")
+    return block.group(1)
 
 
 def _ts(value: str | None) -> float | None:
@@ -431,6 +434,8 @@ def run_ours(stack: Any, variant: str, case: JobCase, store: Path, trainer: Any,
     if pointer.get("run_id") not in (None, run_id):
         raise BenchmarkFailed(f"{variant} {case.name}: latest.json names run {pointer.get('run_id')}, not {run_id}")
     final = load_file(str(Path(path_from_uri(pointer["model_uri"]))))
+    for ti in tis.values():
+        ti["log_marks"] = task_log_marks(stack.home / "logs", case.dag_id, run_id, ti)
     run = PocRun(
         variant,
         case,
@@ -444,6 +449,33 @@ def run_ours(stack: Any, variant: str, case: JobCase, store: Path, trainer: Any,
     )
     _check_final(run, trainer, split)
     return run
+
+
+def task_log_marks(logs: Path, dag_id: str, run_id: str, ti: dict[str, Any]) -> dict[str, float]:
+    """Wall-clock marks inside one task process, from its JSON task log: the Task SDK's first line,
+    the DAG re-parse's duration, our operator's command (site runner + trainer) start and end, the last line."""
+    path = (
+        logs / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={ti['task_id']}" / f"attempt={ti['try_number']}.log"
+    )
+    marks: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                rec = json.loads(line)
+                ts = datetime.datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+                event = str(rec.get("event", ""))
+                marks.setdefault("first", ts)
+                marks["last"] = ts
+                if event == "Worker startup parse complete":
+                    marks["parse_s"] = float(rec["dag_file_parse_ms"]) / 1000
+                    marks["parsed"] = ts
+                elif event.startswith("Running command:"):
+                    marks["command_start"] = ts
+                elif event.startswith("Command exited with return code"):
+                    marks["command_end"] = ts
+                elif event == "::group::Post Execute":
+                    marks["post"] = ts
+    return marks
 
 
 def _check_final(run: PocRun, trainer: Any, split: Any) -> None:
@@ -460,6 +492,25 @@ def _check_final(run: PocRun, trainer: Any, split: Any) -> None:
     run.accuracy = float(acc)
 
 
+def idle_cores(stacks: dict[str, Any], poc: Poc, seconds: float = 15.0) -> dict[str, float]:
+    """Cores each idle component uses (its whole session: forked workers included), over ``seconds``."""
+    import bench_scale
+
+    components = {
+        f"{variant} {name}": proc.pid
+        for variant, stack in stacks.items()
+        for name, proc in zip(("api-server", "scheduler", "dag-processor"), stack.procs, strict=True)
+    }
+    if poc.pgid is not None:
+        components[f"NVFlare POC ({poc.n} clients: server + clients)"] = poc.pgid
+    time.sleep(3)
+    before = bench_scale.cpu_sample(components)
+    time.sleep(seconds)
+    after = bench_scale.cpu_sample(components)
+    wall = after.wall - before.wall
+    return {c: (after.sessions[c] - before.sessions[c]) / wall for c in components}
+
+
 def start_stacks(root: Path, store: Path) -> tuple[dict[str, Any], list[Any]]:
     sys.path.insert(0, str(REPO))
     from tests.stack import AirflowStack, Postgres
@@ -474,6 +525,9 @@ def start_stacks(root: Path, store: Path) -> tuple[dict[str, Any], list[Any]]:
         stack = AirflowStack(root / variant, pg.url, parallelism=parallelism, extra_env=env)
         owned.append(stack)
         bench_nvflare.write_our_dags(stack.dags, store / variant)
+        if variant == "ours-tuned":
+            (stack.home / "config").mkdir(exist_ok=True)
+            (stack.home / "config" / "airflow_local_settings.py").write_text(documented_local_settings())
         stacks[variant] = stack
     for variant, stack in stacks.items():
         started = time.monotonic()
@@ -528,6 +582,8 @@ def run(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Tab
                 poc.start()
                 info["poc_start"][n] = poc.start_s
                 log(f"[poc] NVFlare POC with {n} clients up in {poc.start_s:.0f}s ({poc.prod})")
+                if "idle" not in info:
+                    info["idle"] = idle_cores(stacks, poc)
 
                 def one(system: str, case: JobCase) -> PocRun:
                     nonlocal count
@@ -649,6 +705,11 @@ def tables(
         ", ".join(f"{n} clients {s:.0f} s" for n, s in info["poc_start"].items())
         + f"; both Airflow deployments (PostgreSQL, migrate, start, DAGs serialised) {info.get('stacks_s', 0):.0f} s",
     )
+    if info.get("idle"):
+        checks.add(
+            "idle CPU before the first run (cores)",
+            "; ".join(f"{name} {cores:.3f}" for name, cores in info["idle"].items()),
+        )
     checks.add(
         "processes left after `nvflare poc stop`",
         "none" if not info["leftovers"] else f"{len(info['leftovers'])} killed by id: {'; '.join(info['leftovers'])}",
@@ -661,6 +722,13 @@ def tables(
     for env_var, default, tuned, why in SETTINGS:
         section, key = env_var.split("__")[1:]
         settings.add(f"`[{section.lower()}] {key.lower()}`", default, tuned, why)
+    settings.add(
+        "`$AIRFLOW_HOME/config/airflow_local_settings.py`",
+        "(none)",
+        "`import flare_airflow.builder` (docs/scale.md's block, read from the page)",
+        "the scheduler imports the provider once; the LocalExecutor's workers are forks of it, so each task "
+        "process re-parses the DAG file without importing the builder, operators and numpy",
+    )
     settings.notes.append(
         "Both: tests/stack.py's deployment (private PostgreSQL with fsync off, api-server, scheduler with the "
         "LocalExecutor, dag-processor, each in its own session), running side by side during the whole benchmark "
@@ -669,24 +737,53 @@ def tables(
     return [per_round, whole, r2r, profile_table(runs, cases), settings, checks]
 
 
+STAGES = (
+    ("react", "upstream task end -> queued (scheduler loop)"),
+    ("qs", "queued -> running (executor, worker)"),
+    ("boot", "running -> task log's first line (task process start-up, Task SDK)"),
+    ("parse", "DAG file re-parse (`dag_file_parse_ms`)"),
+    ("execute", "re-parse done -> site command start / aggregation done (operator)"),
+    ("cmd", "site command: `python -m flare_airflow.site_task` -> trainer -> update written"),
+    ("post", "command end / Post Execute -> task end (XCom, final state)"),
+    ("total", "whole task instance (running -> success)"),
+)
+
+
+def _stages(ti: dict[str, Any], upstream_end: float | None) -> dict[str, float]:
+    q, s, e = _ts(ti.get("queued_when")), _ts(ti.get("start_date")), _ts(ti.get("end_date"))
+    m = ti.get("log_marks") or {}
+    out: dict[str, float] = {}
+    if q is None or s is None or e is None:
+        return out
+    if upstream_end is not None:
+        out["react"] = q - upstream_end
+    out["qs"], out["total"] = s - q, e - s
+    if "first" in m:
+        out["boot"] = m["first"] - s
+    if "parse_s" in m:
+        out["parse"] = m["parse_s"]
+    if "parsed" in m and "command_start" in m and "command_end" in m:
+        out["execute"] = m["command_start"] - m["parsed"]
+        out["cmd"] = m["command_end"] - m["command_start"]
+        out["post"] = e - m["command_end"]
+    elif "parsed" in m and "post" in m:
+        out["execute"] = m["post"] - m["parsed"]
+        out["post"] = e - m["post"]
+    return out
+
+
 def profile_table(runs: dict[tuple[str, str], list[PocRun]], cases: list[JobCase]) -> Table:
-    """Where a round's time goes under the scheduler, from the task instances' timestamps."""
-    table = Table(
-        "Where a round goes under the scheduler (median over site tasks / rounds / runs, seconds)",
-        [
-            "job",
-            "deployment",
-            "upstream end -> site queued (scheduler)",
-            "site queued -> start (executor, worker fork, Task SDK start)",
-            "site task start -> end",
-            "last site end -> global_model queued",
-            "global_model queued -> start",
-            "global_model start -> end",
-        ],
-    )
+    """Where a round's time goes under the scheduler, from the task instances and their task logs."""
+    kinds = sorted({c.kind for c in cases}, key=lambda k: k != "hello")
+    columns = [(k, v, role) for k in kinds for role in ("site", "agg") for v in VARIANTS]
+    header = ["stage"] + [
+        f"{k}: {'site task' if role == 'site' else 'global_model'}, {'default' if v == 'ours-default' else 'tuned'}"
+        for k, v, role in columns
+    ]
+    table = Table("Where a round goes under the scheduler (median over task instances of all runs, seconds)", header)
+    values: dict[tuple[str, str, str], dict[str, list[float]]] = {c: {} for c in columns}
     for case in cases:
         for variant in VARIANTS:
-            cols: dict[str, list[float]] = {k: [] for k in ("react", "qs", "site", "agg_react", "agg_qs", "agg")}
             for run in runs[(variant, case.name)]:
                 tis = {t["task_id"]: t for t in run.tis}
                 prev_end = _ts(tis["prepare"]["end_date"])
@@ -694,21 +791,19 @@ def profile_table(runs: dict[tuple[str, str], list[PocRun]], cases: list[JobCase
                     sites = [t for k, t in tis.items() if k.startswith(f"round_{r}.") and ".site-" in k]
                     agg = tis[f"round_{r}.global_model"]
                     for t in sites:
-                        q, s, e = _ts(t["queued_when"]), _ts(t["start_date"]), _ts(t["end_date"])
-                        if q and s and e and prev_end:
-                            cols["react"].append(q - prev_end)
-                            cols["qs"].append(s - q)
-                            cols["site"].append(e - s)
-                    last_site = max(_ts(t["end_date"]) or 0 for t in sites)
-                    q, s, e = _ts(agg["queued_when"]), _ts(agg["start_date"]), _ts(agg["end_date"])
-                    if q and s and e:
-                        cols["agg_react"].append(q - last_site)
-                        cols["agg_qs"].append(s - q)
-                        cols["agg"].append(e - s)
-                    prev_end = e
-            table.add(
-                case.label,
-                LABEL[variant],
-                *(f"{median(v):.2f}" if v else "-" for v in cols.values()),
-            )
+                        for key, val in _stages(t, prev_end).items():
+                            values[(case.kind, variant, "site")].setdefault(key, []).append(val)
+                    last_site = max((_ts(t["end_date"]) or 0.0) for t in sites)
+                    for key, val in _stages(agg, last_site).items():
+                        values[(case.kind, variant, "agg")].setdefault(key, []).append(val)
+                    prev_end = _ts(agg["end_date"])
+    for key, label in STAGES:
+        table.add(label, *(f"{median(v):.2f}" if (v := values[c].get(key)) else "-" for c in columns))
+    table.notes += [
+        "Timestamps: `queued_when`, `start_date`, `end_date` of the task instances (REST API) and the JSON lines of "
+        "each task's log (the Task SDK's own `Worker startup parse complete` with `dag_file_parse_ms`; the "
+        "SubprocessHook's `Running command` and `Command exited`; `::group::Post Execute`). A round = its site tasks "
+        "(in parallel) + the scheduler's reaction + its `global_model` task. 'upstream task end' is the previous "
+        "round's `global_model` (round 1: `prepare`) for a site task, the round's last site task for `global_model`.",
+    ]
     return table
