@@ -337,7 +337,6 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
     global_params, _ = read_artifact(_global_path(store))
     size = path.stat().st_size
     buf = np.ones(size, dtype=np.uint8)  # the pipeline's reused buffer, touched after the first update
-    agg = FedAvg(global_params, min_clients=1)
     # The accumulation stage alone, into an accumulator and scratch as FedAvg's own.
     acc = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items()}
     for v in acc.values():  # touched, as the accumulator is after the first update
@@ -345,6 +344,10 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
     scratch = np.empty(ACC_CHUNK, dtype=np.float64)
     w = np.float64(_num_samples(0))
     times: dict[str, list[float]] = {}
+    once: dict[str, float] = {}
+    started = time.perf_counter()
+    agg = FedAvg(global_params, min_clients=1)  # the round's set-up: accumulator (untouched) and scratch
+    once["setup"] = time.perf_counter() - started
 
     def timed(key: str, started: float) -> float:
         now = time.perf_counter()
@@ -362,6 +365,7 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
     # first update of a round is; the reported medians are of the steady state, one update after another.
     for it in range(reps + 1):
         if it == 1:
+            once["first_together"] = times["together"][0]  # the first update also first-touches the accumulator
             times.clear()
         path = _update_path(store, it % 4)
         # The stages one thread of fedavg_from_store runs for an update, with the same calls, in its order.
@@ -375,8 +379,12 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
             raise BenchmarkFailed(f"blake3 mismatch or non-finite values in {path}")
         params = parse_safetensors(data, str(path), scan.layout)  # the scan's header parse, reused
         t = timed("parse", t)
+        check_spec("site", agg.expected, params)
+        t = timed("check", t)
         accumulate(acc, [(params, w)], scratch)
-        timed("accumulate", t)
+        t = timed("accumulate", t)
+        accumulate(acc, [(params, w), (params, w)], scratch)  # as fedavg_from_store adds: a pair per pass
+        timed("accumulate_pair", t)
         del params, data
 
         # The same, timed together (next update file).
@@ -409,7 +417,10 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
             t = time.perf_counter()
             read_into(osp, size, buf, None, ("blake3",))
             timed("alt_osp_read", t)
-    return {"times": times, "bytes": size}
+    started = time.perf_counter()
+    agg.result()  # the mean divided and cast back over the accumulator, once per round
+    once["result"] = time.perf_counter() - started
+    return {"times": times, "once": once, "bytes": size}
 
 
 WORKERS = {
