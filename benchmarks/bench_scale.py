@@ -744,7 +744,9 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
         "updates (`min_clients` = N). 'per-task DAG re-parse' is the Task SDK's own `dag_file_parse_ms` from each "
         "site task's log: every task process re-imports the DAG file before it runs; for a site task the builder "
         "then makes only that site's tasks and the run's own (prepare, aggregations, publish; "
-        "`flare_airflow.builder.running_site`), so this cost does not grow with N.",
+        "`flare_airflow.builder.running_site`), so the tasks it builds do not grow with N; reading and validating "
+        "the N-site job file does (~0.05 CPU s at 1024 sites), and the wall time here includes waiting for the CPU "
+        f"({PARALLELISM} tasks at once on 2 cores).",
         "'provider preloaded': the stack's `$AIRFLOW_HOME/config/airflow_local_settings.py` imports "
         "`flare_airflow.builder` (docs/scale.md), so the LocalExecutor's workers -- forked from the scheduler -- "
         "fork each task process with our modules already imported and the re-parse skips their import. The "
