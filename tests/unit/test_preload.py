@@ -18,11 +18,18 @@ import json, os, sys
 from pathlib import Path
 import airflow  # Airflow's settings import $AIRFLOW_HOME/config/airflow_local_settings.py here
 preloaded = "flare_airflow.builder" in sys.modules
+# What a forked task process then imports at its first use of a file:// model store: without the
+# preload, Airflow's filesystem registry imports every provider's filesystem module right here.
+from airflow.sdk import ObjectStoragePath
+before = set(sys.modules)
+ObjectStoragePath("file:///").fs
+store_imports = sorted(m for m in set(sys.modules) - before if m.startswith("airflow.providers."))
 from airflow.dag_processing.dagbag import BundleDagBag
 dag_file = Path(sys.argv[1])
 bag = BundleDagBag(dag_folder=str(dag_file), safe_mode=False, bundle_path=dag_file.parent, bundle_name="dags")
 print("RESULT " + json.dumps({
     "preloaded": preloaded,
+    "store_imports": store_imports,
     "dags": {d: len(dag.tasks) for d, dag in bag.dags.items()},
     "errors": {str(k): str(v) for k, v in bag.import_errors.items()},
 }))
@@ -71,4 +78,5 @@ def test_the_documented_local_settings_preload_the_provider_and_dags_still_parse
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     result = json.loads(line[len("RESULT ") :])
     # prepare, publish and each round's site-2 and global_model: only the running site's tasks.
-    assert result == {"preloaded": True, "dags": {"pre": 6}, "errors": {}}
+    # Airflow's filesystem registry was built by the preload: a first store use imports no provider.
+    assert result == {"preloaded": True, "store_imports": [], "dags": {"pre": 6}, "errors": {}}
