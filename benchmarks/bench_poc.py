@@ -471,6 +471,8 @@ def task_log_marks(logs: Path, dag_id: str, run_id: str, ti: dict[str, Any]) -> 
                     marks["parsed"] = ts
                 elif event.startswith("Running command:"):
                     marks["command_start"] = ts
+                elif event.startswith("site job ") and "runner_started" not in marks:
+                    marks["runner_started"] = ts
                 elif event.startswith("Command exited with return code"):
                     marks["command_end"] = ts
                 elif event == "::group::Post Execute":
@@ -743,7 +745,9 @@ STAGES = (
     ("boot", "running -> task log's first line (task process start-up, Task SDK)"),
     ("parse", "DAG file re-parse (`dag_file_parse_ms`)"),
     ("execute", "re-parse done -> site command start / aggregation done (operator)"),
-    ("cmd", "site command: `python -m flare_airflow.site_task` -> trainer -> update written"),
+    ("cmd", "site command: `bash -> python -m flare_airflow.site_task` -> trainer -> update written"),
+    ("runner", "  of which: the site runner's start (bash + interpreter, until it starts the trainer)"),
+    ("trainer", "  of which: the trainer's run + the runner's check of its update (a second interpreter)"),
     ("post", "command end / Post Execute -> task end (XCom, final state)"),
     ("total", "whole task instance (running -> success)"),
 )
@@ -765,6 +769,9 @@ def _stages(ti: dict[str, Any], upstream_end: float | None) -> dict[str, float]:
     if "parsed" in m and "command_start" in m and "command_end" in m:
         out["execute"] = m["command_start"] - m["parsed"]
         out["cmd"] = m["command_end"] - m["command_start"]
+        if "runner_started" in m:
+            out["runner"] = m["runner_started"] - m["command_start"]
+            out["trainer"] = m["command_end"] - m["runner_started"]
         out["post"] = e - m["command_end"]
     elif "parsed" in m and "post" in m:
         out["execute"] = m["post"] - m["parsed"]
