@@ -73,7 +73,6 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
         "(a changed file is still picked up when the dags folder is listed)",
     ),
 )
-LOCAL_SETTINGS = "airflow_local_settings.py importing flare_airflow.builder"  # the tuned deployment's preload
 # Both deployments: Airflow's defaults for these two (tests/stack.py sets 1 s and 5 s for its tests).
 COMMON = {"AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "5", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "300"}
 VARIANTS = ("ours-default", "ours-tuned")
@@ -727,9 +726,13 @@ def tables(
     settings.add(
         "`$AIRFLOW_HOME/config/airflow_local_settings.py`",
         "(none)",
-        "`import flare_airflow.builder` (docs/scale.md's block, read from the page)",
+        "`"
+        + "; ".join(
+            ln.split("#")[0].strip() for ln in documented_local_settings().splitlines() if ln.startswith("import")
+        )
+        + "` (docs/scale.md's block, read from the page)",
         "the scheduler imports the provider once; the LocalExecutor's workers are forks of it, so each task "
-        "process re-parses the DAG file without importing the builder, operators and numpy",
+        "process re-parses the DAG file without importing the builder, operators and numpy (docs/scale.md)",
     )
     settings.notes.append(
         "Both: tests/stack.py's deployment (private PostgreSQL with fsync off, api-server, scheduler with the "
