@@ -462,13 +462,8 @@ def run_nvflare(
     raise BenchmarkFailed(f"NVFlare {case.name} hung twice in a row (killed after {NVFLARE_TIMEOUT} s); see {hangs}")
 
 
-def _run_nvflare_once(
-    nv: NvflareEnv, case: JobCase, workspace: Path, log_path: Path, trainer: Any, split: Any
-) -> E2ERun:
-    import numpy as np
-
-    workspace.mkdir(parents=True, exist_ok=True)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+def job_argv(nv: NvflareEnv, case: JobCase, workspace: Path, trainer: Any) -> list[str]:
+    """``nvflare_jobs/job.py`` for ``case`` in NVFlare's venv (digits: the trainer's data and settings)."""
     argv = [
         str(nv.python),
         str(JOBS_DIR / "job.py"),
@@ -492,6 +487,17 @@ def _run_nvflare_once(
             "--hparams",
             json.dumps(settings["trainer"].get("hparams", {})),
         ]
+    return argv
+
+
+def _run_nvflare_once(
+    nv: NvflareEnv, case: JobCase, workspace: Path, log_path: Path, trainer: Any, split: Any
+) -> E2ERun:
+    import numpy as np
+
+    workspace.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = job_argv(nv, case, workspace, trainer)
     started = time.time()
     t0 = time.monotonic()
     with log_path.open("w") as fh:
@@ -1332,23 +1338,25 @@ def aggregation_cases(quick: bool) -> list[tuple[int, list[int]]]:
     return [(16, [4, 16])] if quick else [(1, [256]), (16, [4, 16, 64]), (256, [4, 16, 64])]
 
 
-def run_aggregation_only(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Table]:
-    """``run.py --only nvflare-aggregation``: the aggregation part without the end-to-end jobs."""
+def _nvflare_venv_table() -> tuple[NvflareEnv, Table]:
+    """NVFlare's environment (created on first use) and the table that names it, for one part alone."""
     nv = ensure_nvflare_venv()
     log(f"[nvflare] NVFlare {nv.versions['nvflare']} at {nv.venv}")
     keys = ("python", "nvflare", "numpy", "safetensors")
     versions = Table("NVFlare's environment (separate from the project's)", ["virtual environment", *keys])
     versions.add(f"`{nv.venv}`", *(nv.versions[k] for k in keys))
+    return nv, versions
+
+
+def run_aggregation_only(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Table]:
+    """``run.py --only nvflare-aggregation``: the aggregation part without the end-to-end jobs."""
+    nv, versions = _nvflare_venv_table()
     return [versions, *run_aggregation(nv, cases=aggregation_cases(quick), reps=reps, keep=keep, tmp_base=tmp_base)]
 
 
 def run_e2e_only(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Table]:
     """``run.py --only nvflare-e2e``: the end-to-end jobs without the aggregation matrix."""
-    nv = ensure_nvflare_venv()
-    log(f"[nvflare] NVFlare {nv.versions['nvflare']} at {nv.venv}")
-    keys = ("python", "nvflare", "numpy", "safetensors")
-    versions = Table("NVFlare's environment (separate from the project's)", ["virtual environment", *keys])
-    versions.add(f"`{nv.venv}`", *(nv.versions[k] for k in keys))
+    nv, versions = _nvflare_venv_table()
     return [versions, *run_e2e(nv, reps=reps, quick=quick, keep=keep, tmp_base=tmp_base)]
 
 

@@ -267,31 +267,7 @@ class Poc:
 def export_jobs(nv: NvflareEnv, root: Path, cases: list[JobCase], trainer: Any) -> dict[str, Path]:
     folders = {}
     for case in cases:
-        argv = [
-            str(nv.python),
-            str(JOBS_DIR / "job.py"),
-            case.kind,
-            "--sites",
-            str(case.sites),
-            "--rounds",
-            str(case.rounds),
-            "--workspace",
-            str(root / "unused"),
-            "--export-dir",
-            str(root / "jobs"),
-        ]
-        if case.kind == "digits":
-            settings = bench_nvflare._digits_settings()
-            argv += [
-                "--trainer",
-                str(bench_nvflare.DIGITS_TRAINER),
-                "--digits-data",
-                str(trainer.digits_file()),
-                "--trainer-args",
-                json.dumps(settings["trainer"].get("args", [])),
-                "--hparams",
-                json.dumps(settings["trainer"].get("hparams", {})),
-            ]
+        argv = [*bench_nvflare.job_argv(nv, case, root / "unused", trainer), "--export-dir", str(root / "jobs")]
         proc = subprocess.run(argv, env=nv.env(), capture_output=True, text=True, timeout=180, check=False)
         result = bench_nvflare._result_line(proc.stdout)
         if proc.returncode != 0 or result is None:
