@@ -490,6 +490,25 @@ def job_argv(nv: NvflareEnv, case: JobCase, workspace: Path, trainer: Any) -> li
     return argv
 
 
+def server_log_rounds(text: str, case: JobCase) -> tuple[dict[int, float], float | None, float | None, int]:
+    """From an NVFlare server log: each round's start (`Round k started.`), `Finished FedAvg.`, the
+    first timestamped line, and how many rounds aggregated every site's result."""
+    starts: dict[int, float] = {}
+    done = first = ts = None
+    aggregated = 0
+    for line in text.splitlines():
+        if m := _NV_LINE.match(line):
+            ts = _nv_ts(m.group(1))
+            first = first if first is not None else ts
+        if (r := _NV_ROUND.search(line)) and ts is not None:
+            starts[int(r.group(1))] = ts
+        elif _NV_DONE.search(line) and ts is not None:
+            done = ts
+        if f"Aggregated {case.sites}/{case.sites} results" in line:
+            aggregated += 1
+    return starts, done, first, aggregated
+
+
 def _run_nvflare_once(
     nv: NvflareEnv, case: JobCase, workspace: Path, log_path: Path, trainer: Any, split: Any
 ) -> E2ERun:
@@ -514,19 +533,7 @@ def _run_nvflare_once(
         raise BenchmarkFailed(
             f"NVFlare {case.name}: `python job.py` exited {proc.returncode}; log {log_path}:\n{_tail(log_path)}"
         )
-    starts: dict[int, float] = {}
-    done = None
-    ts = None
-    aggregated = 0
-    for line in text.splitlines():
-        if m := _NV_LINE.match(line):
-            ts = _nv_ts(m.group(1))
-        if (r := _NV_ROUND.search(line)) and ts is not None:
-            starts[int(r.group(1))] = ts
-        elif _NV_DONE.search(line) and ts is not None:
-            done = ts
-        if f"Aggregated {case.sites}/{case.sites} results" in line:
-            aggregated += 1
+    starts, done, _, aggregated = server_log_rounds(text, case)
     if sorted(starts) != list(range(case.rounds)) or done is None or aggregated != case.rounds:
         raise BenchmarkFailed(
             f"NVFlare {case.name}: expected {case.rounds} rounds with {case.sites}/{case.sites} results each; found "

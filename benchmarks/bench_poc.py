@@ -276,11 +276,6 @@ def export_jobs(nv: NvflareEnv, root: Path, cases: list[JobCase], trainer: Any) 
     return folders
 
 
-_NV_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - ")
-_NV_ROUND = re.compile(r"Round (\d+) started\.")
-_NV_DONE = re.compile(r"Finished FedAvg\.")
-
-
 def run_nvflare(poc: Poc, case: JobCase, job: Path, count: int, trainer: Any, split: Any) -> PocRun:
 
     download = poc.root / "results" / f"{count:03d}-{case.name}"
@@ -308,19 +303,7 @@ def run_nvflare(poc: Poc, case: JobCase, job: Path, count: int, trainer: Any, sp
         )
     found = list(Path(result["result_dir"]).rglob("log.txt")) + list(Path(result["result_dir"]).rglob("workspace"))
     text, model = _job_log_and_model(found, case)
-    starts: dict[int, float] = {}
-    done = first = ts = None
-    aggregated = 0
-    for line in text.splitlines():
-        if m := _NV_LINE.match(line):
-            ts = bench_nvflare._nv_ts(m.group(1))
-            first = first if first is not None else ts
-        if (r := _NV_ROUND.search(line)) and ts is not None:
-            starts[int(r.group(1))] = ts
-        elif _NV_DONE.search(line) and ts is not None:
-            done = ts
-        if f"Aggregated {case.sites}/{case.sites} results" in line:
-            aggregated += 1
+    starts, done, first, aggregated = bench_nvflare.server_log_rounds(text, case)
     if sorted(starts) != list(range(case.rounds)) or done is None or first is None or aggregated != case.rounds:
         raise BenchmarkFailed(
             f"NVFlare POC {case.name}: expected {case.rounds} rounds with {case.sites}/{case.sites} results each; "
