@@ -56,6 +56,8 @@ FLARE_SITE_OWNERS = "FLARE_SITE_OWNERS"
 """``pid:start_time ...``: the processes whose end ends the site job (the task process and its supervisor)."""
 FLARE_SITE_RESULT_FILE = "FLARE_SITE_RESULT_FILE"
 """A local file (outside the store) where the site runner leaves its failure reason for the site task."""
+FLARE_SITE_NOISE_SECRET = "FLARE_SITE_NOISE_SECRET"  # noqa: S105 - a variable name
+"""The site's noise secret for its privacy filters; the runner removes it before the trainer starts."""
 
 # ---------------------------------------------------------------- launchers
 FLARE_PROCESS_TREE = "FLARE_PROCESS_TREE"

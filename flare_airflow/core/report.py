@@ -28,6 +28,8 @@ def round_row(summary: Mapping[str, Any], num_sites: int) -> dict[str, Any]:
         "evaluation": dict(summary.get("evaluation", {})),
         "global_uri": summary.get("global_uri"),
         "sha256": summary.get("sha256"),
+        # The run's (ε, δ) after this round (docs/privacy.md), None when the job adds no noise.
+        "epsilon": (summary.get("privacy") or {}).get("epsilon"),
     }
 
 
@@ -43,13 +45,15 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A plain-text table: round, valid sites, mean training loss, global evaluation metrics."""
     eval_keys = sorted({k for row in rows for k in row.get("evaluation", {})})
     eval_keys.sort(key=lambda k: (k != "accuracy", k))
-    header = ["round", "valid sites", "mean train loss", *(f"global {k}" for k in eval_keys)]
+    private = any(row.get("epsilon") is not None for row in rows)
+    header = ["round", "valid sites", "mean train loss", *(f"global {k}" for k in eval_keys), *(["ε"] * private)]
     body = [
         [
             str(row["round"]),
             f"{row['sites_valid']}/{row['sites_total']}",
             _fmt(row.get("train_loss")),
             *(_fmt(row.get("evaluation", {}).get(k)) for k in eval_keys),
+            *([_fmt(row.get("epsilon"))] * private),
         ]
         for row in rows
     ]

@@ -158,6 +158,8 @@ class AggregateOperator(BaseOperator):
             "metrics": outcome.metrics,
             "site_metrics": outcome.site_metrics,
             "evaluation": self._evaluate(context, str(global_out)) if job.evaluate else {},
+            # The run's ε after this round (the job's own noise), or None without it.
+            "privacy": job.privacy.account(r),
         }
         self.log.info(
             "round %d: %d/%d sites counted %s, metrics %s, evaluation %s",

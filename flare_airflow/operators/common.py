@@ -47,6 +47,8 @@ class RunParams:
     min_clients: int
     warm_start: bool
     hparams: dict[str, Any]
+    # Why the run trains fewer rounds than asked: the job's privacy budget (max_epsilon) ends it first.
+    budget_note: str | None = None
 
 
 RUN_PARAMS = ("rounds", "min_clients", "warm_start")
@@ -107,7 +109,15 @@ def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
     for key, default in job.trainer.hparams.items():
         if HPARAM_PREFIX + key in params:
             hparams[key] = _hparam(key, default, params[HPARAM_PREFIX + key])
-    return RunParams(rounds=rounds, min_clients=min_clients, warm_start=warm_start, hparams=hparams)
+    # The budget is known before the run (the job's own noise and δ): the rounds beyond it are
+    # skipped like rounds the form did not ask for, and the run publishes what it trained.
+    return RunParams(
+        rounds=job.privacy.rounds_allowed(rounds),
+        min_clients=min_clients,
+        warm_start=warm_start,
+        hparams=hparams,
+        budget_note=job.privacy.budget_note(rounds),
+    )
 
 
 def run_id_of(context: Mapping[str, Any]) -> str:

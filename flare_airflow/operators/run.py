@@ -112,6 +112,9 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
             "min_clients": params.min_clients,
             "hparams": params.hparams,
         }
+        if params.budget_note:
+            result["budget_note"] = params.budget_note
+            self.log.warning("%s", params.budget_note)
         self._skip_later_rounds(context, params.rounds, result)
         return result
 
@@ -316,6 +319,15 @@ class PublishOperator(BaseOperator):
             "sha256": final_record.sha256,
             "rounds": rows,
         }
+        note = run_params(context, self.job).budget_note
+        epsilon = rows[-1].get("epsilon")
+        if epsilon is not None or note:
+            report["privacy"] = {
+                "epsilon": epsilon,
+                "delta": self.job.privacy.delta,
+                "max_epsilon": self.job.privacy.max_epsilon,
+                "note": note,
+            }
         metrics_path = final / "metrics.json"
         atomic_write(metrics_path, json.dumps(report, indent=2, sort_keys=True).encode())
         plot_path = final / "metrics.png"
@@ -328,8 +340,13 @@ class PublishOperator(BaseOperator):
         }
         atomic_write(store.latest_pointer(self.job.job), json.dumps(pointer, sort_keys=True).encode())
         for asset in self.outlets:
-            context["outlet_events"][asset].extra = {**pointer, "evaluation": last.get("evaluation", {})}
+            extra = {**pointer, "evaluation": last.get("evaluation", {})}
+            if "privacy" in report:
+                extra["privacy"] = report["privacy"]
+            context["outlet_events"][asset].extra = extra
         self.log.info("per-round results of %s:\n%s", run_id, format_table(rows))
+        if note:
+            self.log.warning("%s", note)
         self.log.info("final model: %s\nmetrics: %s\nplot: %s", model_path, metrics_path, plot_path)
         return {"final_model": str(model_path), "metrics": str(metrics_path), "plot": str(plot_path), **pointer}
 

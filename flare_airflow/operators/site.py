@@ -47,7 +47,15 @@ from flare_airflow.operators.common import (
 from flare_airflow.operators.staging import check_connection, is_local, staged
 from flare_airflow.site_task.checks import read_failure, write_failure
 from flare_airflow.site_task.owners import owners_value
-from flare_airflow.site_task.spec import OWNERS_ENV, RESULT_FILE_ENV, SECRETS_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
+from flare_airflow.site_task.spec import (
+    NOISE_SECRET_ENV,
+    OWNERS_ENV,
+    RESULT_FILE_ENV,
+    SECRETS_ENV,
+    SPEC_ENV,
+    SUMMARY_PREFIX,
+    SiteRun,
+)
 
 # FLARE_SITE of the server's evaluation of a global model, run by the aggregation task.
 SERVER_SITE = "server"
@@ -120,6 +128,37 @@ def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
         mask_secret(value, name)
         values[name] = value
     return values
+
+
+def noise_secret_for(run: SiteRun) -> str | None:
+    """The site's noise secret when its privacy plan adds noise (else None), resolved on this
+    worker from the Airflow variable the plan names and masked in logs.
+
+    The site keeps it (its worker's variables or secrets backend), so the server cannot
+    regenerate the site's noise; the noise of (job, run, round, site) is keyed from it
+    (:func:`~flare_airflow.core.privacy.filters.noise_key`), so a retry republishes the same
+    release. Raises :class:`SiteJobFailed` saying how to create it when it is missing.
+    """
+    from airflow.sdk import Variable
+    from airflow.sdk.log import mask_secret
+
+    from flare_airflow.core.privacy.plan import PrivacyPlan
+
+    if run.privacy is None:
+        return None
+    plan = PrivacyPlan.from_dict(run.privacy)
+    if not plan.adds_noise:
+        return None
+    value = Variable.get(plan.noise_secret_variable, default=None)
+    if not value:
+        raise SiteJobFailed(
+            f"site {run.site!r}: its privacy plan adds noise, keyed by the site's secret in the Airflow variable "
+            f"{plan.noise_secret_variable!r}, which this worker does not have; create it on the site's worker "
+            f"(airflow variables set {plan.noise_secret_variable} <64 random hex digits>, a secrets backend, or "
+            f"AIRFLOW_VAR_{plan.noise_secret_variable.upper()}) and keep it for the run's lifetime"
+        )
+    mask_secret(str(value), plan.noise_secret_variable)
+    return str(value)
 
 
 def site_policy_path() -> str | None:
@@ -296,6 +335,7 @@ def make_site_run(
         num_gpus=spec.resource_spec.num_of_gpus,
         gpu_capacity=manager.num_of_gpus if manager is not None else None,
         mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
+        privacy=plan.to_dict() if (plan := job.privacy_plan(site)) is not None else None,
     )
 
 
@@ -336,6 +376,7 @@ class SiteTrainOperator(BashOperator):
     template_fields: Sequence[str] = ("job_name", "site", "round_num", *BashOperator.template_fields)
     _secrets_json = ""
     _result_file = ""
+    _noise_secret: str | None = None
 
     def __init__(
         self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
@@ -375,6 +416,8 @@ class SiteTrainOperator(BashOperator):
         env[RESULT_FILE_ENV] = self._result_file
         if self._secrets_json:
             env[SECRETS_ENV] = self._secrets_json
+        if self._noise_secret:
+            env[NOISE_SECRET_ENV] = self._noise_secret
         return env
 
     def execute(self, context: Context) -> Any:
@@ -389,6 +432,11 @@ class SiteTrainOperator(BashOperator):
                 write_failure(store.resolve_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
                 raise site_failed(context, self.site, self.round_num, str(exc)) from None
             self._secrets_json = json.dumps(secrets) if secrets else ""
+        try:
+            self._noise_secret = noise_secret_for(run)
+        except SiteJobFailed as exc:
+            write_failure(store.resolve_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
+            raise site_failed(context, self.site, self.round_num, str(exc)) from None
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
         fd, self._result_file = tempfile.mkstemp(prefix="flare-site-result-")
         os.close(fd)

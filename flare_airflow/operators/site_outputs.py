@@ -14,7 +14,7 @@ from airflow.sdk.bases.xcom import BaseXCom
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.operators.site import site_failed
+from flare_airflow.operators.site import noise_secret_for, site_failed
 from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.site_task.tries import Superseded, claim_try
@@ -36,7 +36,7 @@ def accept_update(context: Context, site: str, round_num: int, run: SiteRun) -> 
     """
     output = path_from_uri(run.output)
     try:
-        summary = check_result(run, output)
+        summary = check_result(run, output, noise_secret_for(run))
     except Superseded as exc:  # the published update is the later try's: leave it
         raise site_failed(context, site, round_num, f"{exc} [ABORTED]") from None
     except FlareAirflowError as exc:

@@ -118,13 +118,15 @@ def read_failure(output: WritablePath) -> str | None:
         return f"the site's failure record {path} is unreadable ({type(exc).__name__})"
 
 
-def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
-    """Verify what the trainer sent and publish it at ``output``; raise ``FlareAirflowError`` with
-    the reason if it is unusable.
+def check_result(run: SiteRun, output: WritablePath, noise_secret: str | None = None) -> dict[str, Any]:
+    """Verify what the trainer sent, apply the site's privacy plan and publish it at ``output``;
+    raise ``FlareAirflowError`` with the reason if it is unusable or may not leave the site.
 
     The trainer wrote into its try's staging directory (``run.staging``); only an update that
     passed every check is moved to ``output``, so a failed, killed or late trainer never leaves a
-    published update, and it cannot overwrite one either.
+    published update, and it cannot overwrite one either. However the trainer wrote it (the
+    Client API or the file directly), the plan's filters run here, after the trainer ended.
+    ``noise_secret``: the site's secret that keys the noise of the plan's gaussian filters.
     """
     from flare_airflow.core.aggregation import validate_update
     from flare_airflow.core.model import read_artifact, read_record
@@ -136,13 +138,70 @@ def check_result(run: SiteRun, output: WritablePath) -> dict[str, Any]:
             "(did it call flare.send()?)"
         )
     params, record = read_artifact(sent)
+    privacy = None
     if run.task == "train":
         # The global model's record has every tensor's dtype and shape: no need to read its weights.
         validate_update(run.site, read_record(path_from_uri(run.global_model)).tensors, params)
+        if run.privacy is not None:
+            record, privacy = apply_privacy(run, sent, params, record, noise_secret)
     del params
     if run.staging:
         publish_current_try(sent, output)
-    return update_summary(run, record)
+    summary = update_summary(run, record)
+    if privacy is not None:
+        summary["privacy"] = privacy
+    return summary
+
+
+def apply_privacy(
+    run: SiteRun, sent: WritablePath, params: Any, record: Any, noise_secret: str | None
+) -> tuple[Any, dict[str, Any]]:
+    """Filter the sent update by the site's privacy plan and write the release over it (same place).
+
+    Returns the release's record and the privacy report (filters applied, the site's ε). Raises
+    ``PrivacyRefused`` (fail closed) when something may not leave, or the update turned non-finite.
+    """
+    from flare_airflow.core.aggregation import validate_update
+    from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
+    from flare_airflow.core.privacy.filters import PrivacyRefused, noise_key
+    from flare_airflow.core.privacy.plan import PrivacyPlan, release
+
+    assert run.privacy is not None
+    plan = PrivacyPlan.from_dict(run.privacy)
+    where = f"site {run.site} round {run.round}"
+    key = None
+    if plan.adds_noise:
+        if not noise_secret:
+            raise PrivacyRefused(
+                f"{where}: the site's privacy plan adds noise but its noise secret (Airflow variable "  # noqa: S608
+                f"{plan.noise_secret_variable!r}) was not available on this worker; the update is not published. "
+                f"Create it on the site's worker: airflow variables set {plan.noise_secret_variable} "
+                "\"$(python -c 'import secrets; print(secrets.token_hex(32))')\""
+            )
+        key = noise_key(noise_secret.encode(), run.job, run.run_id, run.round, run.site)
+    global_params, _ = read_artifact(path_from_uri(run.global_model))
+    out = release(
+        plan,
+        params,
+        global_params,
+        diff_update=record.params_type is ParamsType.DIFF,
+        metrics=record.metrics,
+        meta=record.meta,
+        round_num=run.round,
+        key=key,
+        where=where,
+    )
+    try:
+        validate_update(run.site, record.tensors, out.params)
+    except FlareAirflowError as exc:
+        raise PrivacyRefused(f"{where}: after the privacy filters: {exc}") from None
+    meta = {**out.meta, "privacy": out.report}
+    if record.num_samples is not None:
+        meta["num_samples"] = record.num_samples
+    new_record = write_artifact(
+        sent, FLModel(params=out.params, params_type=record.params_type, metrics=out.metrics, meta=meta), where=where
+    )
+    return new_record, out.report
 
 
 def update_summary(run: SiteRun, record: Any) -> dict[str, Any]:

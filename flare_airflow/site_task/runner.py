@@ -49,7 +49,15 @@ from flare_airflow.site_task.checks import (
     write_failure,
 )
 from flare_airflow.site_task.owners import end_orphans, parse_owners, watch_owners
-from flare_airflow.site_task.spec import OWNERS_ENV, RESULT_FILE_ENV, SECRETS_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
+from flare_airflow.site_task.spec import (
+    NOISE_SECRET_ENV,
+    OWNERS_ENV,
+    RESULT_FILE_ENV,
+    SECRETS_ENV,
+    SPEC_ENV,
+    SUMMARY_PREFIX,
+    SiteRun,
+)
 from flare_airflow.site_task.tries import Superseded, claim_try, later_try
 
 
@@ -69,6 +77,7 @@ def run_site(
     on_launch: Callable[[ProcessJobHandle], None] | None = None,
     secrets: Mapping[str, str] | None = None,
     owners: Sequence[tuple[int, int]] = (),
+    noise_secret: str | None = None,
 ) -> tuple[JobReturnCode, dict[str, Any] | str]:
     """Launch, wait, check. Returns the return code and the summary (or the failure reason).
 
@@ -78,6 +87,7 @@ def run_site(
     a task process pass ``False`` and terminate via ``on_launch``'s handle. ``secrets`` are added
     to the trainer's environment only, and never repeated in a failure reason. With
     ``handle_signals``, the end of any of ``owners`` (pid, start time) stops the job like SIGTERM.
+    ``noise_secret`` keys the noise of the site's privacy filters (never given to the trainer).
     """
     output = path_from_uri(run.output)
     try:
@@ -189,7 +199,7 @@ def run_site(
                 check_global_model(run)
         except GlobalModelUnusable as exc:
             raise FlareAirflowError(f"the trainer changed or removed its input global model: {exc}") from None
-        return JobReturnCode.SUCCESS, check_result(run, output)
+        return JobReturnCode.SUCCESS, check_result(run, output, noise_secret)
     except Superseded as exc:  # the published update and failure record are the later try's
         return JobReturnCode.ABORTED, str(exc)
     except FlareAirflowError as exc:
@@ -205,8 +215,12 @@ def main() -> int:
         return int(JobReturnCode.CONFIG_ERROR)
     run = SiteRun.from_json(text)
     secrets = json.loads(os.environ.pop(SECRETS_ENV, "") or "{}")
+    # Popped before the launch: the trainer inherits this environment and must not see it.
+    noise_secret = os.environ.pop(NOISE_SECRET_ENV, "") or None
     print(f"site job {run.job}/{run.site} round {run.round}/{run.total_rounds} ({run.task}): {run.argv}", flush=True)
-    rc, result = run_site(run, secrets=secrets, owners=parse_owners(os.environ.get(OWNERS_ENV, "")))
+    rc, result = run_site(
+        run, secrets=secrets, owners=parse_owners(os.environ.get(OWNERS_ENV, "")), noise_secret=noise_secret
+    )
     if rc is JobReturnCode.SUCCESS:
         print(SUMMARY_PREFIX + json.dumps(result, sort_keys=True), flush=True)
         return 0

@@ -18,6 +18,8 @@ OWNERS_ENV = envvars.FLARE_SITE_OWNERS
 # A local file (outside the store) where the runner leaves its failure reason for the site task:
 # it gets there even when the store is full or read-only and the failure record cannot be written.
 RESULT_FILE_ENV = envvars.FLARE_SITE_RESULT_FILE
+# The site's noise secret (privacy filters): never in the SiteRun (which may be logged) nor the trainer's environment.
+NOISE_SECRET_ENV = envvars.FLARE_SITE_NOISE_SECRET
 SUMMARY_PREFIX = "FLARE_RESULT "
 
 
@@ -58,6 +60,8 @@ class SiteRun:
     staging: str | None = None
     # sha256 of the input global model as its producer recorded it (FLARE_GLOBAL_SHA256).
     global_sha256: str | None = None
+    # The site's privacy plan (core.privacy.plan.PrivacyPlan.to_dict()), applied before publishing.
+    privacy: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

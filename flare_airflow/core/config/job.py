@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
+from flare_airflow.core.config.privacy import JobPrivacy, site_privacy_plan
 from flare_airflow.core.config.site import SiteSpec, merge_sites
 from flare_airflow.core.config.validators import (
     DNS_LABEL,
@@ -28,6 +29,8 @@ from flare_airflow.core.config.validators import (
 )
 from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
+from flare_airflow.core.privacy.central import check_rule
+from flare_airflow.core.privacy.plan import PrivacyPlan
 
 _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
 _HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
@@ -120,6 +123,9 @@ class JobConfig(Strict):
     check_pools: bool = Field(True, description="check the sites' GPU pools when a run starts")
     site_queues: bool = Field(
         False, description="each site's tasks go to the Airflow queue named after the site (unless it sets queue)"
+    )
+    privacy: JobPrivacy = Field(
+        default_factory=JobPrivacy, description="filters added at every site, the (ε, δ) account, the budget"
     )
     sites: dict[str, SiteSpec]
     base_dir: str = Field(".", description="directory relative paths are resolved against")
@@ -223,6 +229,10 @@ class JobConfig(Strict):
                 f"trainer.script {self.trainer.script!r} does not exist (looked at {self.script_path()}); "
                 "paths are relative to the job file"
             )
+        if self.privacy.central is not None:
+            check_rule(self.aggregator.name, "privacy.central")
+        for site in self.sites:
+            self.privacy_plan(site, f"sites.{site}")  # the job's own privacy errors show at parse time
         if not self.initial_model_path().is_file():
             what = "is not a file" if self.initial_model_path().exists() else "does not exist"
             raise ValueError(
@@ -248,6 +258,11 @@ class JobConfig(Strict):
         if spec.queue is not None:
             return spec.queue
         return site if self.site_queues else None
+
+    def privacy_plan(self, site: str, where: str | None = None) -> PrivacyPlan | None:
+        """The privacy plan ``site``'s task applies: its own privacy block (the site policy's, once
+        :func:`~flare_airflow.core.config.policy.apply_site_policy` ran) and the job's; None if neither has one."""
+        return site_privacy_plan(self.sites[site].privacy, self.privacy, site, where or f"site {site!r}")
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}

@@ -12,11 +12,16 @@ per site the worker serves::
         launcher_spec:
           process: {cwd: /data/site-1, env: {OMP_NUM_THREADS: "4"}, secret_env: {...}}
         store_conn_id: flare_store                         # the Airflow connection to the model store
+        privacy:                                           # what leaves the site (docs/privacy.md)
+          filters: [{type: gaussian, clip: 1.0, noise_multiplier: 1.0}]
+          delta: 1.0e-5
+          public_metrics: [train_loss]
 
 The job asks, the site decides. For a site with a policy, the job's ``resource_spec`` (GPUs, CPUs,
 memory), ``weight``, ``retries`` and queue still come from the job; the launcher, the resource
-manager (GPU limit) and the whole ``launcher_spec`` (paths, environment, secrets, images, volumes)
-come from the policy only -- whatever the job file says for them is not used. A request beyond
+manager (GPU limit), the whole ``launcher_spec`` (paths, environment, secrets, images, volumes)
+and the site's ``privacy`` come from the policy only -- whatever the job file says for them is not
+used (the job's top-level ``privacy`` may add filters, never remove the site's). A request beyond
 the policy's limits fails that site's task with a :class:`~flare_airflow.core.errors.ConfigError`.
 """
 
@@ -31,6 +36,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator
 from flare_airflow.core import envvars
 from flare_airflow.core.config.describe import cap, describe
 from flare_airflow.core.config.job import JobConfig
+from flare_airflow.core.config.privacy import SitePrivacy
 from flare_airflow.core.config.resources import ResourceManagerSpec
 from flare_airflow.core.config.site import SUPPORTED_BACKENDS, LauncherSpec, SiteSpec, merge_sites
 from flare_airflow.core.config.validators import Strict, conn_id_name
@@ -41,16 +47,19 @@ SITE_CONFIG_ENV = envvars.FLARE_SITE_CONFIG
 # The Airflow variable that may hold the policy instead of a file (same YAML or JSON document).
 SITE_POLICY_VARIABLE = "flare_site_policy"
 # What the policy owns: the job's values for these are replaced, never merged.
-POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec")
+POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec", "privacy")
 
 
 class SitePolicyEntry(Strict):
-    """One site's policy: its backend, its GPUs, its launcher blocks, its store connection."""
+    """One site's policy: its backend, its GPUs, its launcher blocks, its store connection, its privacy."""
 
     launcher: Literal["process", "k8s", "slurm"] = "process"
     resource_manager: ResourceManagerSpec | None = None
     launcher_spec: dict[str, Any] = Field(default_factory=dict, description="process / k8s blocks")
     store_conn_id: str | None = Field(None, description="Airflow connection of the model store at this site")
+    privacy: SitePrivacy | None = Field(
+        None, description="filters applied to every update before it leaves, and what else may leave (privacy.md)"
+    )
 
     @field_validator("store_conn_id")
     @classmethod
@@ -144,6 +153,8 @@ def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfi
     merged = {**request, "launcher": entry.launcher, "launcher_spec": entry.launcher_spec}
     if entry.resource_manager is not None:
         merged["resource_manager"] = entry.resource_manager.model_dump()
+    if entry.privacy is not None:
+        merged["privacy"] = entry.privacy.model_dump()
     try:
         spec = SiteSpec.model_validate(merge_sites({site: merged}, None, None)[site])
     except ValidationError as exc:
@@ -160,4 +171,6 @@ def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfi
     update: dict[str, Any] = {"sites": {**job.sites, site: spec}}
     if entry.store_conn_id is not None:
         update["store_conn_id"] = entry.store_conn_id  # the site's own credentials to the store
-    return job.model_copy(update=update)
+    at_site = job.model_copy(update=update)
+    at_site.privacy_plan(site, where)  # the job's privacy against the site's: refused here, before the launch
+    return at_site

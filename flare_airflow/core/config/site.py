@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from flare_airflow.core.config.describe import clip, short_repr
 from flare_airflow.core.config.kubernetes import KubernetesLaunchSpec
+from flare_airflow.core.config.privacy import SitePrivacy
 from flare_airflow.core.config.process import ProcessLaunchSpec
 from flare_airflow.core.config.resources import ResourceManagerSpec, ResourceSpec
 from flare_airflow.core.config.slurm import SlurmLaunchSpec
@@ -65,6 +66,9 @@ class SiteSpec(Strict):
     )
     executor: str | None = Field(
         None, description="Airflow executor of this site's tasks (e.g. EdgeExecutor); default: Airflow's default"
+    )
+    privacy: SitePrivacy | None = Field(
+        None, description="the site's own filters and public names; a site policy's privacy block replaces it"
     )
     watch: Literal["task", "sensor"] = Field(
         "task",

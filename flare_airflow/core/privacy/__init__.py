@@ -1,0 +1,10 @@
+"""Privacy: the site's update filters, central DP's maths and the privacy accountant.
+
+Pure Python + numpy, no Airflow:
+
+- :mod:`.accountant`: the exact Gaussian-DP account (Dong, Roth & Su) of the Gaussian mechanism
+  with full participation: ε at a δ after T rounds, the rounds a budget allows, z for a target ε.
+- :mod:`.filters`: what a site applies to its update before it leaves (exclude_vars, clip,
+  gaussian, percentile), noise keyed to (run, round, site).
+- :mod:`.central`: central DP's aggregation step (clip each update, noise the sum, fixed denominator).
+"""

@@ -1,0 +1,102 @@
+"""Central differential privacy as an aggregation step: clip each update, noise the sum, fixed denominator.
+
+The server (the run's aggregation task) releases ``global + (Σ clip_C(Δ_s) + N(0, (zC)² I)) / n``
+where ``n`` is the number of sites in the job -- fixed before the round, never the number that
+arrived and never a sample-weighted mean: adding or removing one site's data changes the clipped
+sum by at most C, so the noise N(0, (zC)²) makes the round μ = 1/z GDP (the accountant's
+:func:`~flare_airflow.core.privacy.accountant.epsilon_after`). Weighting by ``num_samples`` would
+let one site's weight scale its contribution beyond C, and a denominator that counts the sites
+that arrived would depend on the data as well: both break the calibration.
+
+A robust rule (median, trimmed mean, Krum) selects or discards updates by their values, so the
+sum that the noise was calibrated for is not what it releases: central DP and the robust rules are
+refused together (:func:`check_rule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.privacy.filters import Params, add_gaussian_in_place, clip_in_place, noise_generator
+
+# The aggregation rules whose output is not the sum of the updates.
+ROBUST_RULES = ("median", "trimmed_mean", "krum", "multi_krum")
+
+
+def check_rule(rule: str, where: str = "job") -> None:
+    """Refuse central DP together with a robust aggregation rule, saying why."""
+    if rule in ROBUST_RULES:
+        raise ConfigError(
+            f"{where}: privacy.central (central DP) cannot be combined with the robust aggregation rule {rule!r}: "
+            "its noise is calibrated to the clipped sum of all updates, and a robust rule releases a selection "
+            "of them instead; use aggregator fedavg with central DP, or drop privacy.central"
+        )
+
+
+class CentralDP:
+    """Streaming central-DP aggregation of one round: :meth:`add` each update, then :meth:`result`.
+
+    Memory is the float64 sum plus one update's difference at a time.
+    """
+
+    def __init__(
+        self, global_params: Params, *, clip: float, noise_multiplier: float, num_sites: int, key: bytes
+    ) -> None:
+        if not clip > 0:
+            raise ConfigError(f"privacy.central.clip must be > 0, got {clip!r}")
+        if not noise_multiplier > 0:
+            raise ConfigError(f"privacy.central.noise_multiplier must be > 0, got {noise_multiplier!r}")
+        if num_sites < 1:
+            raise ConfigError(f"central DP needs the job's number of sites (>= 1), got {num_sites}")
+        self.global_params = global_params
+        self.clip, self.noise_multiplier, self.num_sites, self.key = clip, noise_multiplier, num_sites, key
+        self._sum = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items() if v.dtype.kind == "f"}
+        self.counted: list[str] = []
+        self.norms: dict[str, float] = {}
+
+    def add(self, site: str, params: Params, *, diff_update: bool) -> None:
+        """Clip ``site``'s update (its difference to the global model) to ``clip`` and add it to the sum."""
+        if site in self.counted:
+            raise FlareAirflowError(f"site {site!r} already counted in this round")
+        diff = {
+            name: params[name].astype(np.float64) - (0 if diff_update else self.global_params[name].astype(np.float64))
+            for name in self._sum
+        }
+        self.norms[site], _ = clip_in_place(diff, self.clip)
+        for name, d in diff.items():
+            self._sum[name] += d
+        self.counted.append(site)
+
+    def result(self) -> Params:
+        """The new global model: global + (clipped sum + noise) / number of sites in the job.
+
+        Non-float tensors keep the global model's values (they cannot be noised).
+        """
+        noisy = {k: v.copy() for k, v in self._sum.items()}
+        add_gaussian_in_place(noisy, self.noise_multiplier * self.clip, noise_generator(self.key, 0))
+        out: Params = {}
+        for name, ref in self.global_params.items():
+            if name in noisy:
+                out[name] = (ref.astype(np.float64) + noisy[name] / self.num_sites).astype(ref.dtype)
+            else:
+                out[name] = np.array(ref, copy=True)
+        return out
+
+
+def central_dp_round(
+    global_params: Params,
+    updates: Iterable[tuple[str, Params, bool]],
+    *,
+    clip: float,
+    noise_multiplier: float,
+    num_sites: int,
+    key: bytes,
+) -> Params:
+    """One round of central DP over ``(site, params, diff_update)`` updates (see :class:`CentralDP`)."""
+    agg = CentralDP(global_params, clip=clip, noise_multiplier=noise_multiplier, num_sites=num_sites, key=key)
+    for site, params, diff_update in updates:
+        agg.add(site, params, diff_update=diff_update)
+    return agg.result()

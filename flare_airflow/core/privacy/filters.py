@@ -1,0 +1,223 @@
+"""What a site applies to its update before it leaves: the filters of its privacy plan.
+
+Filters act on the update's *difference* to the global model the site received (a FULL update is
+turned into its difference, filtered, and added back): clipping or noising full weights would
+protect nothing. The float64 working copy keeps the difference of two float32 tensors exact.
+
+- ``exclude_vars``: named (or matching) tensors do not leave: a FULL update carries the global
+  model's own values for them, a DIFF update zeros, so the aggregate keeps the previous global
+  values (FedAvg of identical values) and nothing of the site's training reaches them.
+- ``clip``: scale the whole difference so that its L2 norm over all float tensors is at most C;
+  an update already inside is left bit-for-bit as it was.
+- ``gaussian``: clip to C, then add N(0, (zC)²) to every element of the float tensors (local DP,
+  μ = 1/z per round for adding or removing the site's data): the sensitivity is the clip norm,
+  never a parameter.
+- ``percentile``: NVIDIA FLARE's PercentilePrivacy (zero the differences whose magnitude is below
+  the given percentile of all magnitudes, clip the rest to [-gamma, gamma]). A heuristic that hides small
+  changes; it is **not** differential privacy and spends no ε.
+
+The noise is drawn from a generator keyed by :func:`noise_key` -- an HMAC of the site's secret
+and (job, run, round, site) -- so a retried site task publishes the identical release, and a
+different run, round or site gets independent noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flare_airflow.core.errors import FlareAirflowError
+
+Params = dict[str, np.ndarray]
+# NumPy's generator for the noise: PCG64 (NumPy's default bit generator), seeded from a 256-bit key.
+_KEY_DOMAIN = b"flare-airflow/noise/v1"
+_NOISE_CHUNK = 1 << 20  # noise is drawn and added a cache-sized piece at a time
+
+
+class PrivacyRefused(FlareAirflowError):
+    """The update cannot leave the site under its privacy plan (fail closed); the reason says why."""
+
+
+@dataclass(frozen=True)
+class FilterStep:
+    """One filter of a plan: its type and parameters (``clip``, ``noise_multiplier``, ``names``, ...)."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+def noise_key(secret: bytes, job: str, run_id: str, round_num: int, site: str) -> bytes:
+    """The 32-byte key of (job, run, round, site)'s noise under the site's ``secret``.
+
+    HMAC-SHA256 of the identity with the secret: without the secret the noise cannot be
+    regenerated (and so not subtracted), with it every retry of the site task draws the same noise.
+    """
+    message = b"\0".join([_KEY_DOMAIN, job.encode(), run_id.encode(), str(int(round_num)).encode(), site.encode()])
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def noise_generator(key: bytes, step: int) -> np.random.Generator:
+    """The generator of the ``step``-th noising filter of a plan keyed by ``key``."""
+    entropy = int.from_bytes(hashlib.sha256(key + step.to_bytes(4, "little")).digest(), "little")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+
+
+def l2_norm(diff: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm over every element of the float tensors of ``diff`` (float64 sums)."""
+    total = 0.0
+    for arr in diff.values():
+        if arr.dtype.kind == "f":
+            flat = arr.reshape(-1)
+            for s in range(0, flat.size, _NOISE_CHUNK):
+                piece = flat[s : s + _NOISE_CHUNK].astype(np.float64, copy=False)
+                total += float(np.dot(piece, piece))
+    return math.sqrt(total)
+
+
+def clip_in_place(diff: dict[str, np.ndarray], clip: float) -> tuple[float, bool]:
+    """Scale the float tensors of ``diff`` so that their joint L2 norm is at most ``clip``.
+
+    Returns (norm before, whether it was scaled). Inside the ball nothing is touched.
+    """
+    if not clip > 0:
+        raise FlareAirflowError(f"clip must be > 0, got {clip!r}")
+    norm = l2_norm(diff)
+    if norm <= clip:
+        return norm, False
+    scale = clip / norm
+    for arr in diff.values():
+        if arr.dtype.kind == "f":
+            arr *= arr.dtype.type(scale)
+    return norm, True
+
+
+def add_gaussian_in_place(
+    diff: dict[str, np.ndarray], sd: float, rng: np.random.Generator, skip: frozenset[str] = frozenset()
+) -> None:
+    """Add N(0, sd²) to every element of the float tensors of ``diff`` (except ``skip``), in name order."""
+    for name in sorted(diff):
+        arr = diff[name]
+        if arr.dtype.kind != "f" or name in skip:
+            continue
+        flat = arr.reshape(-1)
+        for s in range(0, flat.size, _NOISE_CHUNK):
+            piece = flat[s : s + _NOISE_CHUNK]
+            noise = rng.standard_normal(piece.size, dtype=arr.dtype.type)
+            noise *= arr.dtype.type(sd)
+            piece += noise
+
+
+def percentile_in_place(diff: dict[str, np.ndarray], percentile: float, gamma: float) -> float:
+    """NVIDIA FLARE's PercentilePrivacy on ``diff``: zero the elements whose magnitude is below the
+    ``percentile``-th percentile of all float magnitudes, clip the rest to [-gamma, gamma].
+    Returns the cut-off. Not differential privacy."""
+    floats = [arr.reshape(-1) for arr in diff.values() if arr.dtype.kind == "f"]
+    if not floats:
+        return 0.0
+    cutoff = float(np.percentile(np.abs(np.concatenate(floats)), percentile))
+    for arr in diff.values():
+        if arr.dtype.kind == "f":
+            arr[np.abs(arr) < cutoff] = 0
+            np.clip(arr, -gamma, gamma, out=arr)
+    return cutoff
+
+
+def excluded_names(names: Sequence[str], exact: Sequence[str], pattern: str | None) -> frozenset[str]:
+    """The tensor names an ``exclude_vars`` filter names: listed exactly, or fully matching ``pattern``."""
+    regex = re.compile(pattern) if pattern else None
+    return frozenset(n for n in names if n in exact or (regex is not None and regex.fullmatch(n)))
+
+
+@dataclass
+class FilterResult:
+    """A filtered update and what was done to it (kept in the update's record and the site's summary)."""
+
+    params: Params
+    applied: list[dict[str, Any]]
+    excluded: list[str]
+    changed: bool
+
+
+def apply_filters(
+    params: Params,
+    global_params: Params,
+    *,
+    diff_update: bool,
+    steps: Sequence[FilterStep],
+    key: bytes | None,
+    public_tensors: Sequence[str] = (),
+    where: str = "update",
+) -> FilterResult:
+    """Apply ``steps`` in order to an update (FULL: ``diff_update`` False; DIFF: True).
+
+    Non-float tensors leave only when named in ``public_tensors`` or excluded (then they carry the
+    global model's values); otherwise :class:`PrivacyRefused`. A plan with a noising filter needs
+    ``key``. The result has the update's names, shapes and dtypes; an update no filter changed is
+    returned as the very same arrays.
+    """
+    exclude: set[str] = set()
+    for step in steps:
+        if step.type == "exclude_vars":
+            exclude |= excluded_names(list(params), step.params.get("names", ()), step.params.get("regex"))
+    private_ints = sorted(
+        n for n, a in params.items() if a.dtype.kind != "f" and n not in exclude and n not in public_tensors
+    )
+    if private_ints:
+        raise PrivacyRefused(
+            f"{where}: tensor(s) {', '.join(map(repr, private_ints[:10]))} are not floating-point, so no filter can "
+            "clip or noise them, and they are not declared public; add them to the site's privacy.public_tensors "
+            "(if they reveal nothing of the site's data) or to an exclude_vars filter"
+        )
+    if any(s.type == "gaussian" for s in steps) and key is None:
+        raise PrivacyRefused(f"{where}: the plan adds noise but no noise key was given (the site's noise secret)")
+    # The float64 difference to the global model; excluded tensors are zero from the start.
+    diff: dict[str, np.ndarray] = {}
+    for name, arr in params.items():
+        if name in exclude:
+            continue
+        if arr.dtype.kind == "f":
+            d = arr.astype(np.float64)
+            if not diff_update:
+                d -= global_params[name].astype(np.float64)
+            diff[name] = d
+    applied: list[dict[str, Any]] = []
+    changed = bool(exclude)
+    for index, step in enumerate(steps):
+        if step.type == "exclude_vars":
+            applied.append({"type": "exclude_vars", "excluded": sorted(exclude)})
+        elif step.type == "clip":
+            norm, scaled = clip_in_place(diff, float(step.params["clip"]))
+            changed |= scaled
+            applied.append({"type": "clip", "clip": step.params["clip"], "norm": norm, "scaled": scaled})
+        elif step.type == "gaussian":
+            clip, z = float(step.params["clip"]), float(step.params["noise_multiplier"])
+            norm, _ = clip_in_place(diff, clip)
+            assert key is not None  # checked above
+            add_gaussian_in_place(diff, z * clip, noise_generator(key, index))
+            changed = True
+            applied.append({"type": "gaussian", "clip": clip, "noise_multiplier": z, "norm": norm})
+        elif step.type == "percentile":
+            cutoff = percentile_in_place(diff, float(step.params["percentile"]), float(step.params["gamma"]))
+            changed = True
+            applied.append({"type": "percentile", **dict(step.params), "cutoff": cutoff})
+        else:
+            raise FlareAirflowError(f"{where}: unknown filter type {step.type!r}")
+    if not changed:
+        return FilterResult(params=params, applied=applied, excluded=[], changed=False)
+    out: Params = {}
+    for name, arr in params.items():
+        if name in exclude:
+            out[name] = np.zeros_like(arr) if diff_update else np.array(global_params[name], copy=True)
+        elif arr.dtype.kind == "f":
+            d = diff[name] if diff_update else diff[name] + global_params[name].astype(np.float64)
+            out[name] = d.astype(arr.dtype)
+        else:
+            out[name] = arr
+    return FilterResult(params=out, applied=applied, excluded=sorted(exclude), changed=True)

@@ -1,0 +1,110 @@
+"""A site's privacy plan: the filters its site task applies and what it lets leave besides them.
+
+Made at the site from the site's privacy and the job's
+(:func:`flare_airflow.core.config.privacy.site_privacy_plan`), carried to the site task in its
+spec, applied by :func:`release` after the trainer sent its update and before it is published.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flare_airflow.core.privacy.accountant import epsilon_after
+from flare_airflow.core.privacy.filters import FilterStep, Params, PrivacyRefused, apply_filters
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """Filters (in order, as dicts with a ``type``) and the site's public names."""
+
+    filters: list[dict[str, Any]] = field(default_factory=list)
+    public_metrics: list[str] = field(default_factory=list)
+    public_tensors: list[str] = field(default_factory=list)
+    public_meta: list[str] = field(default_factory=list)
+    delta: float | None = None
+    noise_secret_variable: str = "flare_noise_secret"  # noqa: S105 - an Airflow variable's name
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrivacyPlan:
+        return cls(**dict(data))
+
+    @property
+    def adds_noise(self) -> bool:
+        return any(f["type"] == "gaussian" for f in self.filters)
+
+    def steps(self) -> list[FilterStep]:
+        return [FilterStep(f["type"], {k: v for k, v in f.items() if k != "type"}) for f in self.filters]
+
+    def noise_multiplier(self) -> float | None:
+        """The largest z of the plan's gaussian filters: each release is at least that private."""
+        zs = [float(f["noise_multiplier"]) for f in self.filters if f["type"] == "gaussian"]
+        return max(zs) if zs else None
+
+    def epsilon_after(self, rounds: int) -> float:
+        """The site's own ε at its δ after ``rounds`` rounds (inf without noise)."""
+        z = self.noise_multiplier()
+        if z is None or self.delta is None:
+            return math.inf
+        return epsilon_after(z, rounds, self.delta)
+
+
+@dataclass
+class Release:
+    """What leaves the site: the filtered tensors, the public metrics and meta, and the account."""
+
+    params: Params
+    metrics: dict[str, float]
+    meta: dict[str, Any]
+    report: dict[str, Any]
+
+
+def release(
+    plan: PrivacyPlan,
+    params: Params,
+    global_params: Params,
+    *,
+    diff_update: bool,
+    metrics: Mapping[str, float],
+    meta: Mapping[str, Any],
+    round_num: int,
+    key: bytes | None,
+    where: str,
+) -> Release:
+    """Apply ``plan`` to an update. Raises :class:`PrivacyRefused` (fail closed) for metrics or meta
+    keys not declared public, private non-float tensors, or a noising plan without its ``key``."""
+    private = sorted(set(metrics) - set(plan.public_metrics))
+    if private:
+        raise PrivacyRefused(
+            f"{where}: metric(s) {', '.join(map(repr, private[:10]))} are not declared public by the site; the "
+            "update is not published. Add them to the site's privacy.public_metrics (metrics are computed on the "
+            "site's data and are not covered by ε), or stop sending them"
+        )
+    private_meta = sorted(set(meta) - set(plan.public_meta))
+    if private_meta:
+        raise PrivacyRefused(
+            f"{where}: meta key(s) {', '.join(map(repr, private_meta[:10]))} are not declared public by the site; "
+            "the update is not published. Add them to the site's privacy.public_meta, or stop sending them"
+        )
+    result = apply_filters(
+        params,
+        global_params,
+        diff_update=diff_update,
+        steps=plan.steps(),
+        key=key,
+        public_tensors=plan.public_tensors,
+        where=where,
+    )
+    epsilon = plan.epsilon_after(round_num)
+    report: dict[str, Any] = {"filters": result.applied, "excluded": result.excluded}
+    if plan.noise_multiplier() is not None:
+        report.update({"epsilon": epsilon, "delta": plan.delta, "noise_multiplier": plan.noise_multiplier()})
+    return Release(params=result.params, metrics=dict(metrics), meta=dict(meta), report=report)
+
+
+__all__ = ["PrivacyPlan", "PrivacyRefused", "Release", "release"]
