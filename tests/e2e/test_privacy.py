@@ -1,0 +1,59 @@
+"""A run under a privacy budget through real Airflow (`flare-airflow run`): the job's gaussian filter at
+every site, ε after every round, and max_epsilon ending the run cleanly before the round beyond it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.e2e.test_runs import _asset_events
+from tests.harness import AirflowHome, behave_job
+
+pytestmark = pytest.mark.e2e
+
+EPSILON = {1: 1.993, 10: 7.511, 11: 7.955}  # z = 2, δ = 1e-5: the exact Gaussian-DP account
+
+
+def test_max_epsilon_stops_the_run_after_round_11_and_publishes_it(airflow_home: AirflowHome) -> None:
+    job = behave_job(airflow_home.root, "private", sites=1, rounds=12, min_clients=1, args=[])
+    job["evaluate"] = False
+    job["privacy"] = {
+        "filters": [{"type": "gaussian", "clip": 1.0, "noise_multiplier": 2.0}],
+        "delta": 1.0e-5,
+        "max_epsilon": 8,
+        "public_metrics": ["train_loss"],
+    }
+    dag_file = airflow_home.write_job("private", job)
+    # The sites' noise secret, as a site's worker holds it (its environment / secrets backend).
+    airflow_home.env["AIRFLOW_VAR_FLARE_NOISE_SECRET"] = "5e" * 32
+    try:
+        result = airflow_home.run("flare_private", dag_file)
+    finally:
+        del airflow_home.env["AIRFLOW_VAR_FLARE_NOISE_SECRET"]
+    assert result.returncode == 0, result.log[-4000:] + result.stderr[-2000:]
+    assert result.state["state"] == "success"
+    tasks = result.tasks
+    assert tasks["prepare"] == "success" and tasks["publish"] == "success"
+    for r in range(1, 12):
+        assert (tasks[f"round_{r}.site-1"], tasks[f"round_{r}.global_model"]) == ("success", "success"), r
+    assert (tasks["round_12.site-1"], tasks["round_12.global_model"]) == ("skipped", "skipped")
+    assert "privacy budget exhausted at round 12" in result.log
+
+    published = result.state["published"]
+    assert published["round"] == 11
+    report = json.loads(pathlib.Path(published["metrics"].removeprefix("file://")).read_text())
+    assert report["rounds_completed"] == 11
+    epsilons = [row["epsilon"] for row in report["rounds"]]
+    assert [round(epsilons[r - 1], 3) for r in EPSILON] == list(EPSILON.values())
+    assert epsilons == sorted(epsilons)
+    assert round(report["privacy"]["epsilon"], 3) == 7.955
+    assert report["privacy"]["note"].startswith("privacy budget exhausted at round 12: its ε would be 8.385")
+    # The site's update was clipped to 1 and noised (sd 2 per element): the model is not global + 11.
+    final = load_file(published["final_model"].removeprefix("file://"))
+    assert not np.allclose(final["w"], 11.0, atol=1.0)
+    extra = _asset_events(airflow_home, "flare_airflow.private.global_model")[-1]
+    assert round(extra["privacy"]["epsilon"], 3) == 7.955 and extra["round"] == 11
