@@ -14,6 +14,7 @@ CATEGORIES = {
     "kubernetes": "Kubernetes spec",
     "slurm": "SLURM spec",
     "cli": "CLI",
+    "privacy": "Privacy (docs/privacy.md)",
 }
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*[a-z0-9]$")

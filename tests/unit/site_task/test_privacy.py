@@ -38,7 +38,8 @@ glob, _ = read_artifact(path_from_uri(os.environ["FLARE_GLOBAL_MODEL"]))
 print("noise secret visible:", "FLARE_SITE_NOISE_SECRET" in os.environ, flush=True)
 params = {"w": glob["w"] + np.float32(3.0), "b": glob["b"] - np.float32(4.0)}
 metrics = {"loss": 0.5, **({"patient_count": 17.0} if sys.argv[1] == "leak" else {})}
-write_artifact(path_from_uri(os.environ["FLARE_OUTPUT"]), FLModel(params=params, metrics=metrics, meta={"num_samples": 8}))
+model = FLModel(params=params, metrics=metrics, meta={"num_samples": 8})
+write_artifact(path_from_uri(os.environ["FLARE_OUTPUT"]), model)
 """
 
 PLAN = {
@@ -87,7 +88,9 @@ def test_a_trainer_writing_its_update_directly_is_filtered_and_a_retry_publishes
         # clipped to 1 (the raw step has norm ~9.6), then noise of sd 0.5 per element: far from the raw step
         assert not np.allclose(diff["w"], 3.0, atol=1.0)
         assert summary["privacy"]["epsilon"] == pytest.approx(PLAN_EPSILON, abs=1e-3)
-        assert record.meta["privacy"]["filters"][0]["norm"] == pytest.approx(l2_norm({"w": np.full(6, 3.0), "b": np.full(3, -4.0)}))
+        assert record.meta["privacy"]["filters"][0]["norm"] == pytest.approx(
+            l2_norm({"w": np.full(6, 3.0), "b": np.full(3, -4.0)})
+        )
         assert record.metrics == {"loss": 0.5} and record.num_samples == 8
     assert published[0] == published[1]
     assert published[0][1] == published[0][2]
