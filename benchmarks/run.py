@@ -48,6 +48,7 @@ import bench_fedavg
 import bench_k8s_api
 import bench_nvflare
 import bench_poc
+import bench_privacy
 import bench_rounds
 import bench_scale
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
@@ -67,6 +68,7 @@ OWN_OUTPUTS = {
     "nvflare-poc": BENCH_DIR / "results" / "nvflare_poc.md",
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
+    "privacy": BENCH_DIR / "results" / "privacy.md",
 }
 
 
@@ -88,6 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "nvflare-poc",
             "rounds",
             "edge",
+            "privacy",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -150,6 +153,10 @@ def main(argv: list[str]) -> int:
             log("[edge] Edge workers vs the central executor; S3 (moto) vs the local store ...")
             tables = bench_edge.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("7. Sites at the sites: Edge workers and an object store", tables))
+        if args.only in (None, "privacy"):
+            log("[privacy] the site's filters per update; digits accuracy under local DP ...")
+            tables = bench_privacy.run(reps=args.reps, quick=args.quick)
+            sections.append(("8. Privacy: the site's filters and what noise costs", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(

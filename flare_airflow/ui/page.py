@@ -129,6 +129,8 @@ def run_content(view: RunView, base: str, ui_base: str, downloads: Sequence[Mapp
     for rnd in view.rounds:
         agg_link = ui_link(ui_base, view.dag_id, view.run_id, rnd.aggregate_task_id)
         valid = "" if rnd.valid is None else f"<small>{rnd.valid}/{len(view.sites)} valid</small>"
+        if rnd.epsilon is not None:
+            valid += f'<small class="epsilon">ε {rnd.epsilon:.3f}</small>'
         if rnd.reason:
             valid += f'<small class="reason" title="{escape(rnd.reason)}">{escape(rnd.reason[:160])}</small>'
         body.append(

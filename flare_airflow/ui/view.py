@@ -43,6 +43,7 @@ class RoundView:
     sites: dict[str, SiteCell] = field(default_factory=dict)
     valid: int | None = None  # updates counted (from the summary), None while not aggregated
     reason: str | None = None  # why the aggregation failed (its XCom ``failure``), e.g. no quorum
+    epsilon: float | None = None  # the run's ε after this round (its summary's ``privacy``), None without noise
 
 
 @dataclass
@@ -86,6 +87,11 @@ def task_layout(task_ids: list[str], prefix: str = "") -> tuple[list[int], list[
 
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
+
+
+def _epsilon(summary: Mapping[str, Any]) -> float | None:
+    value = _mapping(summary.get("privacy")).get("epsilon")
+    return float(value) if isinstance(value, int | float) else None
 
 
 def train_loss(metrics: Mapping[str, Any] | None) -> float | None:
@@ -138,6 +144,7 @@ def build_run_view(
             aggregate_state=str(task_instances.get(agg_id, {}).get("state") or "none"),
             valid=len(summary["accepted"]) if isinstance(summary.get("accepted"), list) else None,
             reason=failures.get(agg_id),
+            epsilon=_epsilon(summary),
         )
         site_metrics = dict(summary.get("site_metrics") or {})
         for site in sites:
@@ -165,6 +172,8 @@ def build_run_view(
         "hparams": dict(prepare.get("hparams") or {}),
         "round 0 model": prepare.get("source"),
     }
+    if prepare.get("budget_note"):
+        params["privacy budget"] = prepare["budget_note"]
     return RunView(
         dag_id=dag_id,
         run_id=str(run.get("dag_run_id") or run.get("run_id")),

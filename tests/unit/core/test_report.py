@@ -40,6 +40,7 @@ def test_round_row() -> None:
         "evaluation": {"loss": 0.6, "accuracy": 0.8},
         "global_uri": "file:///store/digits/run/round-0001/global.safetensors",
         "sha256": "ab" * 32,
+        "epsilon": None,  # the job adds no noise
     }
     assert round_row(SUMMARIES[1], 3)["train_loss"] == 0.25
     empty = round_row({"round": 4}, 2)
@@ -85,3 +86,10 @@ def test_read_metrics_takes_a_path_or_a_uri_and_names_the_file_in_each_error(tmp
     bad.write_text(json.dumps({"rounds": [{"round": 1, "sites_valid": 2, "sites_total": 2, "evaluation": [1]}]}))
     with pytest.raises(ReportError, match=rf"{bad}: rounds\[0\].evaluation must be an object, got list"):
         read_metrics(bad)
+
+
+def test_epsilon_column_when_the_job_adds_noise() -> None:
+    rows = [round_row({**s, "privacy": {"epsilon": 1.993 * (i + 1)}}, 3) for i, s in enumerate(SUMMARIES[:2])]
+    lines = format_table(rows).splitlines()
+    assert lines[0].endswith("| global loss |      ε")
+    assert lines[2].endswith("|      0.6000 | 1.9930") and lines[3].endswith("| 3.9860")

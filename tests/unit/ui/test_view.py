@@ -129,3 +129,16 @@ def test_a_failed_site_shows_the_reason_its_task_left_when_no_round_summary_name
     xcoms = {"prepare": _xcoms(1, {})["prepare"]}
     view = build_run_view("d", {"dag_run_id": "r", "state": "failed"}, tis, xcoms, None, {"round_1.site-2": "OOM"})
     assert view.rounds[0].sites["site-2"].state == "failed" and view.rounds[0].sites["site-2"].reason == "OOM"
+
+
+def test_the_privacy_spent_after_each_round_and_the_budget_show_on_the_page() -> None:
+    xcoms = _xcoms(2, {})
+    for r, eps in ((1, 1.993), (2, 2.918)):
+        xcoms[f"round_{r}.global_model"]["privacy"] = {"epsilon": eps, "delta": 1e-5, "noise_multiplier": 2.0}
+    xcoms["prepare"]["budget_note"] = "privacy budget exhausted at round 3: its ε would be 3.6"
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "success", "conf": {}}, _tis(2, {}), xcoms, None)
+    assert [rnd.epsilon for rnd in view.rounds] == [1.993, 2.918]
+    assert [row["epsilon"] for row in view.rows] == [1.993, 2.918]
+    html = page.run_content(view, "/base", "/ui", [])
+    assert '<small class="epsilon">ε 2.918</small>' in html
+    assert "privacy budget exhausted at round 3" in html
