@@ -38,6 +38,39 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def _cases(n: int) -> dict[str, Any]:
+    """The operations compared on one update of ``n`` float32 elements."""
+    rng = np.random.default_rng(0)
+    update = {"w": (rng.standard_normal(n, dtype=np.float32) * np.float32(0.01))}
+    glob = {"w": np.zeros(n, np.float32)}
+    dst = np.zeros_like(update["w"])  # touched once here: the copy measures bandwidth, not page faults
+    plain = update["w"].copy()
+    clip = float(np.linalg.norm(update["w"].astype(np.float64))) / 2  # every update is scaled
+    return {
+        "copy (np.copyto)": lambda: np.copyto(dst, update["w"]),
+        "numpy rng.standard_normal(float32) + add": lambda: plain.__iadd__(
+            np.random.default_rng(1).standard_normal(n, dtype=np.float32)
+        ),
+        "clip": lambda: apply_filters(
+            update, glob, diff_update=True, steps=[FilterStep("clip", {"clip": clip})], key=None
+        ),
+        "gaussian (clip + noise)": lambda: apply_filters(
+            update,
+            glob,
+            diff_update=True,
+            steps=[FilterStep("gaussian", {"clip": clip, "noise_multiplier": 1.0})],
+            key=KEY,
+        ),
+        "percentile (NVFlare's, not DP)": lambda: apply_filters(
+            update,
+            glob,
+            diff_update=True,
+            steps=[FilterStep("percentile", {"percentile": 10, "gamma": 0.01})],
+            key=None,
+        ),
+    }
+
+
 def cost(sizes_mib: list[int], reps: int) -> Table:
     table = Table(
         "Filters' cost per update (float32 DIFF, one tensor), median of repetitions",
@@ -53,39 +86,12 @@ def cost(sizes_mib: list[int], reps: int) -> Table:
     )
     for size in sizes_mib:
         n = size * MIB // 4
-        rng = np.random.default_rng(0)
-        update = {"w": (rng.standard_normal(n, dtype=np.float32) * np.float32(0.01))}
-        glob = {"w": np.zeros(n, np.float32)}
-        dst = np.empty_like(update["w"])
-        plain = update["w"].copy()
-        clip = float(np.linalg.norm(update["w"].astype(np.float64))) / 2  # every update is scaled
-        cases = {
-            "copy (np.copyto)": lambda: np.copyto(dst, update["w"]),
-            "numpy rng.standard_normal(float32) + add": lambda: plain.__iadd__(
-                np.random.default_rng(1).standard_normal(n, dtype=np.float32)
-            ),
-            "clip": lambda: apply_filters(
-                update, glob, diff_update=True, steps=[FilterStep("clip", {"clip": clip})], key=None
-            ),
-            "gaussian (clip + noise)": lambda: apply_filters(
-                update,
-                glob,
-                diff_update=True,
-                steps=[FilterStep("gaussian", {"clip": clip, "noise_multiplier": 1.0})],
-                key=KEY,
-            ),
-            "percentile (NVFlare's, not DP)": lambda: apply_filters(
-                update,
-                glob,
-                diff_update=True,
-                steps=[FilterStep("percentile", {"percentile": 10, "gamma": 0.01})],
-                key=None,
-            ),
-        }
+        cases = _cases(n)
         times: dict[str, list[float]] = {name: [] for name in cases}
         for rep in range(reps):
             for name in rotate(list(cases), rep):
                 times[name].append(_timed(cases[name]))
+        del cases
         nbytes = n * 4
         copy_gbps = gbps(nbytes, median(times["copy (np.copyto)"]))
         numpy_s = median(times["numpy rng.standard_normal(float32) + add"])
