@@ -100,7 +100,10 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^export FLARE_K8S_ALLOWED_HOST_PATHS=", RunBy("tests/bad_inputs/test_kubernetes.py", "ALLOWED_HOST_PATHS_ENV")),
     (r"^export NAME='value'$", NotRun("the shape of a variable a site admin sets, not a command")),
     # docs/privacy.md: a site's noise secret; the e2e run gives the sites the same variable via the environment
-    (r"^airflow variables set flare_noise_secret ", RunBy("tests/e2e/test_privacy.py", "AIRFLOW_VAR_FLARE_NOISE_SECRET")),
+    (
+        r"^airflow variables set flare_noise_secret ",
+        RunBy("tests/e2e/test_privacy.py", "AIRFLOW_VAR_FLARE_NOISE_SECRET"),
+    ),
     (r"^python -m flare_airflow\.site_task$", RunBy("tests/unit/site_task/test_runner.py", "flare_airflow.site_task")),
     (r"^python -m compileall$", NotRun("for builders of their own images; ours compile with uv --compile-bytecode")),
     (r"^make images$", RunBy("tests/containers.py", '"docker" / "images.py"')),
