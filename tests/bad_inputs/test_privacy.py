@@ -67,6 +67,11 @@ JOB_CASES = {
         "'dp_sgd'",
         {"filters": [{"type": "dp_sgd"}]},
     ),
+    "privacy-central-not-available": (
+        "privacy.central in this version (its aggregation step is not wired in yet)",
+        "privacy.central (central DP) is not available in this version",
+        {"central": {"clip": 1.0, "noise_multiplier": 1.0}, "delta": 1.0e-5},
+    ),
     "privacy-percentile-out-of-range": (
         "a percentile filter with percentile 150",
         "percentile must be a number from 0 to 100",

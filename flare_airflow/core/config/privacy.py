@@ -180,7 +180,9 @@ class JobPrivacy(Strict):
     )
     delta: float | None = Field(None, description="δ of the run's (ε, δ) account")
     max_epsilon: float | None = Field(None, description="end the run before the round whose ε would exceed this")
-    central: CentralDP | None = Field(None, description="central DP in the aggregation (not wired in this version)")
+    central: CentralDP | None = Field(
+        None, description="central DP in the aggregation (refused in this version: not wired into the aggregation)"
+    )
 
     @field_validator("delta", mode="before")
     @classmethod

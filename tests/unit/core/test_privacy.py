@@ -89,7 +89,11 @@ def test_edge_cases_of_the_account() -> None:
 
 # ---------------------------------------------------------------- filters
 
-GLOBAL = {"w": np.ones((4, 5), np.float32), "b": np.zeros(5, np.float32), "steps": np.array(7, np.int64)}
+GLOBAL = {
+    "w": np.ones((4, 5), np.float32),
+    "b": np.linspace(-1, 1, 5, dtype=np.float32) / 3,
+    "steps": np.array(7, np.int64),
+}
 
 
 def update(scale: float, seed: int = 0) -> dict[str, np.ndarray]:
