@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import importlib.util
 import json
 import os
@@ -59,8 +58,6 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 JOBS_DIR = BENCH_DIR / "nvflare_jobs"
 NVFLARE_VERSION = "2.9.0"
-VENV_ENV = "FLARE_BENCH_NVFLARE_VENV"
-DEFAULT_VENV = Path("/var/tmp/flare-airflow-bench/nvflare-venv")
 INSTALL_TIMEOUT = 1200
 NVFLARE_TIMEOUT = 240  # a normal run takes 10-30 s; NVFlare's simulator waits forever for a lost client
 DIGITS_JOB = REPO / "dags" / "digits.yaml"
@@ -89,10 +86,6 @@ class NvflareEnv:
         return env
 
 
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-
-
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -101,70 +94,19 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 def ensure_nvflare_venv() -> NvflareEnv:
-    """Create NVFlare's virtual environment on first use (a one-time ~35 s), reuse it afterwards."""
-    venv = Path(os.environ.get(VENV_ENV) or DEFAULT_VENV)
-    python = venv / "bin" / "python"
-    spec = [f"nvflare=={NVFLARE_VERSION}", f"safetensors=={metadata.version('safetensors')}"]
-    marker = venv / ".flare-airflow-bench.json"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    install_seconds: float | None = None
-    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two benchmark runs must not build the same environment at once
-        try:
-            reuse = python.exists() and json.loads(marker.read_text()).get("spec") == spec
-        except (OSError, ValueError):
-            reuse = False
-        if not reuse:
-            shutil.rmtree(venv, ignore_errors=True)
-            install_log = venv.parent / f"{venv.name}-install.log"
-            log(f"[nvflare] creating NVFlare's own virtual environment {venv}: pip install {' '.join(spec)} ...")
-            started = time.monotonic()
-            steps = [
-                [sys._base_executable, "-m", "venv", str(venv)],  # the base interpreter, not the project's venv
-                [str(python), "-m", "pip", "install", "--disable-pip-version-check", *spec],
-            ]
-            with install_log.open("w") as fh:
-                for argv in steps:
-                    fh.write(f"$ {' '.join(argv)}\n")
-                    fh.flush()
-                    try:
-                        proc = subprocess.run(
-                            argv, stdout=fh, stderr=subprocess.STDOUT, env=_clean_env(), timeout=INSTALL_TIMEOUT
-                        )
-                        rc: int | str = proc.returncode
-                    except subprocess.TimeoutExpired:
-                        rc = f"timed out after {INSTALL_TIMEOUT} s"
-                    if rc != 0:
-                        raise BenchmarkFailed(
-                            f"NVFlare {NVFLARE_VERSION} could not be installed into its own virtual environment "
-                            f"{venv}: `{' '.join(argv)}` exited {rc}. Last lines of {install_log}:\n"
-                            f"{_tail(install_log)}"
-                        )
-            install_seconds = time.monotonic() - started
-            marker.write_text(json.dumps({"spec": spec, "created": time.time()}))
-            log(f"[nvflare] installed in {install_seconds:.0f}s")
-    probe = subprocess.run(
-        [
-            str(python),
-            "-c",
-            "import json, platform, numpy, safetensors, nvflare; print(json.dumps({'python': platform.python_version(),"
-            " 'nvflare': nvflare.__version__, 'numpy': numpy.__version__, 'safetensors': safetensors.__version__}))",
-        ],
-        capture_output=True,
-        text=True,
-        env=_clean_env(),
-        timeout=120,
-        check=False,
-    )
-    if probe.returncode != 0:
-        raise BenchmarkFailed(
-            f"NVFlare's environment {venv} is broken (importing nvflare, numpy, safetensors failed: "
-            f"{probe.stderr.strip()[-1500:]}); delete {venv} to have it reinstalled"
-        )
-    versions = json.loads(probe.stdout.strip().splitlines()[-1])
-    if versions["nvflare"] != NVFLARE_VERSION:
-        raise BenchmarkFailed(f"{venv} has NVFlare {versions['nvflare']}, not {NVFLARE_VERSION}; delete it")
-    return NvflareEnv(venv, python, versions, install_seconds)
+    """Create NVFlare's virtual environment on first use (a one-time ~35 s), reuse it afterwards.
+
+    The environment is the one the tests use too (:mod:`tests.side_venvs`, one builder for both).
+    """
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.side_venvs import SideVenvError, nvflare_venv
+
+    try:
+        side, versions = nvflare_venv(log=lambda message: log(f"[nvflare] {message}"))
+    except SideVenvError as exc:
+        raise BenchmarkFailed(str(exc)) from None
+    return NvflareEnv(side.venv, side.python, versions, side.install_seconds)
 
 
 def _result_line(text: str) -> dict[str, Any] | None:

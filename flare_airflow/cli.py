@@ -292,6 +292,24 @@ def _cmd_pools_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_nvflare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flare_airflow.nvflare.importer import describe, import_job
+
+    sites = [s.strip() for s in args.sites.split(",") if s.strip()] if args.sites else None
+    result = import_job(
+        Path(args.job_dir),
+        Path(args.out),
+        sites=sites,
+        initial_model=Path(args.initial_model) if args.initial_model else None,
+        name=args.name,
+        force=args.force,
+    )
+    print(describe(result))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flare-airflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -339,6 +357,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("job")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the pools do not match")
     p.set_defaults(func=_cmd_pools_sync)
+    p = sub.add_parser(
+        "import-nvflare", help="turn an NVIDIA FLARE job folder into a flare-airflow job (YAML, DAG, scripts)"
+    )
+    p.add_argument("job_dir", help="the NVFlare job folder (meta.json and its apps)")
+    p.add_argument("--out", default=".", help="where to write <job>.yaml, <job>_dag.py and <job>/ (default: here)")
+    p.add_argument("--sites", help="comma-separated site names, for a deploy_map that deploys to @ALL")
+    p.add_argument("--initial-model", help="a safetensors file to start from (for persistors that build the model)")
+    p.add_argument("--name", help="the job's name (default: meta.json's name)")
+    p.add_argument("--force", action="store_true", help="replace an earlier import's files")
+    p.set_defaults(func=_cmd_import_nvflare)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

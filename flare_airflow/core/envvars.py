@@ -31,6 +31,11 @@ FLARE_GLOBAL_SHA256 = "FLARE_GLOBAL_SHA256"
 FLARE_HANDSHAKE = "FLARE_HANDSHAKE"
 """(Optional) a file ``receive()`` creates: the process launcher's launch-timeout handshake."""
 
+FLARE_NVFLARE_PARAMS_EXCHANGE = "FLARE_NVFLARE_PARAMS_EXCHANGE"
+"""(NVFlare compatibility) ``numpy`` or ``pytorch``: what ``nvflare.client.receive()`` hands the script."""
+FLARE_NVFLARE_TRANSFER = "FLARE_NVFLARE_TRANSFER"
+"""(NVFlare compatibility) ``FULL`` or ``DIFF``: DIFF sends a FULL update as its difference to the model received."""
+
 CLIENT_API_VARS = (
     FLARE_JOB,
     FLARE_RUN_ID,

@@ -42,6 +42,17 @@ _CRON_PRESETS = {"@quarterly": "0 0 1 */3 *"}
 STORE_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs", "sftp")
 
 
+class NvflareCompat(Strict):
+    """Run the trainer as an unmodified NVIDIA FLARE Client API script (``import nvflare.client``)."""
+
+    params_exchange: Literal["numpy", "pytorch"] = Field(
+        "numpy", description="what flare.receive() hands the script: numpy arrays or torch tensors"
+    )
+    transfer: Literal["FULL", "DIFF"] = Field(
+        "FULL", description="DIFF: a FULL update is sent as its difference to the received model (NVFlare's DIFF)"
+    )
+
+
 class TrainerSpec(Strict):
     """The trainer: a script run as an exact argv ``command + [script] + args`` (never a shell)."""
 
@@ -55,6 +66,9 @@ class TrainerSpec(Strict):
     shutdown_timeout: float = Field(10.0, ge=0, le=3600, description="grace between SIGTERM and SIGKILL")
     timeout: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="seconds a site job may run (execution timeout)"
+    )
+    nvflare: NvflareCompat | None = Field(
+        None, description="run an NVFlare Client API script through flare-airflow's nvflare stand-in"
     )
 
     @field_validator("args", "command", mode="before")
