@@ -6,6 +6,9 @@ import pytest
 
 from tests.harness import AirflowHome
 
+# NVIDIA FLARE's and PyTorch's side environments and the jobs NVFlare exports at test time.
+from tests.integration.nvflare.fixtures import nvflare_exports, nvflare_side, torch_side  # noqa: F401
+
 # The Kubernetes control plane and LOCAL NODE AGENT fixtures, shared by integration and e2e tests
 # (session-scoped: one control plane per test session).
 from tests.k8s_harness.fixtures import audit, control_plane, core, namespace, node_agent  # noqa: F401

@@ -70,6 +70,7 @@ __all__ = [
     "send",
     "shutdown",
     "system_info",
+    "use_model_classes",
 ]
 
 EXCHANGE_NUMPY = "numpy"
@@ -103,16 +104,24 @@ class ParamsType(enum.StrEnum):
 
 
 class FLMetaKey:
-    """The ``nvflare.apis.fl_constant.FLMetaKey`` names such scripts use (same values as NVFlare 2.9)."""
+    """NVFlare 2.9's ``nvflare.apis.fl_constant.FLMetaKey``: the same names and values."""
 
     NUM_STEPS_CURRENT_ROUND = "NUM_STEPS_CURRENT_ROUND"
-    PROCESS_RC_FILE = "PROCESS_RC_FILE"
-    SUBMIT_MODEL_NAME = "submit_model_name"
+    PROCESSED_ALGORITHM = "PROCESSED_ALGORITHM"
+    PROCESSED_KEYS = "PROCESSED_KEYS"
+    INITIAL_METRICS = "initial_metrics"
+    FILTER_HISTORY = "filter_history"
+    CONFIGS = "configs"
+    VALIDATE_TYPE = "validate_type"
+    START_ROUND = "start_round"
     CURRENT_ROUND = "current_round"
     TOTAL_ROUNDS = "total_rounds"
     JOB_ID = "job_id"
     SITE_NAME = "site_name"
-    INITIAL_METRICS = "initial_metrics"
+    PROCESS_RC_FILE = "_process_rc.txt"
+    SUBMIT_MODEL_NAME = "submit_model_name"
+    AUTH_TOKEN = "auth_token"
+    AUTH_TOKEN_SIGNATURE = "auth_token_signature"
 
 
 class AnalyticsDataType(enum.StrEnum):
@@ -123,10 +132,11 @@ class AnalyticsDataType(enum.StrEnum):
     IMAGE = "IMAGE"
     TEXT = "TEXT"
     LOG_RECORD = "LOG_RECORD"
-    METRIC = "METRIC"
-    METRICS = "METRICS"
     PARAMETER = "PARAMETER"
     PARAMETERS = "PARAMETERS"
+    METRIC = "METRIC"
+    METRICS = "METRICS"
+    MODEL = "MODEL"
     TAG = "TAG"
     TAGS = "TAGS"
     INIT_DATA = "INIT_DATA"
@@ -175,13 +185,28 @@ class FLModel:
         return f"FLModel({self.summary()})"
 
 
+class _ModelClasses:
+    """The ``FLModel`` / ``ParamsType`` that ``receive()`` builds: these, or a real nvflare's."""
+
+    model: Any = None
+    params_type: Any = None
+
+
+_classes = _ModelClasses()
+
+
+def use_model_classes(model: type, params_type: type) -> None:
+    """Build received models with ``model`` / ``params_type`` (the stand-in passes a real nvflare's)."""
+    _classes.model, _classes.params_type = model, params_type
+
+
 class _Session:
     """One trainer process = one site job: at most one receive and one send."""
 
     def __init__(self) -> None:
         self.initialized = False
         self.received: NativeModel | None = None  # the global model as numpy, for DIFF
-        self.given: FLModel | None = None  # what receive() returned (returned again until the send)
+        self.given: Any = None  # the FLModel receive() returned (returned again until the send)
         self.sent = False
         self.scalars: dict[str, float] = {}
 
@@ -228,7 +253,7 @@ def is_running() -> bool:
     return not _session.sent
 
 
-def receive(timeout: float | None = None) -> FLModel | None:
+def receive(timeout: float | None = None) -> Any:
     """The round's global model (the same object until the send); ``None`` after the send (job ends)."""
     _initialized()
     if _session.sent:
@@ -246,8 +271,10 @@ def receive(timeout: float | None = None) -> FLModel | None:
         FLMetaKey.JOB_ID: native.get_job_info()["run_id"],
         FLMetaKey.SITE_NAME: native.get_site_name(),
     }
-    given = FLModel(
-        params_type=ParamsType.FULL,
+    model_class = _classes.model or FLModel
+    params_type_class = _classes.params_type or ParamsType
+    given = model_class(
+        params_type=params_type_class("FULL"),
         params=params,
         metrics=dict(model.metrics) or None,
         current_round=round_0,
@@ -259,9 +286,9 @@ def receive(timeout: float | None = None) -> FLModel | None:
     return given
 
 
-def send(model: FLModel, clear_cache: bool = True) -> None:
+def send(model: Any, clear_cache: bool = True) -> None:
     """Send this site job's one result: an update (train) or metrics (evaluate)."""
-    if not isinstance(model, FLModel):
+    if not isinstance(model, FLModel | (_classes.model or FLModel)):
         raise NVFlareTypeError(
             f"{NOT_AN_FLMODEL} (got {type(model).__name__}): build it as flare.FLModel(params=..., metrics=...)"
         )
@@ -273,9 +300,11 @@ def send(model: FLModel, clear_cache: bool = True) -> None:
         raise NVFlareContractError(NOTHING_TO_SEND)
     assert _session.received is not None  # set together with _session.given
     params = _to_numpy(model.params or {}, "params")
-    params_type = model.params_type or ParamsType.FULL
+    # Ours or a real nvflare's ParamsType: compared by value.
+    sent_type = ParamsType(getattr(model.params_type, "value", model.params_type) or "FULL")
+    params_type = sent_type
     # NVFlare's DIFF transfer turns a FULL model into its difference to the model received.
-    if params and model.params_type is ParamsType.FULL and _transfer() == "DIFF":
+    if params and model.params_type is not None and sent_type is ParamsType.FULL and _transfer() == "DIFF":
         params = _diff(params, _session.received.params)
         params_type = ParamsType.DIFF
     if model.optimizer_params:
@@ -344,7 +373,7 @@ def is_submit_model() -> bool:
 def log(key: str, value: Any, data_type: AnalyticsDataType | str, **kwargs: Any) -> None:
     """Tracking: scalars and metrics land in the round's metrics (the last value of each key)."""
     _initialized()
-    kind = AnalyticsDataType(data_type)
+    kind = AnalyticsDataType(getattr(data_type, "value", data_type))  # ours, a real nvflare's, or its value
     if kind in (AnalyticsDataType.SCALAR, AnalyticsDataType.METRIC):
         _session.scalars[key] = _scalar(value, key)
     elif kind in (AnalyticsDataType.SCALARS, AnalyticsDataType.METRICS):

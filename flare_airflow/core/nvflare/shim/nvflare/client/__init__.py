@@ -1,4 +1,21 @@
-"""``import nvflare.client as flare`` under flare-airflow: see ``flare_airflow.core.nvflare.client``."""
+"""``import nvflare.client as flare`` under flare-airflow: see ``flare_airflow.core.nvflare.client``.
+
+With a real nvflare installed, ``FLModel``, ``ParamsType`` and ``AnalyticsDataType`` are its own
+classes (``receive()`` returns its ``FLModel``), so that a script mixing ``nvflare.client`` with
+``nvflare.app_common.abstract.fl_model`` sees one class.
+"""
+
+import importlib
+from pkgutil import extend_path
 
 from flare_airflow.core.nvflare.client import *  # noqa: F403
-from flare_airflow.core.nvflare.client import __all__  # noqa: F401
+from flare_airflow.core.nvflare.client import __all__, use_model_classes  # noqa: F401
+
+# The API is the stand-in's; a real nvflare's other client modules (config, utils) stay importable.
+__path__ = extend_path(__path__, __name__)
+
+# The real package's modules when nvflare is installed, else the stand-in's (the classes above).
+AnalyticsDataType = importlib.import_module("nvflare.apis.analytix").AnalyticsDataType
+FLModel = importlib.import_module("nvflare.app_common.abstract.fl_model").FLModel
+ParamsType = importlib.import_module("nvflare.app_common.abstract.fl_model").ParamsType
+use_model_classes(FLModel, ParamsType)
