@@ -322,14 +322,10 @@ def _read_client(cfg: ConfigFile, reading: _Reading) -> _Trainer | None:
             )
             continue
         trainer = _executor_trainer(executor, components, used, reading)
-        for key in ("pipe_id", "external_pipe_id"):
-            if isinstance(executor.args.get(key), str):
-                used.add(str(executor.args[key]))
     _filters(cfg, reading)
     for cid, component in components.items():
-        if cid in used and component.class_name in LAUNCHERS:
-            continue
-        _known_or_refused(component, reading)
+        if cid not in used:  # the launcher was carried over (or refused) with its executor
+            _known_or_refused(component, reading)
     return trainer
 
 

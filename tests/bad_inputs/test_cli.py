@@ -222,6 +222,51 @@ case(
     },
 )
 
+NV_META = '{"name": "nv", "deploy_map": {"app": ["@ALL"]}}'
+NV_SERVER = (
+    '{"workflows": [{"id": "controller", "path": "nvflare.app_common.workflows.fedavg.FedAvg",\n'
+    '  "args": {"num_clients": 2, "num_rounds": 2}}], "components": []}'
+)
+NV_CLIENT = (
+    '{"executors": [{"tasks": ["*"], "executor": {"path": '
+    '"nvflare.app_common.executors.client_api_executor.ClientAPIExecutor",\n'
+    '  "args": {"execution_mode": "in_process", "task_script_path": "client.py"}}}]}'
+)
+NV_JOB = {
+    "nv/meta.json": NV_META,
+    "nv/app/config/config_fed_server.json": NV_SERVER,
+    "nv/app/config/config_fed_client.json": NV_CLIENT,
+    "nv/app/custom/client.py": "import nvflare.client as flare\n",
+}
+case(
+    "import-nvflare-not-a-job",
+    "flare-airflow import-nvflare on a folder without meta.json",
+    "no meta.json or meta.conf: this is not an NVFlare job folder",
+    ["import-nvflare", "{dir}/jobs", "--out", "{dir}/out"],
+    {"jobs": None},
+)
+case(
+    "import-nvflare-all-without-sites",
+    "flare-airflow import-nvflare; the deploy_map deploys to @ALL and no --sites",
+    "a flare-airflow job names its sites: pass them, e.g. --sites site-1,site-2",
+    ["import-nvflare", "{dir}/nv", "--out", "{dir}/out"],
+    NV_JOB,
+)
+case(
+    "import-nvflare-bad-json",
+    "flare-airflow import-nvflare; config_fed_server.json is not JSON",
+    "config_fed_server.json:1: not valid JSON",
+    ["import-nvflare", "{dir}/nv", "--out", "{dir}/out", "--sites", "site-1,site-2"],
+    {**NV_JOB, "nv/app/config/config_fed_server.json": "{workflows: [}"},
+)
+case(
+    "import-nvflare-scaffold",
+    "flare-airflow import-nvflare; the server runs NVFlare's Scaffold workflow",
+    "config_fed_server.json:1: workflow nvflare.app_common.workflows.scaffold.Scaffold: SCAFFOLD's control",
+    ["import-nvflare", "{dir}/nv", "--out", "{dir}/out", "--sites", "site-1,site-2"],
+    {**NV_JOB, "nv/app/config/config_fed_server.json": NV_SERVER.replace("fedavg.FedAvg", "scaffold.Scaffold")},
+)
+
 
 def _nan_model() -> bytes:
     import numpy as np
@@ -235,6 +280,7 @@ def build(tmp: pathlib.Path, bad: Bad) -> list[str]:
     (tmp / "init.safetensors").write_bytes(INITIAL_MODEL.read_bytes())
     for name, content in bad.files.items():
         path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         if content is None:
             path.mkdir()
         elif content == "nan-model":

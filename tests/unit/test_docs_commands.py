@@ -105,6 +105,12 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         RunBy("tests/e2e/test_privacy.py", "AIRFLOW_VAR_FLARE_NOISE_SECRET"),
     ),
     (r"^python -m flare_airflow\.site_task$", RunBy("tests/unit/site_task/test_runner.py", "flare_airflow.site_task")),
+    (r"^flare-airflow import-nvflare\b", RunBy("tests/e2e/test_nvflare_jobs.py", '"import-nvflare", job_dir')),
+    (r"^flare-airflow run flare_hello_numpy$", RunBy("tests/e2e/test_nvflare_jobs.py", 'airflow_home.run(f"flare_')),
+    (
+        r"^python -m flare_airflow\.core\.nvflare\.run\b",
+        RunBy("tests/unit/core/test_nvflare_client.py", '"-m", "flare_airflow.core.nvflare.run"'),
+    ),
     (r"^python -m compileall$", NotRun("for builders of their own images; ours compile with uv --compile-bytecode")),
     (r"^make images$", RunBy("tests/containers.py", '"docker" / "images.py"')),
     # the entrypoints of docker/compose.yaml's Airflow services, which that test brings up
