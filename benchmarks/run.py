@@ -18,7 +18,9 @@
    ``benchmarks/results/nvflare.md``; ``--only nvflare-aggregation`` runs its aggregation part alone,
    ~3 min, into ``benchmarks/results/nvflare_aggregation.md``; ``--only nvflare-poc``: the same jobs
    under Airflow's real scheduler vs NVFlare's POC mode (server + client processes, admin API),
-   Airflow defaults and tuned settings side by side, into ``benchmarks/results/nvflare_poc.md``).
+   Airflow defaults and tuned settings side by side, into ``benchmarks/results/nvflare_poc.md``;
+   ``--only nvflare-shim``: the NVFlare Client API stand-in's per-round cost next to the native
+   Client API on the digits model, ~1 min, into ``benchmarks/results/nvflare_shim.md``).
 7. **edge** -- sites on Edge workers vs the central LocalExecutor (per-round cost), and model
    exchange through an S3 endpoint (moto, an emulator) vs the local store (~4 min;
    ``benchmarks/results/edge.md``).
@@ -47,6 +49,7 @@ import bench_edge
 import bench_fedavg
 import bench_k8s_api
 import bench_nvflare
+import bench_nvflare_shim
 import bench_poc
 import bench_privacy
 import bench_rounds
@@ -66,6 +69,7 @@ OWN_OUTPUTS = {
     "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
     "nvflare-e2e": BENCH_DIR / "results" / "nvflare_e2e.md",
     "nvflare-poc": BENCH_DIR / "results" / "nvflare_poc.md",
+    "nvflare-shim": BENCH_DIR / "results" / "nvflare_shim.md",
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
     "privacy": BENCH_DIR / "results" / "privacy.md",
@@ -88,6 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "nvflare-aggregation",
             "nvflare-e2e",
             "nvflare-poc",
+            "nvflare-shim",
             "rounds",
             "edge",
             "privacy",
@@ -167,6 +172,10 @@ def main(argv: list[str]) -> int:
             log("[nvflare] end to end side by side with NVIDIA FLARE 2.9.0's simulator (its own venv) ...")
             tables = bench_nvflare.run_e2e_only(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("5. Side by side with NVIDIA FLARE 2.9.0: end to end", tables))
+        if args.only == "nvflare-shim":
+            log("[nvflare-shim] the NVFlare Client API stand-in vs the native Client API, per round ...")
+            tables = bench_nvflare_shim.run(reps=args.reps, tmp_base=args.tmp_dir)
+            sections.append(("NVFlare Client API stand-in: per-round cost", tables))
         if args.only == "nvflare-poc":
             log("[poc] under the real scheduler vs NVIDIA FLARE 2.9.0's POC mode (its own venv) ...")
             tables = bench_poc.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)

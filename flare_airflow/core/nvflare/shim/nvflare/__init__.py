@@ -21,10 +21,8 @@ _REAL_NAMES = {
     "SimulatorRunner": "nvflare.private.fed.app.simulator.simulator_runner",
 }
 
-if REAL_NVFLARE:
-    __version__ = importlib.import_module("nvflare._version").get_versions()["version"]
-else:
-    __version__ = "2.9.0"  # the NVFlare release whose Client API this stand-in follows
+# A real nvflare's version, or the NVFlare release whose Client API this stand-in follows.
+__version__ = importlib.import_module("nvflare._version").get_versions()["version"] if REAL_NVFLARE else "2.9.0"
 
 
 def __getattr__(name: str) -> Any:

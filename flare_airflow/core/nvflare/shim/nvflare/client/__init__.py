@@ -12,10 +12,11 @@ from flare_airflow.core.nvflare.client import *  # noqa: F403
 from flare_airflow.core.nvflare.client import __all__, use_model_classes  # noqa: F401
 
 # The API is the stand-in's; a real nvflare's other client modules (config, utils) stay importable.
-__path__ = extend_path(__path__, __name__)
+__path__ = extend_path(__path__, __name__)  # noqa: F405 - the package's own __path__
 
 # The real package's modules when nvflare is installed, else the stand-in's (the classes above).
-AnalyticsDataType = importlib.import_module("nvflare.apis.analytix").AnalyticsDataType
-FLModel = importlib.import_module("nvflare.app_common.abstract.fl_model").FLModel
-ParamsType = importlib.import_module("nvflare.app_common.abstract.fl_model").ParamsType
+# (They replace the star-imported classes on purpose: hence the type: ignore.)
+AnalyticsDataType = importlib.import_module("nvflare.apis.analytix").AnalyticsDataType  # type: ignore[misc]
+FLModel = importlib.import_module("nvflare.app_common.abstract.fl_model").FLModel  # type: ignore[misc]
+ParamsType = importlib.import_module("nvflare.app_common.abstract.fl_model").ParamsType  # type: ignore[misc]
 use_model_classes(FLModel, ParamsType)
