@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client as k8s
 
 from flare_airflow.core.config import KubernetesLaunchSpec, ResourceSpec, TrainerSpec, job_from_dict
+from flare_airflow.core.config.job import NvflareCompat
 from flare_airflow.launchers.kubernetes import (
     CONTAINER_NAME,
     build_pod,
@@ -256,6 +257,14 @@ def test_trainer_argv_and_job_pod_from_a_validated_job(tmp_path) -> None:
     assert trainer_argv(other, custom) == ["torchrun", "--nproc-per-node=1", "/t.py", "-v"]
     pod = pod_to_dict(job_pod(job, "site-1", site_job(argv=("ignored",)), store_root=None, try_number=2))
     assert pod["spec"]["containers"][0]["command"] == ["python", "examples/digits/trainer.py", "--alpha", "0.5"]
+    # An NVFlare Client API script: the image's interpreter runs the compatibility runner, its module
+    # resolved in the image (never a path of this host), then the script as given.
+    nv = job.model_copy(
+        update={"trainer": job.trainer.model_copy(update={"nvflare": NvflareCompat(params_exchange="pytorch")})}
+    )
+    runner = ["-m", "flare_airflow.core.nvflare.run", "--params-exchange", "pytorch", "--transfer", "FULL"]
+    assert trainer_argv(nv, spec) == ["python", *runner, "examples/digits/trainer.py", "--alpha", "0.5"]
+    assert trainer_argv(nv, custom)[:3] == ["torchrun", "--nproc-per-node=1", "-m"]
     assert pod["metadata"]["namespace"] == "fl"
     assert pod["metadata"]["labels"]["flare-airflow/try"] == "2"
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
