@@ -82,11 +82,13 @@ def _env(root: Path, rep: int, case: str) -> dict[str, str]:
 
 
 def run(*, reps: int, tmp_base: str | None = None) -> list[Table]:
+    from safetensors.numpy import load_file
+
     from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 
     with tempfile.TemporaryDirectory(prefix="bench-nvflare-shim-", dir=tmp_base) as tmp:
         root = Path(tmp)
-        params, _ = read_artifact(MODEL)
+        params = load_file(str(MODEL))  # a plain safetensors file (no record): the job's initial model
         write_artifact(root / "global.safetensors", FLModel(params=params))
         (root / "native.py").write_text(NATIVE)
         (root / "stand_in.py").write_text(STAND_IN)

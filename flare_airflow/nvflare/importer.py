@@ -23,7 +23,6 @@ selectors, tracking receivers) are carried over as notes, never silently.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil
@@ -671,12 +670,8 @@ def describe(result: ImportResult) -> str:
         f"wrote {result.job_file}",
         f"wrote {result.dag_file}",
         f"wrote {result.job_dir}/ (the client app's custom/ folder and initial_model.safetensors)",
+        f"run it with: flare-airflow run flare_{result.job['job'].replace('-', '_')}",
     ]
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
 
-
-def result_json(result: ImportResult) -> str:
-    return json.dumps(
-        {"job_file": str(result.job_file), "dag_file": str(result.dag_file), "job": result.job, "notes": result.notes}
-    )
