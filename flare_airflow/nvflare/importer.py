@@ -674,4 +674,3 @@ def describe(result: ImportResult) -> str:
     ]
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
-
