@@ -339,8 +339,9 @@ def _filters(cfg: ConfigFile, reading: _Reading) -> None:
                     f"filter {f.path} ({key})",
                     "NVFlare filters are not carried over: flare-airflow applies filters by each site's policy, "
                     "in the site task, so that a trainer cannot skip them",
-                    "remove it from the job and configure the equivalent filter in the site's policy, "
-                    "or do the transformation in the client script",
+                    "remove it from the job and configure the equivalent filter in the site's policy or the "
+                    "job's privacy.filters (docs/privacy.md: exclude_vars, clip, gaussian, and percentile, "
+                    "NVFlare's PercentilePrivacy)",
                 )
 
 
