@@ -23,6 +23,7 @@ from flare_airflow.core.config import check_store_backend, load_initial_model, l
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.report import format_table, read_metrics
 from flare_airflow.dag_runs import (
+    DAG_RUN_FAILED,
     OK_STATES,
     CLIError,
     _output_to,
@@ -95,8 +96,11 @@ def _run(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
         else:
             unreadable = ""
             returncode, error = dags_test(args.dag_id, dagfile=args.dagfile, conf=args.conf)
-            if "could not be found" in error:
-                # Airflow names no reason; a DAG file that failed to import (e.g. a job's ConfigError) has one.
+            if error and error != DAG_RUN_FAILED:
+                # Airflow stopped before or without running the DAG. Its reason ("could not be found", or
+                # a ValueError of its own about the DAG file's path while it looked for the DAG among
+                # the example DAGs) is not the user's problem when the DAG file failed to import (e.g.
+                # a job's ConfigError): that one is shown first.
                 import_errors = dag_import_errors(args.dagfile)
     if unreadable:
         print(

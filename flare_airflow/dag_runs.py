@@ -234,6 +234,9 @@ def _dags_folder_containing(path: str) -> None:
     settings.DAGS_FOLDER = directory
 
 
+DAG_RUN_FAILED = "DagRun failed"  # what `airflow dags test` exits with when the run it made failed
+
+
 def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = None) -> tuple[int, str]:
     """Run Airflow's ``airflow dags test DAG_ID`` command in this process.
 
@@ -253,7 +256,7 @@ def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = Non
     args = cli_parser.get_parser().parse_args(argv)
     try:
         args.func(args)
-    except SystemExit as exc:  # "DagRun failed", a bad --conf
+    except SystemExit as exc:  # DAG_RUN_FAILED, a bad --conf
         if exc.code not in (None, 0):
             print(f"airflow dags test: {exc.code}", file=sys.stderr)
             return (exc.code if isinstance(exc.code, int) else 1), str(exc.code)

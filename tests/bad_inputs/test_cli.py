@@ -33,6 +33,9 @@ class Bad:
     argv: list[str]  # "{dir}" stands for the test's directory
     files: dict[str, bytes | str | None]  # name -> content; None: a directory; "->x": a symlink to x
     code: int = 2
+    # The DAG file lies outside Airflow's DAGs folder (another, empty one), in an Airflow home that
+    # loads the example DAGs (Airflow's default without AIRFLOW__CORE__LOAD_EXAMPLES=False).
+    outside_with_examples: bool = False
 
 
 CASES: list[Case] = []
@@ -40,10 +43,16 @@ INPUTS: dict[str, Bad] = {}
 
 
 def case(
-    id: str, bad_input: str, error: str, argv: list[str], files: dict[str, Any] | None = None, code: int = 2
+    id: str,
+    bad_input: str,
+    error: str,
+    argv: list[str],
+    files: dict[str, Any] | None = None,
+    code: int = 2,
+    outside_with_examples: bool = False,
 ) -> None:
     CASES.append(Case(id, "cli", bad_input, error))
-    INPUTS[id] = Bad(argv, files or {}, code)
+    INPUTS[id] = Bad(argv, files or {}, code, outside_with_examples)
 
 
 case(
@@ -209,6 +218,21 @@ case(
     },
     code=1,
 )
+case(
+    "run-dag-outside-with-examples-config-error",
+    "flare-airflow run --dagfile outside the DAGs folder, load_examples on, trainer.scirpt in the job "
+    "(was: Airflow's ValueError '... is not in the subpath of .../example_dags')",
+    "trainer.scirpt: unknown key 'scirpt'",
+    ["run", "flare_scirpt", "--dagfile", "{dir}/my-job/dag.py", "--log", "{dir}/run.log"],
+    {
+        "my-job": None,
+        "my-job/job.yaml": JOB.replace("trainer: {script: train.py}", "trainer: {scirpt: ../train.py}"),
+        "my-job/dag.py": "from flare_airflow.builder import build_dag\n\n"
+        "dag = build_dag(__file__.rsplit('/', 1)[0] + '/job.yaml', dag_id='flare_scirpt')\n",
+    },
+    code=1,
+    outside_with_examples=True,
+)
 
 case(
     "run-conf-out-of-range",
@@ -301,8 +325,12 @@ def test_bad_command_line_gets_a_clear_error(bad_case: Case, tmp_path: pathlib.P
     if "--dagfile" in argv:  # Airflow parses DAG files only inside its dags folder
         import airflow.settings
 
-        monkeypatch.setenv("AIRFLOW__CORE__DAGS_FOLDER", str(tmp_path))
-        monkeypatch.setattr(airflow.settings, "DAGS_FOLDER", str(tmp_path))
+        dags = tmp_path / "dags" if bad.outside_with_examples else tmp_path
+        dags.mkdir(exist_ok=True)
+        monkeypatch.setenv("AIRFLOW__CORE__DAGS_FOLDER", str(dags))
+        monkeypatch.setattr(airflow.settings, "DAGS_FOLDER", str(dags))
+        if bad.outside_with_examples:
+            monkeypatch.setenv("AIRFLOW__CORE__LOAD_EXAMPLES", "True")
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse's usage errors
