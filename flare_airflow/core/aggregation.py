@@ -28,6 +28,7 @@ from flare_airflow.core.errors import (
 )
 from flare_airflow.core.model import (
     MAX_HEADER,
+    MAX_METRICS,
     ArtifactRecord,
     FiniteScan,
     Params,
@@ -91,6 +92,7 @@ class RoundOutcome:
     metrics: dict[str, float]  # sample-weighted mean of the sites' metrics
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     num_samples: int = 0
+    metrics_dropped: list[str] = field(default_factory=list)  # means left out: more than MAX_METRICS names
 
 
 class FedAvg:
@@ -272,6 +274,13 @@ class FedAvg:
         metrics = {k: self._metric_sums[k] / self._metric_weights[k] for k in sorted(self._metric_sums)}
         # Each site's metrics are finite, but their sample-weighted sum may not be: leave such a mean out.
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        dropped: list[str] = []
+        if len(metrics) > MAX_METRICS:
+            # Each site sends at most MAX_METRICS, but sites may name different ones: the round (one
+            # artifact record, one XCom) keeps the ones reported for the most samples.
+            kept = sorted(metrics, key=lambda k: (-self._metric_weights[k], k))[:MAX_METRICS]
+            dropped = sorted(set(metrics) - set(kept))
+            metrics = {k: metrics[k] for k in sorted(kept)}
         self._outcome = RoundOutcome(
             params=out,
             accepted=dict(self.accepted),
@@ -279,6 +288,7 @@ class FedAvg:
             metrics=metrics,
             site_metrics=dict(self.site_metrics),
             num_samples=self.num_samples,
+            metrics_dropped=dropped,
         )
         return self._outcome
 
@@ -349,6 +359,12 @@ def fedavg_from_store(
     )
     buffers = [np.empty(0, dtype=np.uint8) for _ in range(_GROUP)]
 
+    def grown(slot: int, size: int) -> np.ndarray:
+        if buffers[slot].nbytes < size:
+            buffers[slot] = np.empty(0, dtype=np.uint8)  # the old one goes before the new one comes
+            buffers[slot] = np.empty(size, dtype=np.uint8)
+        return buffers[slot]
+
     def verified(slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
         """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
         if path is None:
@@ -362,11 +378,9 @@ def fedavg_from_store(
                     f"{path}: its record says {record.size} bytes, more than an update of the global model's "
                     f"tensors can take ({max_size})"
                 )
-            if buffers[slot].nbytes < record.size:
-                buffers[slot] = np.empty(0, dtype=np.uint8)  # the old one goes before the new one comes
-                buffers[slot] = np.empty(record.size, dtype=np.uint8)
             scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
-            params = read_verified(path, record, buffers[slot], scan, (algorithm,))
+            # The buffer grows only once the file's real size matched its record's.
+            params = read_verified(path, record, partial(grown, slot), scan, (algorithm,))
             check_spec(site, agg.expected, params)
             if scan.bad is not None:
                 raise non_finite(site, scan.bad)

@@ -13,8 +13,9 @@ import enum
 import json
 import math
 import os
+import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import safetensors.numpy
 
 from flare_airflow.core.digests import BLAKE3, HEX_DIGEST, SHA256, available, digest_all, verifiable
 from flare_airflow.core.errors import ModelFormatError
-from flare_airflow.core.store import WritablePath, open_for_reading, record_path
+from flare_airflow.core.store import MAX_RECORD_BYTES, WritablePath, open_for_reading, read_at_most, record_path
 from flare_airflow.core.tensors import (
     CHUNK_BYTES,
     MAX_HEADER,
@@ -43,6 +44,8 @@ __all__ = [
     "CHUNK_BYTES",
     "FORMAT",
     "MAX_HEADER",
+    "MAX_METRICS",
+    "MAX_METRIC_NAME",
     "SAFETENSORS_DTYPES",
     "ArtifactRecord",
     "FLModel",
@@ -147,7 +150,10 @@ class ArtifactRecord:
         a bad one raises ``ModelFormatError`` and rejects that site, never the round.
         """
         if len(text) > MAX_RECORD_BYTES:
-            raise ModelFormatError(f"{where}: artifact record is {len(text)} bytes, more than {MAX_RECORD_BYTES}")
+            raise ModelFormatError(
+                f"{where}: artifact record is more than {MAX_RECORD_BYTES} bytes (a record lists tensor names, "
+                "shapes and a few metrics)"
+            )
         try:
             raw = json.loads(text, parse_constant=_no_constant)
             if not isinstance(raw, dict):
@@ -187,7 +193,6 @@ class ArtifactRecord:
             raise ModelFormatError(f"{where}: unreadable artifact record ({reason[:200]})") from None
 
 
-MAX_RECORD_BYTES = 16 << 20  # a record lists names, shapes and a few metrics: far below this
 MAX_ARTIFACT_BYTES = 1 << 50
 MAX_NUM_SAMPLES = 10**15  # so that sums of weights stay exact and finite in float64
 
@@ -263,11 +268,36 @@ def atomic_write(path: WritablePath, data: bytes) -> None:
         raise
 
 
+# What one update (or evaluation) may report. Metrics travel in XCom (the site task's summary, the
+# round's summary, which holds every site's), in metrics.json and in the runs page's charts: a few
+# scalars each, never a payload. 64 names of at most 100 characters keep one site's metrics under
+# 8 KiB of JSON.
+MAX_METRICS = 64
+MAX_METRIC_NAME = 100
+_METRIC_NAME = re.compile(rf"[^\x00-\x1f\x7f]{{1,{MAX_METRIC_NAME}}}")
+
+
 def check_metrics(metrics: Mapping[str, Any], where: str) -> dict[str, float]:
-    """Metrics are finite numbers: a NaN or infinite metric is refused (JSON, XCom and the charts
-    cannot carry it, and it would poison the round's averages)."""
+    """Metrics are at most ``MAX_METRICS`` finite numbers named by printable strings of 1 to
+    ``MAX_METRIC_NAME`` characters: anything else is refused, naming the metric. A NaN or infinite
+    metric cannot be carried by JSON, XCom and the charts, and would poison the round's averages."""
+    if len(metrics) > MAX_METRICS:
+        raise ModelFormatError(
+            f"{where}: {len(metrics)} metrics, more than the {MAX_METRICS} an update may report "
+            f"(first names: {_short(list(metrics)[:3])}); send a few scalars, keep the rest in your own logs"
+        )
     out: dict[str, float] = {}
     for key, value in metrics.items():
+        if not isinstance(key, str) or not _METRIC_NAME.fullmatch(key):
+            why = "has control characters"
+            if not isinstance(key, str):
+                why = f"is a {type(key).__name__}"
+            elif not 0 < len(key) <= MAX_METRIC_NAME:
+                why = f"is {len(key)} characters long"
+            raise ModelFormatError(
+                f"{where}: metric name {_short(key)} {why}; metric names are 1 to {MAX_METRIC_NAME} printable "
+                "characters"
+            )
         if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
             raise ModelFormatError(f"{where}: metric {_short(key)} must be a number, got {type(value).__name__}")
         try:
@@ -279,7 +309,7 @@ def check_metrics(metrics: Mapping[str, Any], where: str) -> dict[str, float]:
                 f"{where}: metric {_short(key)} is {_short(value)}; metrics must be finite numbers "
                 "(leave a metric out when it has no value)"
             )
-        out[str(key)] = number
+        out[key] = number
     return out
 
 
@@ -323,14 +353,9 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
 def read_record(path: WritablePath) -> ArtifactRecord:
     rec = record_path(path)
     try:
-        # In pieces: read(n) would allocate n bytes up front, and records are small. Opened without
-        # asking exists() first (one call less per record; each is slow on object stores).
-        pieces, size = [], 0
+        # Opened without asking exists() first (one call less per record; each is slow on object stores).
         with open_for_reading(rec) as fh:
-            while size <= MAX_RECORD_BYTES and (piece := fh.read(1 << 16)):
-                pieces.append(piece)
-                size += len(piece)
-        text = b"".join(pieces).decode()
+            text = read_at_most(fh, MAX_RECORD_BYTES).decode()
     except FileNotFoundError:
         raise ModelFormatError(f"{path}: no artifact record {rec.name} (the artifact was never completed)") from None
     except UnicodeDecodeError:
@@ -343,7 +368,7 @@ def read_record(path: WritablePath) -> ArtifactRecord:
 def read_verified(
     path: WritablePath,
     record: ArtifactRecord,
-    buffer: np.ndarray | None = None,
+    buffer: np.ndarray | Callable[[int], np.ndarray] | None = None,
     scan: FiniteScan | None = None,
     algorithms: tuple[str, ...] | None = None,
 ) -> Params:
@@ -352,7 +377,7 @@ def read_verified(
     ``algorithms`` defaults to every digest of the record this environment can compute (sha256
     always, BLAKE3 too where recorded and installed); a caller may ask for fewer, never for one the
     record lacks. The tensors are zero-copy arrays over one buffer holding the file (``buffer`` if
-    given).
+    given; see :func:`read_into`).
     """
     recorded = record.digests()
     algorithms = verifiable(recorded) if algorithms is None else algorithms

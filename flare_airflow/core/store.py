@@ -69,6 +69,21 @@ def open_for_reading(path: WritablePath) -> Any:
     return open(local, "rb", buffering=0) if local is not None else path.open("rb")
 
 
+# A record lists names, shapes and a few metrics: far below this. Records are input (a site, or a
+# trainer bypassing the Client API, writes them): nothing reads more of one.
+MAX_RECORD_BYTES = 16 << 20
+
+
+def read_at_most(fh: Any, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the open file ``fh``, read in pieces: ``read(n)`` would allocate
+    ``n`` bytes up front, and a caller refuses what is longer than ``limit``."""
+    pieces, size = [], 0
+    while size <= limit and (piece := fh.read(min(1 << 16, limit + 1 - size))):
+        pieces.append(piece)
+        size += len(piece)
+    return b"".join(pieces)
+
+
 def record_path(tensors_path: WritablePath) -> WritablePath:
     """Where an artifact's JSON record (checksum, tensors, metadata) sits: next to its tensors."""
     return tensors_path.parent / (tensors_path.name.removesuffix(".safetensors") + ".json")

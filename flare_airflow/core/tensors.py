@@ -7,8 +7,11 @@ values for NaN/inf while they are in the CPU cache. No knowledge of records or t
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,31 +171,63 @@ class FiniteScan:
             self._next += 1
 
 
+def _open_file_size(fh: Any) -> int | None:
+    """The size of the open file ``fh`` as its file system or object store reports it, or ``None``."""
+    try:
+        return os.fstat(fh.fileno()).st_size
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    size = getattr(fh, "size", None)  # fsspec's buffered files (s3://, gs://, memory://, ...)
+    return size if type(size) is int else None
+
+
+def _size_mismatch(path: WritablePath, got: int, size: int) -> ModelFormatError:
+    if got < size:
+        return ModelFormatError(
+            f"{path}: size {got} bytes, record says {size}; the file is truncated or its record is wrong"
+        )
+    return ModelFormatError(f"{path}: larger than the {size} bytes its record says; the file was changed")
+
+
 def read_into(
     path: WritablePath,
     size: int,
-    buffer: np.ndarray | None = None,
+    buffer: np.ndarray | Callable[[int], np.ndarray] | None = None,
     scan: FiniteScan | None = None,
     algorithms: tuple[str, ...] = (SHA256,),
 ) -> tuple[Any, dict[str, str]]:
     """The file's bytes, which must be exactly ``size`` (its record's), and their digests.
 
-    Reads ``CHUNK_BYTES`` at a time with ``readinto`` straight into ``buffer[:size]`` (a reused
-    buffer) or a new one, hashing each piece with every one of ``algorithms`` while it is still in
-    the CPU cache (and feeding it to ``scan``). A file object without ``readinto`` (some
-    object-store backends) is read with ``read()`` into new ``bytes``. The hashing and the finite
-    checks release the GIL.
+    ``size`` comes from a record, which is input: the file's real size is compared with it before
+    anything of that size is allocated, so a record claiming 10^12 bytes is refused, not a
+    ``MemoryError``. Reads ``CHUNK_BYTES`` at a time with ``readinto`` straight into
+    ``buffer[:size]`` (a reused buffer; a callable is asked for one of at least ``size`` bytes once
+    the file's size matched) or a new one, hashing each piece with every one of
+    ``algorithms`` while it is still in the CPU cache (and feeding it to ``scan``). A file object
+    that reports no size, or has no ``readinto`` (some object-store backends), is read piece by
+    piece into new ``bytes``, never more than ``size + 1`` bytes. The hashing and the finite checks
+    release the GIL.
     """
     hashers: list[Hasher] = [new_hasher(a) for a in algorithms]
     with open_for_reading(path) as fh:
-        if not hasattr(fh, "readinto"):
-            data: Any = fh.read(size + 1)
-            got = len(data)
-            for h in hashers:
-                h.update(data)
+        actual = _open_file_size(fh)
+        if actual is not None and actual != size:
+            raise _size_mismatch(path, actual, size)
+        if actual is None or not hasattr(fh, "readinto"):  # read(n) may allocate n bytes up front
+            pieces: list[bytes] = []
+            got = 0
+            while got <= size and (piece := fh.read(min(CHUNK_BYTES, size + 1 - got))):
+                pieces.append(piece)
+                got += len(piece)
+                for h in hashers:
+                    h.update(piece)
+            data: Any = b"".join(pieces)
+            del pieces
             if scan is not None and got == size:
                 scan.feed(data, got)
         else:
+            if callable(buffer):
+                buffer = buffer(size)
             target: Any = buffer if buffer is not None and buffer.nbytes >= size else bytearray(size)
             data = memoryview(target)[:size]
             got = 0
@@ -207,10 +242,8 @@ def read_into(
                     scan.feed(data, got)
             if got == size and fh.read(1):
                 got += 1
-    if got < size:
-        raise ModelFormatError(f"{path}: size {got} bytes, record says {size}; the file is truncated")
-    if got > size:
-        raise ModelFormatError(f"{path}: larger than the {size} bytes its record says; the file was changed")
+    if got != size:
+        raise _size_mismatch(path, got, size)
     return data, {a: h.hexdigest() for a, h in zip(algorithms, hashers, strict=True)}
 
 

@@ -11,7 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from flare_airflow.core.aggregation import fedavg_from_store
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
-from flare_airflow.core.model import FLModel, WritablePath, read_artifact, write_artifact
+from flare_airflow.core.model import MAX_METRICS, FLModel, WritablePath, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import record_path
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
@@ -129,6 +129,12 @@ class AggregateOperator(BaseOperator):
             raise AirflowFailException(f"round {r} failed: {exc}") from None
         for site, reason in sorted(outcome.rejected.items()):
             self.log.warning("round %d: site %s does not count: %s", r, site, reason)
+        if outcome.metrics_dropped:
+            self.log.warning(
+                "round %d: the sites reported %d metric names in all, more than the %d a round keeps; left out of "
+                "the round's means (each site's own metrics are kept): %s",
+                r, len(outcome.metrics) + len(outcome.metrics_dropped), MAX_METRICS, outcome.metrics_dropped[:20],
+            )  # fmt: skip
         global_out = store.global_model(job.job, run_id, r)
         try:
             record = write_artifact(

@@ -18,7 +18,14 @@ from typing import Any, cast
 
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
-from flare_airflow.core.store import WritablePath, failure_path, path_from_uri, record_path
+from flare_airflow.core.store import (
+    MAX_RECORD_BYTES,
+    WritablePath,
+    failure_path,
+    path_from_uri,
+    read_at_most,
+    record_path,
+)
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.site_task.tries import publish_current_try
 
@@ -60,7 +67,10 @@ def check_global_model(run: SiteRun) -> None:
         raise GlobalModelUnusable(f"{where} has no record {record.name} (never completed); {rerun}")
     try:
         with record.open("rb") as fh:
-            raw = json.loads(fh.read())
+            text = read_at_most(fh, MAX_RECORD_BYTES)
+        if len(text) > MAX_RECORD_BYTES:
+            raise ValueError(f"more than {MAX_RECORD_BYTES} bytes")
+        raw = json.loads(text)
         expected, size = str(raw["sha256"]), int(raw["size"])
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise GlobalModelUnusable(

@@ -91,6 +91,20 @@ RAW: list[tuple[Case, str, dict[str, object]]] = [
        "loss", "m = flare.receive(); flare.send(flare.FLModel(params=ok_params(m), metrics={'loss': float('nan')}))"),
     _c("trainer-non-numeric-metric", "a metric that is a string",
        "accuracy", "m = flare.receive(); flare.send(flare.FLModel(params=ok_params(m), metrics={'accuracy': 'high'}))"),
+    _c("trainer-huge-metric-name", "a metric whose name is 2 MB long",
+       "metric name 'xxxxx", "m = flare.receive(); flare.send(flare.FLModel(params=ok_params(m), "
+       "metrics={'x' * 2_000_000: 1.0}))"),
+    _c("trainer-too-many-metrics", "1000 metrics in one update",
+       "1000 metrics, more than the 64 an update may report",
+       "m = flare.receive(); flare.send(flare.FLModel(params=ok_params(m), "
+       "metrics={f'm{i}': 1.0 for i in range(1000)}))"),
+    _c("trainer-metric-name-newline", "a metric name with a newline (a forged log line)",
+       "has control characters", "m = flare.receive(); flare.send(flare.FLModel(params=ok_params(m), "
+       "metrics={'loss\\nERROR site-2 failed': 1.0}))"),
+    _c("trainer-record-claims-huge-size", "rewrites its update's record to claim 10^12 bytes after send()",
+       "record says 1000000000000; the file is truncated or its record is wrong",
+       "send(); p = os.environ['FLARE_OUTPUT'].removesuffix('.safetensors') + '.json'\n"
+       "r = json.load(open(p)); r['size'] = 10**12; json.dump(r, open(p, 'w'))"),
     _c("trainer-sends-no-params", "send() with metrics only in a train task",
        "needs params", "flare.receive(); flare.send(flare.FLModel(metrics={'loss': 1.0}))"),
     _c("trainer-overwrites-global-model", "writes garbage over FLARE_GLOBAL_MODEL, then sends",

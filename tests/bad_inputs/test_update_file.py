@@ -281,6 +281,21 @@ BAD: dict[str, tuple[str, str, Callable[[pathlib.Path], None]]] = {
         raw_record_sub('"metrics": {}', '"metrics": {"loss": 1e400}'),
     ),
     "metric-string": ("a metric is a string", "must be a number, got str", set_record("metrics", {"loss": "low"})),
+    "metric-name-huge": (
+        "a metric name of 2 MB in the record",
+        "is 2000000 characters long; metric names are 1 to 100 printable characters",
+        set_record("metrics", {"x" * 2_000_000: 1.0}),
+    ),
+    "metrics-too-many": (
+        "1000 metrics in the record",
+        "1000 metrics, more than the 64 an update may report",
+        set_record("metrics", {f"m{i}": 1.0 for i in range(1000)}),
+    ),
+    "record-size-10-to-12": (
+        "the record claims 10^12 bytes",
+        "its record says 1000000000000 bytes, more than an update of the global model's tensors can take",
+        set_record("size", 10**12),
+    ),
     "metrics-not-object": ("metrics is a list", "metrics must be an object", set_record("metrics", [1])),
     "meta-not-object": ("meta is a string", "meta must be an object", set_record("meta", "x")),
     "record-tensors-bad": (

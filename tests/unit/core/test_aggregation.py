@@ -19,6 +19,7 @@ from flare_airflow.core.aggregation import FedAvg, fedavg_from_store, validate_u
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
 from flare_airflow.core.model import (
     CHUNK_BYTES,
+    MAX_METRICS,
     ArtifactRecord,
     FLModel,
     ParamsType,
@@ -615,3 +616,36 @@ def test_a_record_claiming_a_huge_size_is_rejected_before_any_allocation(tmp_pat
     out = fedavg_from_store(GLOBAL, [("big", path, None), ("ok", ok, None)], min_clients=1)
     assert out.accepted == {"ok": 2.0}
     assert f"its record says {1 << 50} bytes, more than an update of the global model's tensors" in out.rejected["big"]
+
+
+def test_a_record_claiming_more_than_its_file_gets_no_buffer_of_that_size(tmp_path: pathlib.Path) -> None:
+    """Within the bound of the global model's size, a record's size is still input: the read buffer
+    grows only once the file's real size matched it."""
+    glob = {"w": np.zeros(256, np.uint8)}  # an update may claim up to its size + safetensors' 100 MB header
+    lying = write_update(tmp_path / "lying.safetensors", {"w": np.ones(256, np.uint8)})
+    record_path(lying).write_text(ArtifactRecord(**{**read_record(lying).__dict__, "size": 90 << 20}).to_json())
+    tracemalloc.start()
+    try:
+        out = fedavg_from_store(glob, [("lying", lying, None)], min_clients=1)
+    except QuorumNotReached as exc:
+        assert f"record says {90 << 20}; the file is truncated or its record is wrong" in str(exc)
+    else:
+        raise AssertionError(f"accepted: {out.accepted}")
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
+def test_a_round_keeps_at_most_max_metrics_means() -> None:
+    """Each site sends at most MAX_METRICS, but two sites naming different ones would exceed it: the
+    round keeps the names reported for the most samples and says which it left out."""
+    agg = FedAvg({"w": f32(0)}, min_clients=1)
+    agg.add("a", {"w": f32(1)}, record(10, metrics={f"a{i:02d}": 1.0 for i in range(MAX_METRICS)}))
+    agg.add("b", {"w": f32(1)}, record(20, metrics={f"b{i:02d}": 2.0 for i in range(MAX_METRICS - 1)} | {"a00": 4.0}))
+    out = agg.result()
+    assert len(out.metrics) == MAX_METRICS
+    assert out.metrics["a00"] == pytest.approx((10 * 1.0 + 20 * 4.0) / 30)  # reported by both: the most samples
+    assert {f"b{i:02d}" for i in range(MAX_METRICS - 1)} < set(out.metrics)
+    assert out.metrics_dropped == [f"a{i:02d}" for i in range(1, MAX_METRICS)]
+    assert out.site_metrics["a"] == {f"a{i:02d}": 1.0 for i in range(MAX_METRICS)}

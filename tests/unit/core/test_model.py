@@ -7,7 +7,9 @@ import io
 import json
 import pathlib
 import pickle
+import tracemalloc
 import zipfile
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import safetensors.numpy
 from upath import UPath
 
 from flare_airflow.core.errors import ModelFormatError
+from flare_airflow.core.store import read_at_most
 from flare_airflow.core.model import (
     CHUNK_BYTES,
     ArtifactRecord,
@@ -380,6 +383,50 @@ def test_files_without_readinto_are_read_whole(tmp_path: pathlib.Path) -> None:
     path.write_bytes(path.read_bytes()[:-3])
     with pytest.raises(ModelFormatError, match="truncated"):
         read_artifact(NoReadinto(path))  # type: ignore[arg-type]
+
+
+def _in_memory_store(path: pathlib.Path) -> UPath:
+    """A copy of the artifact at ``path`` on fsspec's memory:// (a file object with a ``size``, no fileno)."""
+    target = UPath(f"memory://claims/{path.name}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for source, dest in ((path, target), (record_path(path), record_path(target))):  # type: ignore[arg-type]
+        dest.write_bytes(source.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "no-readinto"])
+def test_a_record_claiming_more_bytes_than_its_file_allocates_nothing_that_large(
+    tmp_path: pathlib.Path, where: str
+) -> None:
+    """The record is input: its size is compared with the file's before a buffer of that size exists
+    (a record claiming 10^12 bytes made the site runner die of MemoryError)."""
+    path = tmp_path / "m.safetensors"
+    write_artifact(path, FLModel(params=sample_params()))
+    claimed = 1 << 31
+    raw = json.loads(record_path(path).read_text())
+    record_path(path).write_text(json.dumps({**raw, "size": claimed}))
+    target: Any = {"local": path, "memory": _in_memory_store(path), "no-readinto": NoReadinto(path)}[where]
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFormatError, match=f"record says {claimed}; the file is truncated or its record"):
+            read_artifact(target)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
+def test_records_are_read_at_most_to_their_limit(tmp_path: pathlib.Path) -> None:
+    class Counting(io.BytesIO):
+        asked = 0
+
+        def read(self, n: int | None = -1) -> bytes:
+            Counting.asked = max(Counting.asked, n or 0)
+            return super().read(n)
+
+    assert read_at_most(Counting(b"x" * 100), 10) == b"x" * 11
+    assert read_at_most(Counting(b"abc"), 10) == b"abc"
+    assert Counting.asked <= 11
 
 
 def test_all_finite_finds_a_nan_deep_inside_a_large_tensor() -> None:
