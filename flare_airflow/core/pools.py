@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.errors import FlareAirflowError
 
 
 class PoolError(FlareAirflowError):
@@ -42,12 +42,7 @@ def required_pools(job: JobConfig) -> dict[str, PoolRequirement]:
             continue
         slots = spec.resource_manager.num_of_gpus
         request = spec.gpus_per_job
-        known = pools.get(name)
-        if known is not None and known.slots != slots:
-            raise ConfigError(
-                f"sites {', '.join(known.sites)} and {site} share pool {name!r} but declare different "
-                f"GPU counts ({known.slots} vs {slots}); one pool has one size"
-            )
+        known = pools.get(name)  # sites sharing a pool declare one GPU count (the job's validation)
         pools[name] = PoolRequirement(
             name=name,
             slots=slots,

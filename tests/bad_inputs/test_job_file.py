@@ -737,6 +737,20 @@ case(
     value={"process": {"env": {"OMP_NUM_THREADS": 1}}},
 )
 case(
+    "gpu-pool-shared-with-two-sizes",
+    "sites site-1 and site-2 share resource_manager pool 'gpu-host' with num_of_gpus 2 and 4",
+    "sites.site-2.resource_manager.num_of_gpus is 4, but sites site-1 and site-2 share GPU pool 'gpu-host' and "
+    "site site-1 declares 2",
+    field="sites",
+    value={
+        name: {
+            "resource_spec": {"num_of_gpus": 1},
+            "resource_manager": {"type": "gpu", "num_of_gpus": gpus, "pool": "gpu-host"},
+        }
+        for name, gpus in (("site-1", 2), ("site-2", 4))
+    },
+)
+case(
     "cwd-nul",
     "a process cwd with NUL",
     "cwd contains a NUL character",

@@ -238,6 +238,7 @@ class JobConfig(Strict):
                 f"min_clients is {self.min_clients} but the job has only {len(self.sites)} site(s) "
                 f"({', '.join(self.sites)}); lower min_clients or add sites"
             )
+        self._one_size_per_pool()
         if any(s.runs_script_here for s in self.sites.values()) and not self.script_path().is_file():
             raise ValueError(
                 f"trainer.script {self.trainer.script!r} does not exist (looked at {self.script_path()}); "
@@ -260,6 +261,24 @@ class JobConfig(Strict):
                 "give a safetensors file, relative to the job file"
             )
         return self
+
+    def _one_size_per_pool(self) -> None:
+        """Sites sharing a GPU pool (several sites on one GPU host) must agree on its GPUs: the pool's
+        slots are those GPUs, and with two counts its size would be whichever was synced last."""
+        first: dict[str, tuple[str, int]] = {}
+        for name, site in self.sites.items():
+            pool = site.gpu_pool(name)
+            if pool is None or site.resource_manager is None:
+                continue
+            gpus = site.resource_manager.num_of_gpus
+            other, other_gpus = first.setdefault(pool, (name, gpus))
+            if other_gpus != gpus:
+                raise ValueError(
+                    f"sites.{name}.resource_manager.num_of_gpus is {gpus}, but sites {other} and {name} share GPU "
+                    f"pool {pool!r} and site {other} declares {other_gpus} (sites.{other}.resource_manager."
+                    "num_of_gpus): one pool has one size; give both sites the pool's GPU count, or each site a "
+                    "pool of its own"
+                )
 
     def resolve(self, relative: str) -> pathlib.Path:
         path = pathlib.Path(relative).expanduser()

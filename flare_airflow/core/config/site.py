@@ -161,14 +161,19 @@ class SiteSpec(Strict):
             self.launcher == "slurm" and slurm.ssh_conn_id is None and slurm.trainer_script is None
         )
 
-    def pool_name(self, site: str) -> str | None:
-        """The Airflow pool bounding this site's GPU jobs, or ``None`` (no GPUs asked, passthrough)."""
+    def gpu_pool(self, site: str) -> str | None:
+        """The Airflow pool of this site's GPUs (its ``gpu`` resource manager's), or ``None``
+        (passthrough, or no resource manager)."""
         manager = self.resource_manager
-        if manager is None or manager.type != "gpu" or not self.resource_spec.num_of_gpus:
+        if manager is None or manager.type != "gpu":
             return None
         if manager.pool:
             return manager.pool
         return f"flare_gpu_{site}" + (f"_{manager.gpu_class}" if manager.gpu_class else "")
+
+    def pool_name(self, site: str) -> str | None:
+        """The Airflow pool bounding this site's GPU jobs, or ``None`` (no GPUs asked, passthrough)."""
+        return self.gpu_pool(site) if self.resource_spec.num_of_gpus else None
 
 
 def _mapping(value: Any, where: str, what: str) -> Mapping[str, Any]:
