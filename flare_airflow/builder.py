@@ -22,7 +22,7 @@ from airflow.sdk import DAG, Param, TaskGroup
 
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.operators.aggregate import AggregateOperator
-from flare_airflow.operators.common import HPARAM_PREFIX
+from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, SweepPodsOperator
 from flare_airflow.operators.site import SiteTrainOperator
 
@@ -170,6 +170,7 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
     prepare = PrepareRunOperator(task_id="prepare", job=job, doc_md=f"Round-0 global model of job `{job.job}`.")
     previous: Any = prepare
     aggregates = []
+    tasks: list[Any] = []  # every task made here
     built = [only_site] if only_site is not None else list(job.sites)
     for r in range(1, job.rounds + 1):
         with TaskGroup(group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then FedAvg"):
@@ -180,6 +181,7 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
                 for site in built
             ]
             sites = [last for _, last in pairs]
+            tasks += [task for pair in pairs for task in pair]  # (task, task) under watch: task
             aggregate = AggregateOperator(
                 task_id=AGGREGATE_TASK,
                 job=job,
@@ -196,11 +198,13 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
         task_id="publish", job=job, aggregate_task_ids=[a.task_id for a in aggregates], doc_md="Final model, metrics."
     )
     aggregates >> publish
+    tasks += [prepare, *aggregates, publish]
     if any(spec.launcher == "k8s" for spec in job.sites.values()):
         # A teardown: runs when everything else is done, failed runs included, and does not
         # change the run's outcome.
         sweep = SweepPodsOperator(task_id="sweep_pods", job=job, doc_md="Delete pods this run left behind.")
         publish >> sweep.as_teardown()
+        tasks.append(sweep)
     if any(spec.launcher == "slurm" for spec in job.sites.values()):
         from flare_airflow.operators.slurm import SweepSlurmJobsOperator
 
@@ -208,6 +212,8 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
             task_id="sweep_slurm_jobs", job=job, doc_md="Cancel SLURM jobs this run left queued or running."
         )
         publish >> sweep_jobs.as_teardown()
+        tasks.append(sweep_jobs)
+    record_failures(tasks)
     return prepare, publish
 
 

@@ -6,12 +6,12 @@ import contextlib
 import difflib
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from airflow.sdk import ObjectStoragePath
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowInactiveAssetInInletOrOutletException
 
 from flare_airflow.core.config import JobConfig, short_repr
 from flare_airflow.core.config.validators import hparam_value
@@ -153,6 +153,41 @@ def push_failure(context: Mapping[str, Any], reason: str) -> None:
     if hasattr(ti, "xcom_push"):
         with contextlib.suppress(Exception):
             ti.xcom_push(key=FAILURE_XCOM_KEY, value=reason[:4000])
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, AirflowInactiveAssetInInletOrOutletException):
+        text += (
+            " -- Airflow keeps one active Asset per name and per URI, and another Asset with this name is "
+            "active: a DAG that declares it with another URI (schedule on Asset(name=...) or Asset.ref(name=...) "
+            "instead), or one an older flare-airflow declared with the store's path. A running scheduler retires "
+            "Assets no DAG references within [scheduler] parsing_cleanup_interval; then run again"
+        )
+    return text
+
+
+def record_failure(context: Mapping[str, Any]) -> None:
+    """``on_failure_callback`` of every task the builder makes: a failure that left no reason in XCom
+    -- Airflow's own checks before ``execute`` (an inactive outlet Asset, a template that does not
+    render), or an error that no handler of ours turned into a reason -- leaves the exception's text
+    there (:func:`push_failure`), so ``flare-airflow run`` never says "no reason recorded" for it."""
+    exc, ti = context.get("exception"), context.get("ti")
+    if not isinstance(exc, BaseException) or ti is None:
+        return
+    with contextlib.suppress(Exception):  # a callback must not fail the task's failure handling
+        if ti.xcom_pull(task_ids=ti.task_id, key=FAILURE_XCOM_KEY) is None:
+            push_failure(context, _reason(exc))
+
+
+def record_failures(tasks: Iterable[Any]) -> None:
+    """Add :func:`record_failure` to each task's ``on_failure_callback`` once (kept: callbacks from
+    the DAG's ``default_args``)."""
+    for task in tasks:
+        existing = task.on_failure_callback
+        callbacks = list(existing) if isinstance(existing, list | tuple) else [existing] if existing else []
+        if record_failure not in callbacks:
+            task.on_failure_callback = [*callbacks, record_failure]
 
 
 _Op = TypeVar("_Op")

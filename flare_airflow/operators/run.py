@@ -38,8 +38,15 @@ def _resume_hint(context: Context, round_num: int) -> str:
 
 
 def final_model_asset(job: JobConfig) -> Asset:
-    """The Asset a successful run updates: downstream DAGs can be scheduled on it."""
-    return Asset(name=f"flare_airflow.{job.job}.global_model", uri=str(store_for(job).latest_pointer(job.job)))
+    """The Asset a successful run updates: downstream DAGs can be scheduled on it.
+
+    Its identity is the job's alone (the URI is the name): where the job keeps its models is not
+    part of it. Airflow keeps one active Asset per name and per URI, so an Asset whose URI was the
+    store's ``latest.json`` became a second, inactive Asset with the same name when a job's
+    ``store`` moved -- its events were lost, and ``publish`` failed before it ran. Each event's
+    ``extra`` says where that run's model is (``model_uri``).
+    """
+    return Asset(name=f"flare_airflow.{job.job}.global_model")
 
 
 class PrepareRunOperator(BaseOperator, SkipMixin):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -47,6 +48,29 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
     assert [e["run_id"] for e in events] == [cold.state["run_id"], warm.state["run_id"]]
     assert events[-1]["sha256"] == warm.state["published"]["sha256"]
 
+    # The job's store moves (another directory; for a real team, a local path to object storage):
+    # the Asset is the job's, not the store's, so the next run publishes an event to the same
+    # Asset. Its warm start finds no latest.json in the new store and starts from initial_model.
+    moved_store = tmp_path / "moved-store"
+    (dag_file.parent / "job.yaml").write_text(yaml.safe_dump({**job, "store": str(moved_store)}))
+    moved = airflow_home.run("flare_warm", dag_file, conf={"warm_start": True, "rounds": 1})
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert moved.tasks == {
+        "prepare": "success",
+        **{f"round_1.{t}": "success" for t in ("site-1", "site-2", "global_model")},
+        **{f"round_2.{t}": "skipped" for t in ("site-1", "site-2", "global_model")},
+        "publish": "success",
+    }
+    assert "job warm has no successful run yet; starting from initial_model" in moved.log
+    moved_final = moved.state["published"]["final_model"]
+    assert moved_final.removeprefix("file://").startswith(str(moved_store) + "/warm/")
+    np.testing.assert_array_equal(load_file(moved_final.removeprefix("file://"))["w"], np.full(4, 1.0, np.float32))
+    events = _asset_events(airflow_home, "flare_airflow.warm.global_model")
+    assert [e["run_id"] for e in events] == [r.state["run_id"] for r in (cold, warm, moved)]
+    assert events[-1]["model_uri"] == moved_final and events[-1]["sha256"] == moved.state["published"]["sha256"]
+    assert events[0]["model_uri"] == cold.state["published"]["final_model"], "earlier events keep their store"
+    assert _assets(airflow_home, "flare_airflow.warm.global_model") == [["flare_airflow.warm.global_model", True]]
+
     # Form values that are not JSON, then a DAG that no longer parses: the command fails with
     # Airflow's reason and never reports the state of the (successful) run before it.
     def run_cli(*extra: str) -> subprocess.CompletedProcess[str]:
@@ -71,8 +95,6 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
 
 
 def _asset_events(home: AirflowHome, name: str) -> list[dict]:
-    import sys
-
     code = (
         "import json\n"
         "from sqlalchemy import select\n"
@@ -85,6 +107,54 @@ def _asset_events(home: AirflowHome, name: str) -> list[dict]:
     )
     out = subprocess.run([sys.executable, "-c", code], env=home.env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _assets(home: AirflowHome, name: str) -> list[list]:
+    """[uri, active] of every Asset named ``name`` in the metadata database."""
+    code = (
+        "import json\n"
+        "from sqlalchemy import select\n"
+        "from airflow.models.asset import AssetActive, AssetModel\n"
+        "from airflow.utils.session import create_session\n"
+        "with create_session() as s:\n"
+        f"    models = s.scalars(select(AssetModel).where(AssetModel.name == {name!r})).all()\n"
+        f"    active = set(s.scalars(select(AssetActive.uri).where(AssetActive.name == {name!r})))\n"
+        "    print(json.dumps([[m.uri, m.uri in active] for m in models]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=home.env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_failure_before_execute_reaches_the_runs_reasons(airflow_home: AirflowHome, tmp_path: pathlib.Path) -> None:
+    """A task that fails in Airflow's checks before ``execute`` (here ``publish``, whose Asset another
+    DAG declared first with a store path as URI, as older docs showed) has its reason printed by
+    ``flare-airflow run``, not "no reason recorded"."""
+    consumer = tmp_path / "deploy" / "dag.py"
+    consumer.parent.mkdir()
+    consumer.write_text(
+        "import pendulum\n"
+        "from airflow.sdk import DAG, Asset\n"
+        "from airflow.providers.standard.operators.empty import EmptyOperator\n"
+        "with DAG('deploy_clash', start_date=pendulum.datetime(2026, 1, 1), schedule=[Asset(\n"
+        "        name='flare_airflow.clash.global_model', uri='s3://models/clash/latest.json')]):\n"
+        "    EmptyOperator(task_id='deploy')\n"
+    )
+    deploy = airflow_home.run("deploy_clash", consumer)  # exits 1: a DAG of its own publishes no model
+    assert deploy.tasks == {"deploy": "success"}, deploy.stderr[-3000:]
+
+    job = behave_job(airflow_home.root, "clash", sites=1, rounds=1, min_clients=1, args=[])
+    result = airflow_home.run("flare_clash", airflow_home.write_job("clash", job))
+    assert result.returncode == 1
+    assert result.tasks == {"prepare": "success", "round_1.site-1": "success", "round_1.global_model": "success",
+                            "publish": "failed"}  # fmt: skip
+    reason = "AirflowInactiveAssetInInletOrOutletException: Task has the following inactive assets"
+    assert reason in result.state["tasks"]["publish"]["reason"]
+    assert f"publish: {reason}" in result.stderr and "another Asset with this name is active" in result.stderr
+    assert "no reason recorded" not in result.stderr
+    assert sorted(_assets(airflow_home, "flare_airflow.clash.global_model")) == [
+        ["flare_airflow.clash.global_model", False],
+        ["s3://models/clash/latest.json", True],
+    ]
 
 
 def test_task_group_inside_an_authors_dag(airflow_home: AirflowHome) -> None:

@@ -281,3 +281,16 @@ def test_params_given_to_build_dag_join_the_form(tmp_path) -> None:
     }
     assert dag.default_args == {"owner": "fl"}
     assert dag.task_dict["round_1.site-1"].owner == "fl"
+
+
+def test_every_task_records_a_failure_reason_and_the_authors_callbacks_stay(tmp_path) -> None:
+    """A failure before ``execute`` (Airflow's own checks) still leaves a reason: every task the builder
+    makes has :func:`record_failure` once, after the callbacks of the DAG's ``default_args``."""
+    from flare_airflow.operators.common import record_failure
+
+    def page_someone(context) -> None: ...
+
+    job = make_job(tmp_path, sites={"site-1": {**K8S_SITE, "watch": "sensor"}, "site-2": {}})
+    dag = build_dag(job, default_args={"on_failure_callback": page_someone})
+    callbacks = {t.task_id: t.on_failure_callback for t in dag.tasks}
+    assert callbacks == {task_id: [page_someone, record_failure] for task_id in dag.task_dict}

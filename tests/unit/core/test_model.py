@@ -17,7 +17,6 @@ import safetensors.numpy
 from upath import UPath
 
 from flare_airflow.core.errors import ModelFormatError
-from flare_airflow.core.store import read_at_most
 from flare_airflow.core.model import (
     CHUNK_BYTES,
     ArtifactRecord,
@@ -33,6 +32,7 @@ from flare_airflow.core.model import (
     record_path,
     write_artifact,
 )
+from flare_airflow.core.store import read_at_most
 
 
 def sample_params() -> dict[str, np.ndarray]:
