@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -81,6 +82,23 @@ def validate_update(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]
         raise non_finite(site, bad)
 
 
+def update_weight(
+    site: str, record: ArtifactRecord, site_weights: Mapping[str, float]
+) -> tuple[float, UpdateRejected | None]:
+    """The update's aggregation weight, ``num_samples`` (1 when absent) x the site's weight, or why it has none."""
+    samples = record.num_samples if record.num_samples is not None else 1
+    try:
+        check_num_samples(record.num_samples)
+        weight = float(samples) * float(site_weights.get(site, 1.0))
+    except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
+        return 0.0, UpdateRejected(site, f"unusable aggregation weight: {exc}")
+    if not (math.isfinite(weight) and weight > 0):
+        return weight, UpdateRejected(
+            site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
+        )
+    return weight, None
+
+
 @dataclass
 class RoundOutcome:
     """What a round produced: the new global model and who counted."""
@@ -91,6 +109,8 @@ class RoundOutcome:
     metrics: dict[str, float]  # sample-weighted mean of the sites' metrics
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     num_samples: int = 0
+    selected: list[str] | None = None  # the sites a selecting rule (Krum) combined; None: every accepted site
+    clipped: dict[str, float] = field(default_factory=dict)  # site -> factor its update was scaled by (norm bound)
 
 
 class FedAvg:
@@ -169,15 +189,7 @@ class FedAvg:
         for site, params, record, rejected in group:
             samples = record.num_samples if record.num_samples is not None else 1
             if rejected is None:
-                try:
-                    check_num_samples(record.num_samples)
-                    weight = float(samples) * float(self.site_weights.get(site, 1.0))
-                except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
-                    rejected, weight = UpdateRejected(site, f"unusable aggregation weight: {exc}"), 0.0
-                if rejected is None and not (math.isfinite(weight) and weight > 0):
-                    rejected = UpdateRejected(
-                        site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
-                    )
+                weight, rejected = update_weight(site, record, self.site_weights)
             if rejected is not None:
                 self.rejected[site] = rejected.reason
                 continue
@@ -309,65 +321,50 @@ _T = TypeVar("_T")
 _Verified = tuple[str, Params, ArtifactRecord | None, str | None]  # site, tensors, record, why rejected
 
 
-def fedavg_from_store(
-    global_params: Params,
-    updates: Iterable[tuple[str, WritablePath | None, str | None]],
-    *,
-    min_clients: int,
-    site_weights: Mapping[str, float] | None = None,
-    accepted_sha256: Mapping[str, str] | None = None,
-    accepted_blake3: Mapping[str, str] | None = None,
-) -> RoundOutcome:
-    """Stream updates from the store into FedAvg, at most two in memory at a time.
+class UpdateReader:
+    """Reads site updates from the store, each verified before it counts, into reused buffers.
 
-    ``updates`` yields ``(site, path, failure)``; a site whose job failed passes ``path=None`` and
-    the reason. Unreadable or invalid updates make their site rejected for the round.
-    ``accepted_sha256`` (site -> sha256), when given, is what each site task accepted: an update
-    whose record names another checksum was replaced after that (a late or foreign writer) and
-    does not count. ``accepted_blake3`` (site -> BLAKE3, from the same site tasks) pins the
-    record's BLAKE3 digest the same way.
-
-    Each file is checked against one digest of its record: BLAKE3 when the record has one, the
-    package is installed and the digest is pinned (by ``accepted_blake3``, or nothing is pinned:
-    ``accepted_sha256`` is not given), else sha256. The site task verified both digests before it
-    published them, so a file matching the pinned BLAKE3 is the file whose sha256 it published.
-
-    Updates go in groups of two, in site order. The two of a group are verified side by side, one
-    per thread, each into its own reused buffer: read it, verify its size and digest against its
-    record (hashing, and checking floating-point tensors for NaN/inf, piece by piece as it is read),
-    parse the safetensors header into zero-copy tensors and check names, shapes and dtypes. Only
-    then does the group count: in site order, each update is accepted or its site rejected, and the
-    accepted ones are added to the accumulator in one pass, split by element ranges over the two
-    threads (the float64 sums are bitwise the same as one update at a time, whatever the number of
-    threads). hashlib, blake3 and numpy release the GIL, so both cores work in both phases.
+    One reader serves every aggregation rule (:func:`fedavg_from_store` and the chunked rules of
+    :mod:`flare_airflow.core.strategies.engine`): ``slots`` buffers, one per update read side by side.
     """
-    agg = FedAvg(global_params, min_clients=min_clients, site_weights=site_weights)
-    # No update of the global model's tensors is larger: a record claiming more is refused before
-    # a buffer of that size is allocated.
-    max_size = (
-        8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in agg.expected.values())
-    )
-    buffers = [np.empty(0, dtype=np.uint8) for _ in range(_GROUP)]
 
-    def verified(slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
+    def __init__(
+        self,
+        expected: Mapping[str, tuple[str, tuple[int, ...]]],
+        accepted_sha256: Mapping[str, str] | None,
+        accepted_blake3: Mapping[str, str] | None,
+        slots: int = _GROUP,
+    ) -> None:
+        self.expected = expected
+        self.accepted_sha256 = accepted_sha256
+        self.accepted_blake3 = accepted_blake3
+        # No update of the global model's tensors is larger: a record claiming more is refused before
+        # a buffer of that size is allocated.
+        self.max_size = (
+            8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in expected.values())
+        )
+        self.buffers = [np.empty(0, dtype=np.uint8) for _ in range(slots)]
+
+    def read(self, slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
         """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
         if path is None:
             return site, {}, None, failure or "no update"
         record = None
+        buffers = self.buffers
         try:
             record = read_record(path)
-            algorithm = _pinned_digest(site, path, record, accepted_sha256, accepted_blake3)
-            if record.size > max_size:
+            algorithm = _pinned_digest(site, path, record, self.accepted_sha256, self.accepted_blake3)
+            if record.size > self.max_size:
                 raise ModelFormatError(
                     f"{path}: its record says {record.size} bytes, more than an update of the global model's "
-                    f"tensors can take ({max_size})"
+                    f"tensors can take ({self.max_size})"
                 )
             if buffers[slot].nbytes < record.size:
                 buffers[slot] = np.empty(0, dtype=np.uint8)  # the old one goes before the new one comes
                 buffers[slot] = np.empty(record.size, dtype=np.uint8)
             scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
             params = read_verified(path, record, buffers[slot], scan, (algorithm,))
-            check_spec(site, agg.expected, params)
+            check_spec(site, self.expected, params)
             if scan.bad is not None:
                 raise non_finite(site, scan.bad)
         except UpdateRejected as exc:
@@ -378,7 +375,14 @@ def fedavg_from_store(
             return site, {}, record, f"{path}: cannot read the update ({exc.strerror or type(exc).__name__})"
         return site, params, record, None
 
-    ordered = sorted(updates, key=lambda u: u[0])
+    def release(self) -> None:
+        """Free the read buffers (before a result is computed: peak memory is the larger of the two phases)."""
+        self.buffers = [np.empty(0, dtype=np.uint8) for _ in self.buffers]
+
+
+@contextmanager
+def side_by_side_runner() -> Iterator[Callable[[Sequence[Callable[[], Any]]], list[Any]]]:
+    """A function running a list of calls on this thread and one pool thread, side by side."""
     with ThreadPoolExecutor(max_workers=_THREADS - 1, thread_name_prefix="fedavg") as pool:
 
         def side_by_side(calls: Sequence[Callable[[], _T]]) -> list[_T]:
@@ -413,9 +417,60 @@ def fedavg_from_store(
                 raise min(errors, key=lambda e: e[0])[1]
             return results  # type: ignore[return-value]  # every call returned
 
+        yield side_by_side
+
+
+def fedavg_from_store(
+    global_params: Params,
+    updates: Iterable[tuple[str, WritablePath | None, str | None]],
+    *,
+    min_clients: int,
+    site_weights: Mapping[str, float] | None = None,
+    accepted_sha256: Mapping[str, str] | None = None,
+    accepted_blake3: Mapping[str, str] | None = None,
+) -> RoundOutcome:
+    """Stream updates from the store into FedAvg, at most two in memory at a time.
+
+    ``updates`` yields ``(site, path, failure)``; a site whose job failed passes ``path=None`` and
+    the reason. Unreadable or invalid updates make their site rejected for the round.
+    ``accepted_sha256`` (site -> sha256), when given, is what each site task accepted: an update
+    whose record names another checksum was replaced after that (a late or foreign writer) and
+    does not count. ``accepted_blake3`` (site -> BLAKE3, from the same site tasks) pins the
+    record's BLAKE3 digest the same way.
+
+    Each file is checked against one digest of its record: BLAKE3 when the record has one, the
+    package is installed and the digest is pinned (by ``accepted_blake3``, or nothing is pinned:
+    ``accepted_sha256`` is not given), else sha256. The site task verified both digests before it
+    published them, so a file matching the pinned BLAKE3 is the file whose sha256 it published.
+
+    Updates go in groups of two, in site order. The two of a group are verified side by side, one
+    per thread, each into its own reused buffer: read it, verify its size and digest against its
+    record (hashing, and checking floating-point tensors for NaN/inf, piece by piece as it is read),
+    parse the safetensors header into zero-copy tensors and check names, shapes and dtypes. Only
+    then does the group count: in site order, each update is accepted or its site rejected, and the
+    accepted ones are added to the accumulator in one pass, split by element ranges over the two
+    threads (the float64 sums are bitwise the same as one update at a time, whatever the number of
+    threads). hashlib, blake3 and numpy release the GIL, so both cores work in both phases.
+    """
+    agg = FedAvg(global_params, min_clients=min_clients, site_weights=site_weights)
+    return stream_from_store(agg, updates, accepted_sha256=accepted_sha256, accepted_blake3=accepted_blake3)
+
+
+def stream_from_store(
+    agg: FedAvg,
+    updates: Iterable[tuple[str, WritablePath | None, str | None]],
+    *,
+    accepted_sha256: Mapping[str, str] | None = None,
+    accepted_blake3: Mapping[str, str] | None = None,
+) -> RoundOutcome:
+    """The streaming half of the store engine: :func:`fedavg_from_store`'s reads and groups, into any
+    accumulator with FedAvg's interface (``expected``, ``reject``, ``add_verified``, ``result``)."""
+    reader = UpdateReader(agg.expected, accepted_sha256, accepted_blake3)
+    ordered = sorted(updates, key=lambda u: u[0])
+    with side_by_side_runner() as side_by_side:
         for start in range(0, len(ordered), _GROUP):
             group = side_by_side(
-                [partial(verified, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
+                [partial(reader.read, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
             )
             for site, _, record, reason in group:
                 if record is None:
@@ -429,5 +484,5 @@ def fedavg_from_store(
                 side_by_side,
             )
             del group
-    buffers.clear()  # before the result is computed: peak memory is the larger of the two phases
+    reader.release()  # before the result is computed: peak memory is the larger of the two phases
     return agg.result()
