@@ -184,8 +184,10 @@ class AggregateOperator(BaseOperator):
             "privacy": job.privacy.account(r),
         }
         self.log.info(
-            "round %d: %d/%d sites counted %s, metrics %s, evaluation %s",
-            r, len(outcome.accepted), len(job.sites), summary["accepted"], outcome.metrics, summary["evaluation"],
+            "round %d: %d/%d sites counted %s by %s%s, metrics %s, evaluation %s",
+            r, len(outcome.accepted), len(job.sites), summary["accepted"], strategy.name,
+            f" (combined {outcome.selected})" if outcome.selected is not None else "",
+            outcome.metrics, summary["evaluation"],
         )  # fmt: skip
         return summary
 
