@@ -42,7 +42,9 @@ from flare_airflow.core.store import WritablePath, open_for_reading
 from flare_airflow.core.strategies.base import ChunkRule, StepContext, Strategy, StreamingRule, cast_back
 from flare_airflow.core.strategies.norm_bound import clip_factor, update_norm
 
-CHUNK_BYTES = 64 << 20  # the float64 stack of one chunk of every update (phase 2's working set)
+CHUNK_BYTES = (
+    8 << 20
+)  # the float64 stack of one chunk of every update: cache-sized (measured: np.median 2x faster than at 64 MiB)
 MIN_CHUNK = 4096  # elements: fewer would make the reads too small to be efficient
 
 Update = tuple[str, WritablePath | None, str | None]  # site, path (None: no update), why not
