@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -82,6 +83,23 @@ def validate_update(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]
         raise non_finite(site, bad)
 
 
+def update_weight(
+    site: str, record: ArtifactRecord, site_weights: Mapping[str, float]
+) -> tuple[float, UpdateRejected | None]:
+    """The update's aggregation weight, ``num_samples`` (1 when absent) x the site's weight, or why it has none."""
+    samples = record.num_samples if record.num_samples is not None else 1
+    try:
+        check_num_samples(record.num_samples)
+        weight = float(samples) * float(site_weights.get(site, 1.0))
+    except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
+        return 0.0, UpdateRejected(site, f"unusable aggregation weight: {exc}")
+    if not (math.isfinite(weight) and weight > 0):
+        return weight, UpdateRejected(
+            site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
+        )
+    return weight, None
+
+
 @dataclass
 class RoundOutcome:
     """What a round produced: the new global model and who counted."""
@@ -93,6 +111,8 @@ class RoundOutcome:
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     num_samples: int = 0
     metrics_dropped: list[str] = field(default_factory=list)  # means left out: more than MAX_METRICS names
+    selected: list[str] | None = None  # the sites a selecting rule (Krum) combined; None: every accepted site
+    clipped: dict[str, float] = field(default_factory=dict)  # site -> factor its update was scaled by (norm bound)
 
 
 class FedAvg:
@@ -171,15 +191,7 @@ class FedAvg:
         for site, params, record, rejected in group:
             samples = record.num_samples if record.num_samples is not None else 1
             if rejected is None:
-                try:
-                    check_num_samples(record.num_samples)
-                    weight = float(samples) * float(self.site_weights.get(site, 1.0))
-                except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
-                    rejected, weight = UpdateRejected(site, f"unusable aggregation weight: {exc}"), 0.0
-                if rejected is None and not (math.isfinite(weight) and weight > 0):
-                    rejected = UpdateRejected(
-                        site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
-                    )
+                weight, rejected = update_weight(site, record, self.site_weights)
             if rejected is not None:
                 self.rejected[site] = rejected.reason
                 continue
@@ -271,16 +283,7 @@ class FedAvg:
                     # DIFF added to the global model can still overflow.
                     raise self._not_finite(name, f"its mean is not finite in {ref.dtype} (overflow)")
             out[name] = res
-        metrics = {k: self._metric_sums[k] / self._metric_weights[k] for k in sorted(self._metric_sums)}
-        # Each site's metrics are finite, but their sample-weighted sum may not be: leave such a mean out.
-        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        dropped: list[str] = []
-        if len(metrics) > MAX_METRICS:
-            # Each site sends at most MAX_METRICS, but sites may name different ones: the round (one
-            # artifact record, one XCom) keeps the ones reported for the most samples.
-            kept = sorted(metrics, key=lambda k: (-self._metric_weights[k], k))[:MAX_METRICS]
-            dropped = sorted(set(metrics) - set(kept))
-            metrics = {k: metrics[k] for k in sorted(kept)}
+        metrics, dropped = round_metrics(self._metric_sums, self._metric_weights)
         self._outcome = RoundOutcome(
             params=out,
             accepted=dict(self.accepted),
@@ -291,6 +294,23 @@ class FedAvg:
             metrics_dropped=dropped,
         )
         return self._outcome
+
+
+def round_metrics(sums: Mapping[str, float], weights: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
+    """The round's sample-weighted metric means, and the names left out of them.
+
+    Each site's metrics are finite, but their sample-weighted sum may not be: such a mean is left out.
+    Each site sends at most ``MAX_METRICS``, but sites may name different ones: the round (one
+    artifact record, one XCom) keeps the ones reported for the most samples.
+    """
+    metrics = {k: sums[k] / weights[k] for k in sorted(sums)}
+    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+    dropped: list[str] = []
+    if len(metrics) > MAX_METRICS:
+        kept = sorted(metrics, key=lambda k: (-weights[k], k))[:MAX_METRICS]
+        dropped = sorted(set(metrics) - set(kept))
+        metrics = {k: metrics[k] for k in sorted(kept)}
+    return metrics, dropped
 
 
 def _pinned_digest(
@@ -317,6 +337,108 @@ def _pinned_digest(
 
 _T = TypeVar("_T")
 _Verified = tuple[str, Params, ArtifactRecord | None, str | None]  # site, tensors, record, why rejected
+
+
+class UpdateReader:
+    """Reads site updates from the store, each verified before it counts, into reused buffers.
+
+    One reader serves every aggregation rule (:func:`fedavg_from_store` and the chunked rules of
+    :mod:`flare_airflow.core.strategies.engine`): ``slots`` buffers, one per update read side by side.
+    """
+
+    def __init__(
+        self,
+        expected: Mapping[str, tuple[str, tuple[int, ...]]],
+        accepted_sha256: Mapping[str, str] | None,
+        accepted_blake3: Mapping[str, str] | None,
+        slots: int = _GROUP,
+    ) -> None:
+        self.expected = expected
+        self.accepted_sha256 = accepted_sha256
+        self.accepted_blake3 = accepted_blake3
+        # No update of the global model's tensors is larger: a record claiming more is refused before
+        # a buffer of that size is allocated.
+        self.max_size = (
+            8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in expected.values())
+        )
+        self.buffers = [np.empty(0, dtype=np.uint8) for _ in range(slots)]
+
+    def _grown(self, slot: int, size: int) -> np.ndarray:
+        if self.buffers[slot].nbytes < size:
+            self.buffers[slot] = np.empty(0, dtype=np.uint8)  # the old one goes before the new one comes
+            self.buffers[slot] = np.empty(size, dtype=np.uint8)
+        return self.buffers[slot]
+
+    def read(self, slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
+        """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
+        if path is None:
+            return site, {}, None, failure or "no update"
+        record = None
+        try:
+            record = read_record(path)
+            algorithm = _pinned_digest(site, path, record, self.accepted_sha256, self.accepted_blake3)
+            if record.size > self.max_size:
+                raise ModelFormatError(
+                    f"{path}: its record says {record.size} bytes, more than an update of the global model's "
+                    f"tensors can take ({self.max_size})"
+                )
+            scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
+            # The buffer grows only once the file's real size matched its record's.
+            params = read_verified(path, record, partial(self._grown, slot), scan, (algorithm,))
+            check_spec(site, self.expected, params)
+            if scan.bad is not None:
+                raise non_finite(site, scan.bad)
+        except UpdateRejected as exc:
+            return site, {}, record, exc.reason
+        except FlareAirflowError as exc:
+            return site, {}, record, str(exc)
+        except OSError as exc:  # the site's file vanished or cannot be read: that site does not count
+            return site, {}, record, f"{path}: cannot read the update ({exc.strerror or type(exc).__name__})"
+        return site, params, record, None
+
+    def release(self) -> None:
+        """Free the read buffers (before a result is computed: peak memory is the larger of the two phases)."""
+        self.buffers = [np.empty(0, dtype=np.uint8) for _ in self.buffers]
+
+
+@contextmanager
+def side_by_side_runner() -> Iterator[Callable[[Sequence[Callable[[], Any]]], list[Any]]]:
+    """A function running a list of calls on this thread and one pool thread, side by side."""
+    with ThreadPoolExecutor(max_workers=_THREADS - 1, thread_name_prefix="fedavg") as pool:
+
+        def side_by_side(calls: Sequence[Callable[[], _T]]) -> list[_T]:
+            """Run ``calls`` on this thread and the pool's one thread, whichever is free taking the next
+            call, and return their results in order; raise the first call's error once all have
+            stopped (they use the read buffers).
+
+            One hand-over to the pool's thread per list, not per call; on a loaded machine a thread
+            waiting for a core holds up nothing: this thread takes every call that thread has not
+            started. Which thread runs a call changes nothing in its result.
+            """
+            pending = deque(enumerate(calls))
+            results: list[_T | None] = [None] * len(calls)
+            errors: list[tuple[int, BaseException]] = []
+
+            def drain() -> None:
+                while True:
+                    try:
+                        i, call = pending.popleft()  # atomic: each call is taken by one thread
+                    except IndexError:
+                        return
+                    try:
+                        results[i] = call()
+                    except BaseException as exc:
+                        errors.append((i, exc))
+
+            helper = pool.submit(drain) if len(calls) > 1 else None
+            drain()
+            if helper is not None and not helper.cancel():
+                helper.result()
+            if errors:
+                raise min(errors, key=lambda e: e[0])[1]
+            return results  # type: ignore[return-value]  # every call returned
+
+        yield side_by_side
 
 
 def fedavg_from_store(
@@ -352,84 +474,24 @@ def fedavg_from_store(
     threads). hashlib, blake3 and numpy release the GIL, so both cores work in both phases.
     """
     agg = FedAvg(global_params, min_clients=min_clients, site_weights=site_weights)
-    # No update of the global model's tensors is larger: a record claiming more is refused before
-    # a buffer of that size is allocated.
-    max_size = (
-        8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in agg.expected.values())
-    )
-    buffers = [np.empty(0, dtype=np.uint8) for _ in range(_GROUP)]
+    return stream_from_store(agg, updates, accepted_sha256=accepted_sha256, accepted_blake3=accepted_blake3)
 
-    def grown(slot: int, size: int) -> np.ndarray:
-        if buffers[slot].nbytes < size:
-            buffers[slot] = np.empty(0, dtype=np.uint8)  # the old one goes before the new one comes
-            buffers[slot] = np.empty(size, dtype=np.uint8)
-        return buffers[slot]
 
-    def verified(slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
-        """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
-        if path is None:
-            return site, {}, None, failure or "no update"
-        record = None
-        try:
-            record = read_record(path)
-            algorithm = _pinned_digest(site, path, record, accepted_sha256, accepted_blake3)
-            if record.size > max_size:
-                raise ModelFormatError(
-                    f"{path}: its record says {record.size} bytes, more than an update of the global model's "
-                    f"tensors can take ({max_size})"
-                )
-            scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
-            # The buffer grows only once the file's real size matched its record's.
-            params = read_verified(path, record, partial(grown, slot), scan, (algorithm,))
-            check_spec(site, agg.expected, params)
-            if scan.bad is not None:
-                raise non_finite(site, scan.bad)
-        except UpdateRejected as exc:
-            return site, {}, record, exc.reason
-        except FlareAirflowError as exc:
-            return site, {}, record, str(exc)
-        except OSError as exc:  # the site's file vanished or cannot be read: that site does not count
-            return site, {}, record, f"{path}: cannot read the update ({exc.strerror or type(exc).__name__})"
-        return site, params, record, None
-
+def stream_from_store(
+    agg: FedAvg,
+    updates: Iterable[tuple[str, WritablePath | None, str | None]],
+    *,
+    accepted_sha256: Mapping[str, str] | None = None,
+    accepted_blake3: Mapping[str, str] | None = None,
+) -> RoundOutcome:
+    """The streaming half of the store engine: :func:`fedavg_from_store`'s reads and groups, into any
+    accumulator with FedAvg's interface (``expected``, ``reject``, ``add_verified``, ``result``)."""
+    reader = UpdateReader(agg.expected, accepted_sha256, accepted_blake3)
     ordered = sorted(updates, key=lambda u: u[0])
-    with ThreadPoolExecutor(max_workers=_THREADS - 1, thread_name_prefix="fedavg") as pool:
-
-        def side_by_side(calls: Sequence[Callable[[], _T]]) -> list[_T]:
-            """Run ``calls`` on this thread and the pool's one thread, whichever is free taking the next
-            call, and return their results in order; raise the first call's error once all have
-            stopped (they use the read buffers).
-
-            One hand-over to the pool's thread per list, not per call; on a loaded machine a thread
-            waiting for a core holds up nothing: this thread takes every call that thread has not
-            started. Which thread runs a call changes nothing in its result.
-            """
-            pending = deque(enumerate(calls))
-            results: list[_T | None] = [None] * len(calls)
-            errors: list[tuple[int, BaseException]] = []
-
-            def drain() -> None:
-                while True:
-                    try:
-                        i, call = pending.popleft()  # atomic: each call is taken by one thread
-                    except IndexError:
-                        return
-                    try:
-                        results[i] = call()
-                    except BaseException as exc:
-                        errors.append((i, exc))
-
-            helper = pool.submit(drain) if len(calls) > 1 else None
-            drain()
-            if helper is not None and not helper.cancel():
-                helper.result()
-            if errors:
-                raise min(errors, key=lambda e: e[0])[1]
-            return results  # type: ignore[return-value]  # every call returned
-
+    with side_by_side_runner() as side_by_side:
         for start in range(0, len(ordered), _GROUP):
             group = side_by_side(
-                [partial(verified, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
+                [partial(reader.read, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
             )
             for site, _, record, reason in group:
                 if record is None:
@@ -443,5 +505,5 @@ def fedavg_from_store(
                 side_by_side,
             )
             del group
-    buffers.clear()  # before the result is computed: peak memory is the larger of the two phases
+    reader.release()  # before the result is computed: peak memory is the larger of the two phases
     return agg.result()

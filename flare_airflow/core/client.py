@@ -48,11 +48,13 @@ from flare_airflow.core.envvars import (
 from flare_airflow.core.errors import ClientAPIError, FlareAirflowError
 from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
 from flare_airflow.core.store import path_from_uri
+from flare_airflow.core.strategies.fedprox import FEDPROX_MU_HPARAM, proximal_gradient, proximal_term
 
 __all__ = [
     "ENV_VARS",
     "FLModel",
     "ParamsType",
+    "get_fedprox_mu",
     "get_hparams",
     "get_job_info",
     "get_round",
@@ -61,6 +63,8 @@ __all__ = [
     "init",
     "is_evaluate",
     "is_train",
+    "proximal_gradient",
+    "proximal_term",
     "receive",
     "send",
 ]
@@ -129,6 +133,16 @@ def get_hparams() -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ClientAPIError("FLARE_HPARAMS must be a JSON object")
     return value
+
+
+def get_fedprox_mu() -> float:
+    """FedProx's ``mu`` for this run (``aggregator: {name: fedprox, mu: ...}``), 0.0 when the job does
+    not use FedProx: add ``proximal_term(params, global_params, mu)`` to the local loss (its gradient:
+    ``proximal_gradient``)."""
+    value = get_hparams().get(FEDPROX_MU_HPARAM, 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ClientAPIError(f"FLARE_HPARAMS: {FEDPROX_MU_HPARAM} must be a number >= 0, got {value!r}")
+    return float(value)
 
 
 def receive() -> FLModel:

@@ -186,6 +186,10 @@ class ModelStore:
         """The global model produced by ``round_num`` (round 0 = the initial model)."""
         return self.round_dir(job, run_id, round_num) / "global.safetensors"
 
+    def server_state(self, job: str, run_id: str, round_num: int) -> WritablePath:
+        """The aggregation strategy's server state after ``round_num`` (a server optimizer's moments)."""
+        return self.round_dir(job, run_id, round_num) / "server_state.safetensors"
+
     def site_update(self, job: str, run_id: str, round_num: int, site: str) -> WritablePath:
         return self.round_dir(job, run_id, round_num) / "sites" / f"{safe_component(site, 'site')}.safetensors"
 

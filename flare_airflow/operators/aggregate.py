@@ -1,4 +1,4 @@
-"""The per-round aggregation task: FedAvg over the sites' updates, then evaluation of the result."""
+"""The per-round aggregation task: the job's strategy over the sites' updates, then evaluation of the result."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from flare_airflow.core.aggregation import fedavg_from_store
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import MAX_METRICS, FLModel, WritablePath, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import record_path
+from flare_airflow.core.strategies import StepContext, aggregate_from_store
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
     FAILURE_XCOM_KEY,
@@ -32,7 +32,7 @@ from flare_airflow.site_task.runner import run_site
 
 
 class AggregateOperator(BaseOperator):
-    """Combine one round's site updates into the next global model (FedAvg).
+    """Combine one round's site updates into the next global model (the job's ``aggregator``).
 
     Runs when all of the round's site tasks are done, whatever their state (trigger rule
     ``all_done``): a site that failed, was killed or sent a bad update simply does not count. The
@@ -116,17 +116,35 @@ class AggregateOperator(BaseOperator):
             else:
                 reason = read_failure(path) or "no update: the site task failed before its trainer ran, or never ran"
                 updates.append((site, None, reason))
+        strategy = job.aggregator.strategy()
+        state, state_out = self._server_state(context, store, run_id) if strategy.stateful else ({}, None)
         try:
-            outcome = fedavg_from_store(
+            outcome, new_state = aggregate_from_store(
+                strategy,
                 global_params,
                 updates,
                 min_clients=params.min_clients,
                 site_weights=job.site_weights(),
                 accepted_sha256=accepted,
                 accepted_blake3=accepted_blake3,
+                state=state,
+                context=StepContext(job=job.job, run_id=run_id, round=r),
             )
         except QuorumNotReached as exc:
             raise AirflowFailException(f"round {r} failed: {exc}") from None
+        state_sha256 = None
+        if state_out is not None:
+            # Before the global model: a task killed between the two writes is run again from the
+            # previous round's state, which it never overwrites, and writes the same bytes again.
+            try:
+                state_sha256 = write_artifact(
+                    state_out, FLModel(params=new_state, meta={"round": r, "strategy": strategy.name})
+                ).sha256
+            except OSError as exc:
+                raise AirflowFailException(
+                    f"round {r}: cannot write the server state {state_out}: {exc.strerror or exc}. The model store "
+                    "is full or not writable: fix it, then resume the run from this round"
+                ) from None
         for site, reason in sorted(outcome.rejected.items()):
             self.log.warning("round %d: site %s does not count: %s", r, site, reason)
         if outcome.metrics_dropped:
@@ -160,6 +178,10 @@ class AggregateOperator(BaseOperator):
             # that no site task was re-run (or failed) afterwards, which would make this model stale.
             "site_sha256": dict(sorted(accepted.items())) if accepted is not None else None,
             "rejected": outcome.rejected,
+            "strategy": strategy.name,
+            **({"state_sha256": state_sha256} if state_sha256 is not None else {}),
+            **({"selected": outcome.selected} if outcome.selected is not None else {}),
+            **({"clipped": outcome.clipped} if outcome.clipped else {}),
             "num_samples": outcome.num_samples,
             "metrics": outcome.metrics,
             "site_metrics": outcome.site_metrics,
@@ -168,10 +190,38 @@ class AggregateOperator(BaseOperator):
             "privacy": job.privacy.account(r),
         }
         self.log.info(
-            "round %d: %d/%d sites counted %s, metrics %s, evaluation %s",
-            r, len(outcome.accepted), len(job.sites), summary["accepted"], outcome.metrics, summary["evaluation"],
+            "round %d: %d/%d sites counted %s by %s%s, metrics %s, evaluation %s",
+            r, len(outcome.accepted), len(job.sites), summary["accepted"], strategy.name,
+            f" (combined {outcome.selected})" if outcome.selected is not None else "",
+            outcome.metrics, summary["evaluation"],
         )  # fmt: skip
         return summary
+
+    def _server_state(self, context: Context, store: Any, run_id: str) -> tuple[dict[str, Any], WritablePath]:
+        """The previous round's server state (empty before round 1), verified against its record and
+        against the sha256 the previous aggregation published; and where this round's goes."""
+        job, r = self.job, self.round_num
+        out = store.server_state(job.job, run_id, r)
+        if r == 1:
+            return {}, out
+        previous = store.server_state(job.job, run_id, r - 1)
+        if not record_path(previous).exists():
+            raise AirflowFailException(
+                f"round {r}: the server state of round {r - 1} ({job.aggregator.name}'s moments) is missing at "
+                f"{previous}; resume the run from round {r - 1} to rebuild it"
+            )
+        try:
+            state, record = read_artifact(previous)
+        except FlareAirflowError as exc:
+            raise AirflowFailException(f"round {r}: the server state of round {r - 1} is unusable: {exc}") from None
+        summary = context["ti"].xcom_pull(task_ids=self.global_task_id) if self.global_task_id else None
+        expected = summary.get("state_sha256") if isinstance(summary, dict) else None
+        if expected and record.sha256 != expected:
+            raise AirflowFailException(
+                f"round {r}: the server state {previous} was replaced after round {r - 1} published it "
+                f"(sha256 {record.sha256[:12]}…, published {str(expected)[:12]}…); clear round {r - 1} to rebuild it"
+            )
+        return state, out
 
     def _check_sites_done(self, context: Context, rounds: int) -> None:
         """Refuse to aggregate fewer sites than the round could count.

@@ -102,6 +102,9 @@ def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
     min_clients = _integer(
         params.get("min_clients", job.min_clients), "min_clients", 1, len(job.sites), "the job's number of sites"
     )
+    problem = job.aggregator.quorum_problem(min_clients, len(job.sites))
+    if problem is not None:
+        raise RunParamsError(f"min_clients={min_clients}: {problem}")
     warm_start = params.get("warm_start", job.warm_start)
     if not isinstance(warm_start, bool):
         raise RunParamsError(f"warm_start must be true or false, got {short_repr(warm_start)}")

@@ -605,10 +605,109 @@ case(
 )
 case(
     "aggregator-unknown",
-    "aggregator: {name: fedprox}",
-    "aggregator.name: must be 'fedavg', got 'fedprox'",
+    "aggregator: {name: fedsgd}",
+    "aggregator.name: must be 'fedavg', 'fedprox', 'fedavgm', 'fedadam', 'fedyogi', 'fedadagrad', 'median', "
+    "'trimmed_mean' or 'krum', got 'fedsgd'",
     field="aggregator.name",
-    value="fedprox",
+    value="fedsgd",
+)
+case(
+    "aggregator-beta-negative",
+    "aggregator: {name: trimmed_mean, beta: -0.1}",
+    "aggregator.beta: must be greater than or equal to 0, got -0.1",
+    field="aggregator",
+    value={"name": "trimmed_mean", "beta": -0.1},
+)
+case(
+    "aggregator-beta-half",
+    "aggregator: {name: trimmed_mean, beta: 0.5} (nothing left to average)",
+    "aggregator.beta: must be less than 0.5, got 0.5",
+    field="aggregator",
+    value={"name": "trimmed_mean", "beta": 0.5},
+)
+case(
+    "aggregator-beta-missing",
+    "aggregator: {name: trimmed_mean} without beta",
+    "aggregator: trimmed_mean needs 'beta' (the share of values cut at each end, 0 <= beta < 0.5)",
+    field="aggregator",
+    value={"name": "trimmed_mean"},
+)
+case(
+    "aggregator-trimmed-quorum",
+    "trimmed_mean with beta 0.4 and min_clients 1 (a round of 1 or 2 updates keeps nothing)",
+    "aggregator: trimmed_mean with beta=0.4 cuts ceil(beta x 1) = 1 value(s) at each end of 1 update(s), "
+    "leaving nothing to average",
+    field="aggregator",
+    value={"name": "trimmed_mean", "beta": 0.4},
+)
+case(
+    "aggregator-krum-f-too-large",
+    "aggregator: {name: krum, f: 1} for 2 sites (Krum needs n >= 2f + 3)",
+    "aggregator: krum with f=1 needs n >= 2f + 3 = 5 valid updates, got 1; raise min_clients, add sites",
+    field="aggregator",
+    value={"name": "krum", "f": 1},
+)
+case(
+    "aggregator-krum-f-negative",
+    "aggregator: {name: krum, f: -1}",
+    "aggregator.f: must be greater than or equal to 0, got -1",
+    field="aggregator",
+    value={"name": "krum", "f": -1},
+)
+case(
+    "aggregator-foreign-parameter",
+    "aggregator: {name: median, beta: 0.2} (a parameter of another strategy)",
+    "aggregator: 'beta' is not a parameter of 'median' (it belongs to trimmed_mean); median takes norm_bound",
+    field="aggregator",
+    value={"name": "median", "beta": 0.2},
+)
+case(
+    "aggregator-unknown-parameter",
+    "aggregator: {name: fedadam, lr: 0.1} (not a parameter of any strategy)",
+    "aggregator.lr: unknown key 'lr'; allowed keys: name, norm_bound, mu, eta",
+    field="aggregator",
+    value={"name": "fedadam", "lr": 0.1},
+)
+case(
+    "aggregator-eta-negative",
+    "aggregator: {name: fedadam, eta: -0.1}",
+    "aggregator.eta: must be greater than 0, got -0.1",
+    field="aggregator",
+    value={"name": "fedadam", "eta": -0.1},
+)
+case(
+    "aggregator-momentum-one",
+    "aggregator: {name: fedavgm, momentum: 1.0} (diverges)",
+    "aggregator.momentum: must be less than 1, got 1.0",
+    field="aggregator",
+    value={"name": "fedavgm", "momentum": 1.0},
+)
+case(
+    "aggregator-norm-bound-zero",
+    "aggregator: {name: median, norm_bound: 0}",
+    "aggregator.norm_bound: must be greater than 0, got 0",
+    field="aggregator",
+    value={"name": "median", "norm_bound": 0.0},
+)
+case(
+    "aggregator-exclude-empty",
+    "aggregator: {name: fedyogi, exclude: ['']}",
+    "aggregator.exclude: patterns must not be empty",
+    field="aggregator",
+    value={"name": "fedyogi", "exclude": [""]},
+)
+case(
+    "aggregator-mu-negative",
+    "aggregator: {name: fedprox, mu: -1}",
+    "aggregator.mu: must be greater than or equal to 0, got -1",
+    field="aggregator",
+    value={"name": "fedprox", "mu": -1.0},
+)
+case(
+    "aggregator-fedprox-mu-twice",
+    "aggregator fedprox and a trainer hyper-parameter fedprox_mu of its own",
+    "trainer.hparams.fedprox_mu is 0.5, but with aggregator fedprox it comes from aggregator.mu",
+    text=BASE.replace("{lr: 0.1, epochs: 2}", "{lr: 0.1, fedprox_mu: 0.5}") + "aggregator: {name: fedprox, mu: 0.1}\n",
 )
 case(
     "job-name-long",

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from flare_airflow.core.config.aggregator import AggregatorSpec, check_hparams_free
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
 from flare_airflow.core.config.privacy import JobPrivacy, site_privacy_plan
 from flare_airflow.core.config.site import SiteSpec, merge_sites
@@ -31,6 +32,7 @@ from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_l
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.privacy.central import check_rule
 from flare_airflow.core.privacy.plan import PrivacyPlan
+from flare_airflow.core.strategies import FEDPROX_MU_HPARAM
 
 _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
 _HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
@@ -114,10 +116,6 @@ class TrainerSpec(Strict):
         return value
 
 
-class AggregatorSpec(Strict):
-    name: Literal["fedavg"] = "fedavg"
-
-
 class JobConfig(Strict):
     """A federated job. Build it with :func:`load_job` (YAML) or :func:`job_from_dict` (Python)."""
 
@@ -150,6 +148,7 @@ class JobConfig(Strict):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
+        _fedprox_mu_to_trainer(data)
         data["sites"] = merge_sites(data.get("sites"), data.pop("resource_spec", None), data.pop("launcher_spec", None))
         return data
 
@@ -239,6 +238,9 @@ class JobConfig(Strict):
                 f"({', '.join(self.sites)}); lower min_clients or add sites"
             )
         self._one_size_per_pool()
+        problem = self.aggregator.quorum_problem(self.min_clients, len(self.sites))
+        if problem is not None:
+            raise ValueError(problem)
         if any(s.runs_script_here for s in self.sites.values()) and not self.script_path().is_file():
             raise ValueError(
                 f"trainer.script {self.trainer.script!r} does not exist (looked at {self.script_path()}); "
@@ -305,6 +307,20 @@ class JobConfig(Strict):
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}
+
+
+def _fedprox_mu_to_trainer(data: dict[str, Any]) -> None:
+    """With ``aggregator: {name: fedprox, mu: ...}``, ``mu`` reaches the trainers as hyper-parameter
+    ``fedprox_mu`` (the Client API's ``get_fedprox_mu()``; a field of the trigger form like any other)."""
+    agg, trainer = data.get("aggregator"), data.get("trainer")
+    if not isinstance(agg, Mapping) or agg.get("name") != "fedprox" or not isinstance(trainer, Mapping):
+        return
+    mu = agg.get("mu", 0.01)
+    hparams = trainer.get("hparams", {})
+    if not isinstance(hparams, Mapping) or not isinstance(mu, int | float) or isinstance(mu, bool):
+        return  # the fields' own validation names what is wrong
+    check_hparams_free(dict(hparams), FEDPROX_MU_HPARAM)
+    data["trainer"] = {**trainer, "hparams": {**hparams, FEDPROX_MU_HPARAM: float(mu)}}
 
 
 # NVFlare's top-level blocks are folded into the sites before validation, so they are no fields;

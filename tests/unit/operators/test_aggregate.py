@@ -1,4 +1,4 @@
-"""AggregateOperator.execute with a real store and real FedAvg; the site summaries come from a fake TI."""
+"""AggregateOperator.execute with a real store and real strategies; the site summaries come from a fake TI."""
 
 from __future__ import annotations
 
@@ -77,3 +77,44 @@ def test_fewer_valid_updates_than_min_clients_fails_the_round_and_writes_nothing
     assert "site-2" in message and "trainer exited with code 3" in message
     assert "site-3" in message
     assert not store.global_model(job.job, RUN_ID, 1).exists()
+
+
+def test_fedadam_state_is_stored_per_round_pinned_and_a_retry_writes_the_same_bytes(tmp_path) -> None:
+    job = make_job(tmp_path, min_clients=3, sites={s: {} for s in SITES}, aggregator={"name": "fedadam"})
+    store, ti = setup_round(job, {"site-1": 1.0, "site-2": 2.0, "site-3": 3.0})
+    first = operator(job).execute(context(ti))
+    state_1 = store.server_state(job.job, RUN_ID, 1)
+    state, record = read_artifact(state_1)
+    assert first["strategy"] == "fedadam" and first["state_sha256"] == record.sha256
+    assert set(state) == {"fedadam/m/w", "fedadam/v/w"}
+    params, _ = read_artifact(store.global_model(job.job, RUN_ID, 1))
+    np.testing.assert_allclose(params["w"], [0.1 * 0.2 / (0.2 + 1e-3)] * 3, rtol=1e-6)  # Adam's first step, d = 2
+    assert operator(job).execute(context(ti))["sha256"] == first["sha256"]  # a retry: the same bytes
+    assert read_artifact(state_1)[1].sha256 == record.sha256
+
+    # Round 2 reads round 1's state, checked against what round 1's aggregation published.
+    ti.xcoms[("round_1.global_model", "return_value")] = first
+    for site in SITES:
+        rec = write_artifact(
+            store.site_update(job.job, RUN_ID, 2, site),
+            FLModel(params={"w": params["w"] + np.float32(1)}, meta={"num_samples": 10}),
+        )
+        ti.xcoms[(f"round_2.{site}", "return_value")] = {"sha256": rec.sha256}
+    round_2 = AggregateOperator(
+        task_id="global_model",
+        job=job,
+        round_num=2,
+        site_task_ids={s: f"round_2.{s}" for s in SITES},
+        global_task_id="round_1.global_model",
+    )
+    second = round_2.execute(context(ti))
+    x2, _ = read_artifact(store.global_model(job.job, RUN_ID, 2))
+    assert second["state_sha256"] != first["state_sha256"] and (x2["w"] > params["w"]).all()
+
+    write_artifact(state_1, FLModel(params={k: v * 0 for k, v in state.items()}))  # replaced behind our back
+    with pytest.raises(AirflowFailException, match=r"the server state .* was replaced after round 1 published it"):
+        round_2.execute(context(ti))
+    for path in (state_1, state_1.with_name("server_state.json")):
+        path.unlink()
+    with pytest.raises(AirflowFailException, match=r"the server state of round 1 .* is missing"):
+        round_2.execute(context(ti))

@@ -1,0 +1,249 @@
+"""Robust aggregation and server optimizers: time and peak memory, side by side with Flower.
+
+    python benchmarks/bench_strategies.py [--cells 16x16,16x64,256x16] [--out results/strategies.md]
+
+For each cell (update size in MiB x number of sites) the updates (4 float32 tensors each, realistic
+weights: ``base ~ N(0, 0.05)``, update i = ``base + N(0, 0.01)``) are written once into a temporary
+store with ``write_artifact``. Every case then runs in a fresh subprocess, so its peak memory is its
+own (VmHWM above the RSS after imports and the global model):
+
+* **ours**: ``aggregate_from_store`` with median, trimmed mean (beta = 0.25) or Krum (f = 1): the
+  store engine -- every update verified (digest, NaN/inf, names/shapes/dtypes), then combined a
+  64 MiB float64 chunk at a time;
+* **Flower**: flwr 1.42's own ``aggregate_median``, ``aggregate_trimmed_avg`` and
+  ``aggregate_krum`` (``flwr.server.strategy.aggregate``) in Flower's own virtual environment
+  (``/var/tmp/flare-airflow-bench/flwr-venv``, ``pip install flwr==1.42.0 safetensors``), on the
+  same arrays loaded with ``safetensors.numpy.load_file`` (no verification): the load and the
+  aggregation are timed apart. Flower needs every update in memory; a Flower case whose estimated
+  peak exceeds the machine's available memory minus 4 GiB is not run (the table says so).
+
+beta = 0.25 makes beta x n an integer at 16 and 64 sites, where Flower's ``int(beta n)`` and our
+``ceil(beta n)`` cut the same number. The results are compared (largest absolute difference).
+
+Server optimizers: a FedAvg round's aggregation (``aggregate_from_store`` + writing the global
+model, as the task does) against FedAdam and FedAvgM (the same, plus reading the previous round's
+state, the optimizer step, and writing the new state) at the largest cell's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+FLWR_VENV = Path(os.environ.get("FLARE_BENCH_FLWR_VENV", "/var/tmp/flare-airflow-bench/flwr-venv"))
+MIB = 1 << 20
+TENSORS = 4
+BETA = 0.25
+RULES = ("median", "trimmed_mean", "krum")
+# Flower's peak, in multiples of all updates' bytes: the list of arrays, np.asarray's stack per layer,
+# the partition's copy (median, trimmed mean); Krum's flattened copy and one (n, model) delta per site.
+FLOWER_FACTOR = {"median": 2.2, "trimmed_mean": 2.2, "krum": 3.2}
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _reset_hwm() -> int:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    return _status_kib("VmRSS")
+
+
+def _shapes(size_mib: int) -> dict[str, tuple[int, int]]:
+    rows = size_mib * MIB // TENSORS // 4 // 1024
+    return {f"layer{i}.weight": (rows, 1024) for i in range(TENSORS)}
+
+
+def write_cell(folder: Path, size_mib: int, sites: int) -> None:
+    import numpy as np
+
+    from flare_airflow.core.model import FLModel, write_artifact
+
+    base = {k: np.random.default_rng(0).normal(0, 0.05, s).astype(np.float32) for k, s in _shapes(size_mib).items()}
+    write_artifact(folder / "global.safetensors", FLModel(params=base))
+    for i in range(sites):
+        rng = np.random.default_rng(1000 + i)
+        upd = {k: v + rng.normal(0, 0.01, v.shape).astype(np.float32) for k, v in base.items()}
+        write_artifact(folder / f"site-{i:03d}.safetensors", FLModel(params=upd, meta={"num_samples": 10 + i}))
+
+
+# --- workers (one process per case) --------------------------------------------------------------
+def worker_ours(folder: Path, rule: str, sites: int) -> dict[str, Any]:
+    from flare_airflow.core.config.aggregator import AggregatorSpec
+    from flare_airflow.core.model import FLModel, read_artifact, write_artifact
+    from flare_airflow.core.strategies import StepContext, aggregate_from_store
+
+    spec = {"median": {"name": "median"}, "trimmed_mean": {"name": "trimmed_mean", "beta": BETA}}.get(
+        rule, {"name": "krum", "f": 1} if rule == "krum" else {"name": rule}
+    )
+    strategy = AggregatorSpec.model_validate(spec).strategy()
+    glob, _ = read_artifact(folder / "global.safetensors")
+    updates = [(f"site-{i:03d}", folder / f"site-{i:03d}.safetensors", None) for i in range(sites)]
+    base = _reset_hwm()
+    start = time.perf_counter()
+    state: dict = {}
+    if strategy.stateful and (folder / f"state-{rule}.safetensors").exists():
+        state, _ = read_artifact(folder / f"state-{rule}.safetensors")
+    outcome, new_state = aggregate_from_store(
+        strategy, glob, updates, min_clients=sites, state=state, context=StepContext("bench", "r", 2)
+    )
+    if strategy.stateful:
+        write_artifact(folder / f"state-{rule}-out.safetensors", FLModel(params=new_state))
+    if rule in RULES:
+        seconds = time.perf_counter() - start
+        write_artifact(folder / f"out-ours-{rule}.safetensors", FLModel(params=outcome.params))
+    else:  # a round's aggregation writes the global model
+        write_artifact(folder / f"out-ours-{rule}.safetensors", FLModel(params=outcome.params))
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_mib": (_status_kib("VmHWM") - base) / 1024}
+
+
+def worker_flower(folder: Path, rule: str, sites: int) -> dict[str, Any]:
+    import numpy as np
+    from flwr.server.strategy.aggregate import aggregate_krum, aggregate_median, aggregate_trimmed_avg
+    from safetensors.numpy import load_file, save_file
+
+    names = sorted(load_file(str(folder / "global.safetensors")))
+    base = _reset_hwm()
+    start = time.perf_counter()
+    results = []
+    for i in range(sites):
+        params = load_file(str(folder / f"site-{i:03d}.safetensors"))
+        results.append(([params[k] for k in names], 10 + i))
+    loaded = time.perf_counter()
+    if rule == "median":
+        out = aggregate_median(results)
+    elif rule == "trimmed_mean":
+        out = aggregate_trimmed_avg(results, BETA)
+    else:
+        out = aggregate_krum(results, num_malicious=1, to_keep=0)
+    done = time.perf_counter()
+    peak = (_status_kib("VmHWM") - base) / 1024
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in zip(names, out, strict=True)},
+              str(folder / f"out-flower-{rule}.safetensors"))  # fmt: skip
+    return {"load_seconds": loaded - start, "seconds": done - loaded, "peak_mib": peak}
+
+
+def run_worker(python: str, impl: str, folder: Path, rule: str, sites: int) -> dict[str, Any]:
+    argv = [python, str(Path(__file__).resolve()), "worker", impl, str(folder), rule, str(sites)]
+    env = {k: v for k, v in os.environ.items() if not (impl == "flower" and k in ("VIRTUAL_ENV", "PYTHONPATH"))}
+    out = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{impl} {rule} worker failed:\n{out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def max_diff(folder: Path, rule: str) -> str:
+    from safetensors.numpy import load_file
+
+    ours, theirs = (load_file(str(folder / f"out-{i}-{rule}.safetensors")) for i in ("ours", "flower"))
+    return f"{max(float(abs(ours[k].astype('f8') - theirs[k].astype('f8')).max()) for k in ours):.2e}"
+
+
+def mem_available_mib() -> float:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", default="16x16,16x64,256x16", help="SIZE_MIBxSITES,...")
+    p.add_argument("--out", default=str(BENCH_DIR / "results" / "strategies.md"))
+    p.add_argument("--tmp", default="/var/tmp/flare-airflow-bench")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(BENCH_DIR))
+    from bench_common import Table, log, machine_table
+
+    flwr_python = FLWR_VENV / "bin" / "python"
+    if not flwr_python.exists():
+        setup = f"python3 -m venv {FLWR_VENV} && {FLWR_VENV}/bin/pip install flwr==1.42.0 safetensors"
+        raise SystemExit(f"Flower's venv is missing: {setup}")
+    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
+    Path(args.tmp).mkdir(parents=True, exist_ok=True)
+    robust = Table(
+        "Robust aggregation: ours (store engine, verified reads) vs Flower 1.42 (arrays in memory)",
+        ["cell", "rule", "ours s", "Flower s (aggregate)", "Flower s (load + aggregate)", "ratio ours / Flower total",
+         "ours peak MiB", "Flower peak MiB", "max abs diff"],
+    )  # fmt: skip
+    optim = Table(
+        "Server optimizers: overhead on a FedAvg round's aggregation",
+        ["cell", "strategy", "seconds", "vs FedAvg", "peak MiB"],
+    )
+    started = time.monotonic()
+    machine = machine_table(args.tmp)
+    for size, sites in cells:
+        with tempfile.TemporaryDirectory(dir=args.tmp, prefix="strategies-") as tmp:
+            folder = Path(tmp)
+            log(f"[strategies] writing {sites} updates of {size} MiB")
+            write_cell(folder, size, sites)
+            cell = f"{size} MiB x {sites}"
+            for rule in RULES:
+                ours = run_worker(sys.executable, "ours", folder, rule, sites)
+                need = FLOWER_FACTOR[rule] * size * sites
+                if need > mem_available_mib() - 4096:
+                    robust.add(cell, rule, f"{ours['seconds']:.2f}", "not run", "not run", "-",
+                               f"{ours['peak_mib']:.0f}", f"~{need:.0f} (estimated; not run)", "-")  # fmt: skip
+                    log(f"[strategies] {cell} {rule}: ours {ours}; Flower not run (needs ~{need:.0f} MiB)")
+                    continue
+                flower = run_worker(str(flwr_python), "flower", folder, rule, sites)
+                total = flower["load_seconds"] + flower["seconds"]
+                robust.add(cell, rule, f"{ours['seconds']:.2f}", f"{flower['seconds']:.2f}", f"{total:.2f}",
+                           f"{ours['seconds'] / total:.2f}", f"{ours['peak_mib']:.0f}", f"{flower['peak_mib']:.0f}",
+                           max_diff(folder, rule))  # fmt: skip
+                log(f"[strategies] {cell} {rule}: ours {ours} Flower {flower}")
+            if (size, sites) == max(cells):
+                from flare_airflow.core.model import FLModel, read_artifact, write_artifact
+
+                glob, _ = read_artifact(folder / "global.safetensors")
+                for rule, slots in (("fedadam", ("m", "v")), ("fedavgm", ("momentum",))):
+                    # round 2: the previous round's state exists, as in any round after the first
+                    state = {f"{rule}/{s}/{k}": abs(v) * 0.01 for s in slots for k, v in glob.items()}
+                    write_artifact(folder / f"state-{rule}.safetensors", FLModel(params=state))
+                del glob, state
+                fedavg = run_worker(sys.executable, "ours", folder, "fedavg", sites)
+                optim.add(cell, "fedavg", f"{fedavg['seconds']:.2f}", "1.00", f"{fedavg['peak_mib']:.0f}")
+                for rule in ("fedadam", "fedavgm"):
+                    res = run_worker(sys.executable, "ours", folder, rule, sites)
+                    optim.add(cell, rule, f"{res['seconds']:.2f}", f"{res['seconds'] / fedavg['seconds']:.2f}",
+                              f"{res['peak_mib']:.0f}")  # fmt: skip
+                    log(f"[strategies] {cell} {rule}: {res} (fedavg {fedavg})")
+    text = "\n".join(
+        [
+            "# Strategies: robust aggregation vs Flower, server optimizers' overhead",
+            "",
+            f"`python benchmarks/bench_strategies.py --cells {args.cells}` -- one run of each case "
+            f"({time.monotonic() - started:.0f} s in all); see the module docstring for what is measured.",
+            "",
+            machine.markdown(),
+            robust.markdown(),
+            optim.markdown(),
+        ]
+    )
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        impl, folder, rule, sites = sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+        fn = worker_ours if impl == "ours" else worker_flower
+        print(json.dumps(fn(folder, rule, sites)))
+        sys.exit(0)
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,48 @@
+"""Aggregation strategies behind one seam (see :mod:`flare_airflow.core.strategies.base`).
+
+One module per strategy; :func:`aggregate_from_store` (the store engine) runs any of them. Adding a
+strategy: a module with a rule (streaming or chunked) or a post-aggregation step, an entry in the
+job's ``aggregator`` spec (``core/config/aggregator.py``), and its tests.
+"""
+
+from __future__ import annotations
+
+from flare_airflow.core.strategies.base import (
+    ChunkRule,
+    PostStep,
+    Rule,
+    RuleKind,
+    StepContext,
+    Strategy,
+    StreamingRule,
+)
+from flare_airflow.core.strategies.engine import aggregate_from_store
+from flare_airflow.core.strategies.fedavg import FedAvgRule
+from flare_airflow.core.strategies.fedprox import FEDPROX_MU_HPARAM, proximal_gradient, proximal_term
+from flare_airflow.core.strategies.krum import Krum
+from flare_airflow.core.strategies.median import Median
+from flare_airflow.core.strategies.server_optimizers import FedAdagrad, FedAdam, FedAvgM, FedYogi, ServerOptimizer
+from flare_airflow.core.strategies.trimmed_mean import TrimmedMean
+
+__all__ = [
+    "FEDPROX_MU_HPARAM",
+    "ChunkRule",
+    "FedAdagrad",
+    "FedAdam",
+    "FedAvgM",
+    "FedAvgRule",
+    "FedYogi",
+    "Krum",
+    "Median",
+    "PostStep",
+    "Rule",
+    "RuleKind",
+    "ServerOptimizer",
+    "StepContext",
+    "Strategy",
+    "StreamingRule",
+    "TrimmedMean",
+    "aggregate_from_store",
+    "proximal_gradient",
+    "proximal_term",
+]
