@@ -6,7 +6,8 @@
               [--clobber-output-late SITE]... [--diff-all VALUE] [--fill-store SITE]...
               [--fail-in-round SITE:ROUND]... [--until-file PATH]
 
-Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number.
+Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number. A relative
+``--echo-args`` file is written in ``FLARE_OUTPUT``'s directory, which a confined trainer may write.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def main() -> int:
         with open(os.path.join(args.pidfile_dir, f"{site}.pid"), "w") as fh:
             fh.write(str(os.getpid()))
     if args.echo_args:
-        with open(args.echo_args, "w") as fh:
+        echo = os.path.join(os.path.dirname(os.environ["FLARE_OUTPUT"].removeprefix("file://")), args.echo_args)
+        with open(echo, "w") as fh:
             json.dump({"args": rest, "hparams": flare.get_hparams(), "round": os.environ["FLARE_ROUND"]}, fh)
     if site in args.hang:
         print(f"{site}: hanging", flush=True)
