@@ -24,6 +24,22 @@ import numpy as np
 import flare_airflow.client as flare
 
 
+def _escape(what: str) -> None:
+    import pathlib
+    import socket
+
+    global_model = pathlib.Path(os.environ["FLARE_GLOBAL_MODEL"].removeprefix("file://"))
+    if what == "outside":
+        pathlib.Path("pwned-outside").write_text("x")
+    elif what == "global":
+        with open(global_model, "r+b") as fh:
+            fh.write(b"garbage")
+    elif what == "store":
+        (global_model.parents[3] / "pwned-store-root").write_text("x")  # store/job/run/round-0000/global
+    elif what == "net":
+        socket.create_connection(("192.0.2.1", 80), timeout=10).close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     flags = ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang", "send_then_fail", "send_twice", "nan_metric")
@@ -32,6 +48,9 @@ def main() -> int:
     p.add_argument("--diff-all", type=float)
     # --fail-in-round SITE:ROUND fails that site's job in that round, while --until-file (if given) does not exist.
     p.add_argument("--fail-in-round", action="append", default=[])
+    # --escape SITE:WHAT tries to break out after receive(): outside (its cwd), global (its input
+    # global model), store (the store's root), net (a connection out).
+    p.add_argument("--escape", action="append", default=[])
     p.add_argument("--until-file")
     p.add_argument("--fail-evaluate", action="store_true")
     p.add_argument("--pidfile-dir")
@@ -67,6 +86,10 @@ def main() -> int:
         print(f"{site}: failing on purpose", flush=True)
         return 3
     model = flare.receive()
+    for item in args.escape:
+        who, _, what = item.partition(":")
+        if who == site:
+            _escape(what)
     if flare.is_evaluate():
         if args.fail_evaluate:
             print("evaluator crashing on purpose", flush=True)
