@@ -57,10 +57,12 @@ def main() -> int:
     p.add_argument("--echo-args")
     args, rest = p.parse_known_args()
     site = os.environ["FLARE_SITE"]
-    if args.pidfile_dir:
+    # The server's evaluation is confined by default and writes only its output: sites only.
+    evaluating = os.environ.get("FLARE_TASK") == "evaluate"
+    if args.pidfile_dir and not evaluating:
         with open(os.path.join(args.pidfile_dir, f"{site}.pid"), "w") as fh:
             fh.write(str(os.getpid()))
-    if args.echo_args:
+    if args.echo_args and not evaluating:
         echo = os.path.join(os.path.dirname(os.environ["FLARE_OUTPUT"].removeprefix("file://")), args.echo_args)
         with open(echo, "w") as fh:
             json.dump({"args": rest, "hparams": flare.get_hparams(), "round": os.environ["FLARE_ROUND"]}, fh)
