@@ -16,6 +16,7 @@ record["devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
 time.sleep(float(sys.argv[2]))
 record["end"] = time.time()
 # Next to the update (FLARE_OUTPUT's directory): the only place a confined trainer may write.
-with open(os.path.join(os.path.dirname(os.environ["FLARE_OUTPUT"]), "gpu-probe.json"), "w") as fh:
+staging = os.path.dirname(os.environ["FLARE_OUTPUT"].removeprefix("file://"))
+with open(os.path.join(staging, "gpu-probe.json"), "w") as fh:
     json.dump(record, fh)
 flare.send(flare.FLModel(params=model.params, meta={"num_samples": 1}))
