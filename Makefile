@@ -46,7 +46,7 @@ setup: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
 # networks with names) need iptables, which only podman's recommends would bring; podman's settings
 # for these machines go into a containers.conf drop-in (an existing containers.conf is not touched).
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge openssh-server iproute2 chromium fonts-dejavu-core \
-	podman buildah debootstrap runc netavark aardvark-dns catatonit iptables
+	podman buildah debootstrap runc netavark aardvark-dns catatonit iptables bubblewrap
 CONTAINERS_CONF := /etc/containers/containers.conf.d/50-flare-airflow.conf
 system-deps:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \

@@ -44,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_confinement
 import bench_e2e
 import bench_edge
 import bench_fedavg
@@ -73,6 +74,7 @@ OWN_OUTPUTS = {
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
     "privacy": BENCH_DIR / "results" / "privacy.md",
+    "confinement": BENCH_DIR / "results" / "confinement.md",
 }
 
 
@@ -96,6 +98,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "rounds",
             "edge",
             "privacy",
+            "confinement",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -162,6 +165,10 @@ def main(argv: list[str]) -> int:
             log("[privacy] the site's filters per update; digits accuracy under local DP ...")
             tables = bench_privacy.run(reps=args.reps, quick=args.quick)
             sections.append(("8. Privacy: the site's filters and what noise costs", tables))
+        if args.only == "confinement":
+            log("[confinement] one site job, confined (bubblewrap) vs unconfined ...")
+            tables = bench_confinement.run(reps=max(args.reps, 5), keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Confinement of process trainers: the cost of one site job", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(

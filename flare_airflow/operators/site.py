@@ -336,6 +336,7 @@ def make_site_run(
         gpu_capacity=manager.num_of_gpus if manager is not None else None,
         mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
         privacy=plan.to_dict() if (plan := job.privacy_plan(site)) is not None else None,
+        confinement=spec.confinement.model_dump() if local and spec.confinement is not None else None,
     )
 
 

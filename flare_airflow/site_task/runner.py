@@ -40,6 +40,7 @@ from flare_airflow.launchers.process import (
     become_subreaper,
     die_with_parent,
 )
+from flare_airflow.launchers.process.sandbox import Sandbox
 from flare_airflow.site_task.checks import (
     GlobalModelUnusable,
     check_global_model,
@@ -48,6 +49,7 @@ from flare_airflow.site_task.checks import (
     model_fingerprint,
     write_failure,
 )
+from flare_airflow.site_task.confinement import ConfinementRefused, confinement_hint, site_sandbox
 from flare_airflow.site_task.owners import end_orphans, parse_owners, watch_owners
 from flare_airflow.site_task.spec import (
     NOISE_SECRET_ENV,
@@ -117,6 +119,7 @@ def run_site(
         raise _Killed(signum)
 
     handle: ProcessJobHandle | None = None
+    sandbox: Sandbox | None = None
     checked: tuple[tuple[int, int, int], ...] | None = None
     lease: GpuLease | None = None
     previous: dict[signal.Signals, Any] = {}
@@ -150,7 +153,12 @@ def run_site(
             job = replace(job, env={**job.env, "CUDA_VISIBLE_DEVICES": lease.cuda_visible_devices})
             print(f"GPUs assigned: CUDA_VISIBLE_DEVICES={lease.cuda_visible_devices!r}", flush=True)
         try:
-            handle = launcher.launch_job(job)
+            sandbox = site_sandbox(run, lambda line: print(line, flush=True))
+        except ConfinementRefused as exc:
+            write_failure(output, JobReturnCode.INFRASTRUCTURE_ERROR, str(exc))
+            return JobReturnCode.INFRASTRUCTURE_ERROR, str(exc)
+        try:
+            handle = launcher.launch_job(job, sandbox=sandbox)
         except LaunchError as exc:
             write_failure(output, JobReturnCode.EXECUTION_ERROR, str(exc))
             return JobReturnCode.EXECUTION_ERROR, str(exc)
@@ -188,6 +196,8 @@ def run_site(
             signal.signal(s, h)
     if rc is not JobReturnCode.SUCCESS:
         reason = f"trainer failed: {handle.reason}"
+        if sandbox is not None:
+            reason += confinement_hint(sandbox, handle.reason)
         write_failure(output, rc, reason)
         return rc, reason
     try:

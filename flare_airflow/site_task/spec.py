@@ -62,6 +62,9 @@ class SiteRun:
     global_sha256: str | None = None
     # The site's privacy plan (core.privacy.plan.PrivacyPlan.to_dict()), applied before publishing.
     privacy: dict[str, Any] | None = None
+    # The site policy's confinement of a process site's trainer (mode, network, writable, devices);
+    # None: the default, mode auto (flare_airflow.site_task.confinement).
+    confinement: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

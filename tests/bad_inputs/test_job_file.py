@@ -115,6 +115,13 @@ case(
     value="sensor",
 )
 case(
+    "confinement-in-the-job-file",
+    "a job file turns its process trainers' confinement off (sites.site-1.confinement)",
+    "confinement is the site admin's, not the job's: set it in the site policy",
+    field="sites.site-1.confinement",
+    value={"mode": "off"},
+)
+case(
     "watch-unknown",
     "watch: poll (neither task nor sensor)",
     "sites.site-1.watch (site 'site-1'): must be 'task' or 'sensor', got 'poll'",

@@ -31,6 +31,22 @@ CASES = [
          "covers only site-1; a task of site 'site-2' reached a worker of another site"),
     Case("policy-other-launcher", "site_env", "the site runs k8s, the job built a process task for it",
          "the site runs its jobs with launcher 'k8s' but this job's DAG built a 'process' task for it"),
+    Case("policy-confinement-bad-mode", "site_env", "confinement mode 'yes' (not auto, required or off)",
+         "sites.site-1.confinement.mode (site 'site-1'): must be 'auto', 'required' or 'off'"),
+    Case("policy-confinement-off-with-rules", "site_env", "confinement mode off with network: false",
+         "mode 'off' runs the trainer unconfined, so network, writable and devices would not apply"),
+    Case("policy-confinement-relative-writable", "site_env", "confinement.writable names a relative path",
+         "writable entry 'scratch' must be an absolute path on the site's worker"),
+    Case("policy-confinement-root-writable", "site_env", "confinement.writable makes / writable",
+         "writable entry '/' is the whole file system: that is mode 'off', say so"),
+    Case("policy-confinement-dotdot-writable", "site_env", "confinement.writable with '..' in it",
+         "writable entry '/data/../etc' must not contain '..'"),
+    Case("policy-confinement-not-a-device", "site_env", "confinement.devices names a file outside /dev",
+         "devices entry '/etc/shadow' is not a device node under /dev/"),
+    Case("policy-confinement-network-string", "site_env", "confinement.network: 'no' (a string)",
+         "sites.site-1.confinement.network (site 'site-1'): must be true or false"),
+    Case("policy-confinement-k8s-site", "site_env", "confinement on a Kubernetes site",
+         "confinement applies to process sites; a 'k8s' site's trainers are confined by their pod"),
 ]  # fmt: skip
 
 TEXT = {
@@ -41,6 +57,14 @@ TEXT = {
     "policy-too-few-gpus": "sites:\n  site-1: {resource_manager: {type: gpu, num_of_gpus: 2}}\n",
     "policy-other-site": "sites:\n  site-1: {}\n",
     "policy-other-launcher": "sites:\n  site-1: {launcher: k8s, launcher_spec: {k8s: {image: 'trainer:1'}}}\n",
+    "policy-confinement-bad-mode": "sites:\n  site-1: {confinement: {mode: 'yes'}}\n",
+    "policy-confinement-off-with-rules": "sites:\n  site-1: {confinement: {mode: 'off', network: false}}\n",
+    "policy-confinement-relative-writable": "sites:\n  site-1: {confinement: {writable: [scratch]}}\n",
+    "policy-confinement-root-writable": "sites:\n  site-1: {confinement: {writable: [/]}}\n",
+    "policy-confinement-dotdot-writable": "sites:\n  site-1: {confinement: {writable: [/data/../etc]}}\n",
+    "policy-confinement-not-a-device": "sites:\n  site-1: {confinement: {devices: [/etc/shadow]}}\n",
+    "policy-confinement-network-string": "sites:\n  site-1: {confinement: {network: 'no'}}\n",
+    "policy-confinement-k8s-site": "sites:\n  site-1: {launcher: k8s, confinement: {mode: required}}\n",
 }
 SITE = {"policy-other-site": "site-2"}
 

@@ -107,10 +107,23 @@ RAW: list[tuple[Case, str, dict[str, object]]] = [
        "r = json.load(open(p)); r['size'] = 10**12; json.dump(r, open(p, 'w'))"),
     _c("trainer-sends-no-params", "send() with metrics only in a train task",
        "needs params", "flare.receive(); flare.send(flare.FLModel(metrics={'loss': 1.0}))"),
-    _c("trainer-overwrites-global-model", "writes garbage over FLARE_GLOBAL_MODEL, then sends",
-       "global model", "send(); open(os.environ['FLARE_GLOBAL_MODEL'], 'wb').write(b'garbage')"),
+    _c("trainer-overwrites-global-model", "writes garbage over FLARE_GLOBAL_MODEL, then sends (confined)",
+       "its input global model is read-only", "send(); open(os.environ['FLARE_GLOBAL_MODEL'], 'wb').write(b'garbage')"),
+    _c("trainer-overwrites-global-model-unconfined", "the same with the site's confinement mode off",
+       "the trainer changed or removed its input global model",
+       "send(); open(os.environ['FLARE_GLOBAL_MODEL'], 'wb').write(b'garbage')", confinement={"mode": "off"}),
+    _c("trainer-writes-outside-staging", "writes a file next to its own script (confined)",
+       "the trainer is confined: it may write only", "flare.receive(); open(__file__ + '.pwned', 'w').write('x')"),
+    _c("trainer-writes-store-root", "writes a file at the model store's root (confined)",
+       "the trainer is confined: it may write only",
+       "flare.receive(); open(os.path.join(os.environ['STORE_ROOT'], 'pwned'), 'w').write('x')"),
+    _c("trainer-opens-socket-without-network", "connects out while the site policy says network: false",
+       "confined without network (the site policy's confinement.network: false)",
+       "flare.receive(); import socket; socket.create_connection(('192.0.2.1', 80), timeout=10)",
+       confinement={"network": False}),
     _c("trainer-writes-published-place", "writes a fake update at the published place, sends nothing",
-       "sent no update", "flare.receive(); m = flare.FLModel(params={'w': np.ones((2, 3), np.float32), "
+       "the trainer is confined: it may write only",
+       "flare.receive(); m = flare.FLModel(params={'w': np.ones((2, 3), np.float32), "
        "'b': np.zeros(3, np.float32)}, meta={'num_samples': 1})\n"
        "import pathlib; from flare_airflow.core.model import write_artifact\n"
        "write_artifact(pathlib.Path(os.environ['PUBLISHED']), m)"),
@@ -119,10 +132,10 @@ RAW: list[tuple[Case, str, dict[str, object]]] = [
     _c("trainer-ignores-sigterm", "ignores SIGTERM and hangs before receive(); launch_timeout 0.3 s",
        "did not call receive() within launch_timeout=0.3s",
        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)", launch_timeout=0.3, shutdown_timeout=0.5),
-    _c("trainer-setsid-child-then-fails", "starts a setsid child, then exits 5",
+    _c("trainer-setsid-child-then-fails", "starts a setsid child, then exits 5 (unconfined: its pid is the host's)",
        "trainer failed: exit code 5",
        "p = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setsid(); time.sleep(1000)'])\n"
-       "open(os.environ['PIDS'], 'w').write(str(p.pid)); time.sleep(0.3); sys.exit(5)"),
+       "open(os.environ['PIDS'], 'w').write(str(p.pid)); time.sleep(0.3); sys.exit(5)", confinement={"mode": "off"}),
     _c("trainer-floods-output", "prints 4 MB of output, then crashes",
        "its last output: the end", "sys.stdout.write(('x' * 1000 + '\\n') * 4000); print('the end'); sys.exit(2)"),
     _c("trainer-killed-by-signal", "kills itself with SIGSEGV",
@@ -164,7 +177,7 @@ def test_trainer_case(case: Case, store: pathlib.Path, tmp_path: pathlib.Path) -
         "job": "demo", "run_id": "r", "round": 1, "total_rounds": 1, "site": "site-1", "task": "train",
         "argv": [PY, str(script)], "global_model": str(global_model), "output": str(output),
         "staging": str(store / "round-0001" / "staging" / "site-1" / "try-1" / "update.safetensors"),
-        "env": {"OTHER_SITE": str(other), "PUBLISHED": str(output), "PIDS": str(pids)},
+        "env": {"OTHER_SITE": str(other), "PUBLISHED": str(output), "PIDS": str(pids), "STORE_ROOT": str(store)},
         "shutdown_timeout": 2.0,
     }  # fmt: skip
     fields.update(extra)
@@ -181,6 +194,7 @@ def test_trainer_case(case: Case, store: pathlib.Path, tmp_path: pathlib.Path) -
     assert not output.exists() and not record_path(output).exists(), "a failed job left an update"
     assert failure_path(output).exists() and read_failure(output)
     assert other.read_bytes() == other_bytes
+    assert not (store / "pwned").exists() and not script.with_name("trainer.py.pwned").exists()
     if pids.exists():
         pid = int(pids.read_text())
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), "the trainer's setsid child outlived the job"

@@ -109,7 +109,10 @@ def test_a_site_job_killed_by_its_timeout_leaves_no_process(airflow_home: Airflo
         args=["--hang", "site-2", "--pidfile-dir", str(tmp_path)],
     )
     job["trainer"]["timeout"] = 8
-    result = airflow_home.run("flare_hang", airflow_home.write_job("hang", job))
+    # Unconfined (the site policy's opt-out): the pid file holds the trainer's host pid; a confined
+    # trainer has its own PID namespace (tests/unit/site_task/test_confinement.py drills that).
+    policy = {"sites": {s: {"confinement": {"mode": "off"}} for s in ("site-1", "site-2")}}
+    result = airflow_home.run("flare_hang", airflow_home.write_job("hang", job), site_policy=policy)
     assert result.tasks["round_1.site-2"] == "failed"
     assert result.tasks["round_1.site-1"] == "success"
     assert result.tasks["round_1.global_model"] == "success"

@@ -25,7 +25,9 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
     job["trainer"]["hparams"] = {"lr": 0.1}
     dag_file = airflow_home.write_job("warm", job)
 
-    cold = airflow_home.run("flare_warm", dag_file)
+    # The trainer writes the echo file outside its staging directory: the site admin allows it.
+    policy = {"sites": {s: {"confinement": {"writable": [str(tmp_path)]}} for s in ("site-1", "site-2")}}
+    cold = airflow_home.run("flare_warm", dag_file, site_policy=policy)
     assert cold.returncode == 0, cold.log[-4000:]
     cold_final = load_file(cold.state["published"]["final_model"].removeprefix("file://"))
     np.testing.assert_array_equal(cold_final["w"], np.full(4, 2.0, np.float32))
@@ -35,7 +37,9 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
     assert seen["hparams"] == {"lr": 0.1}
     assert not pathlib.Path("/tmp/flare-pwned").exists()
 
-    warm = airflow_home.run("flare_warm", dag_file, conf={"warm_start": True, "rounds": 1, "hp_lr": 0.5})
+    warm = airflow_home.run(
+        "flare_warm", dag_file, conf={"warm_start": True, "rounds": 1, "hp_lr": 0.5}, site_policy=policy
+    )
     assert warm.returncode == 0, warm.log[-4000:]
     assert f"warm start from run {cold.state['run_id']}" in warm.log
     assert json.loads(echo.read_text())["hparams"] == {"lr": 0.5}, "the form's hyper-parameters reach the trainer"

@@ -97,3 +97,32 @@ def test_an_aggregate_that_overflows_is_never_published(airflow_home: AirflowHom
     assert not (run_dir / "final").exists()
     assert not (airflow_home.store / "overflow" / "latest.json").exists()
     audit_store(airflow_home.store, {})
+
+
+def test_one_hostile_trainer_cannot_take_the_round_down(airflow_home: AirflowHome) -> None:
+    """Issue 28: confined process trainers (the default) that try to escape fail, each with its
+    reason, and the other sites of the round -- which read the same global model -- still count."""
+    args = ["--escape", "site-2:outside", "--escape", "site-3:global", "--escape", "site-4:store",
+            "--escape", "site-5:net"]  # fmt: skip
+    job = behave_job(airflow_home.root, "hostile", sites=5, rounds=1, min_clients=1, args=args)
+    policy = {"sites": {f"site-{i}": {"confinement": {"mode": "required"}} for i in range(1, 5)}}
+    policy["sites"]["site-5"] = {"confinement": {"mode": "required", "network": False}}
+    dag_file = airflow_home.write_job("hostile", job)
+    result = airflow_home.run("flare_hostile", dag_file, site_policy=policy)
+    assert result.state["state"] == "success", result.log[-4000:]
+    tasks = result.tasks
+    assert tasks["round_1.site-1"] == "success"
+    assert {tasks[f"round_1.site-{i}"] for i in (2, 3, 4, 5)} == {"failed"}, tasks
+    assert tasks["round_1.global_model"] == "success" and tasks["publish"] == "success", tasks
+    rejected = result.metrics()["rounds"][0]["rejected"]
+    assert "the trainer is confined: it may write only" in rejected["site-2"], rejected
+    assert "its input global model is read-only" in rejected["site-3"], rejected
+    assert "the trainer is confined: it may write only" in rejected["site-4"], rejected
+    assert "confined without network" in rejected["site-5"], rejected
+    run_dir = _run_dir(airflow_home, "hostile")
+    read_artifact(run_dir / "round-0000" / "global.safetensors")  # intact: size and sha256 against its record
+    assert read_record(run_dir / "round-0001" / "global.safetensors").meta["sites"] == ["site-1"]
+    assert not (airflow_home.store / "pwned-store-root").exists()
+    assert not list(dag_file.parent.glob("pwned-*")) and not list(airflow_home.root.glob("pwned-*"))
+    final = read_artifact(pathlib.Path(result.metrics()["final_model"].removeprefix("file://")))[0]
+    np.testing.assert_array_equal(final["w"], np.full(4, 1.0, np.float32))

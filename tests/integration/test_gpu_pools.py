@@ -115,7 +115,7 @@ def test_two_slot_pool_runs_at_most_two_one_gpu_jobs_with_distinct_devices(stack
 
     # The trainers' own record: two ran together (the pool, not luck, is the limit) and no GPU
     # was held by two running jobs.
-    records = [json.loads(p.read_text()) for p in folder.glob("site-*.json")]
+    records = [json.loads(p.read_text()) for p in (stack.home / "flare_store" / "pooled").rglob("gpu-probe.json")]
     assert sorted(r["site"] for r in records) == ["site-1", "site-2", "site-3", "site-4"]
     assert max_overlap([(r["start"], r["end"]) for r in records]) == 2
     assert all(r["devices"] in ("0", "1") for r in records)

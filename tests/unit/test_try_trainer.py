@@ -47,9 +47,9 @@ def try_trainer(*argv: str, env: dict[str, str] | None = None) -> subprocess.Com
 
 
 def test_an_accepted_update(tmp_path: pathlib.Path) -> None:
-    echo = tmp_path / "echo.json"
-    job = job_file(tmp_path, "--echo-args", str(echo))
+    job = job_file(tmp_path, "--echo-args", "echo.json")  # next to FLARE_OUTPUT: the trainer is confined
     work = tmp_path / "work"
+    echo = work / "tryme" / "try-trainer" / "round-0002" / "staging" / "site-2" / "try-1" / "echo.json"
     out = try_trainer(str(job), "--site", "site-2", "--hparam", "lr=0.1", "--round", "2", "--workdir", str(work))
     assert out.returncode == 0, out.stderr
     assert "update accepted: FULL update of 2 sample(s), metrics train_loss=2" in out.stdout

@@ -16,12 +16,15 @@ per site the worker serves::
           filters: [{type: gaussian, clip: 1.0, noise_multiplier: 1.0}]
           delta: 1.0e-5
           public_metrics: [train_loss]
+        confinement: {mode: auto, network: false}          # process sites: how trainers are confined
 
 The job asks, the site decides. For a site with a policy, the job's ``resource_spec`` (GPUs, CPUs,
 memory), ``weight``, ``retries`` and queue still come from the job; the launcher, the resource
 manager (GPU limit), the whole ``launcher_spec`` (paths, environment, secrets, images, volumes)
 and the site's ``privacy`` come from the policy only -- whatever the job file says for them is not
-used (the job's top-level ``privacy`` may add filters, never remove the site's). A request beyond
+used (the job's top-level ``privacy`` may add filters, never remove the site's). ``confinement``
+(how a process site's trainers are confined, ``docs/confinement.md``) is the policy's alone: a job
+file cannot set it, and without a policy it is ``auto``. A request beyond
 the policy's limits fails that site's task with a :class:`~flare_airflow.core.errors.ConfigError`.
 """
 
@@ -31,14 +34,21 @@ import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from flare_airflow.core import envvars
 from flare_airflow.core.config.describe import cap, describe
 from flare_airflow.core.config.job import JobConfig
 from flare_airflow.core.config.privacy import SitePrivacy
+from flare_airflow.core.config.process import ProcessConfinement
 from flare_airflow.core.config.resources import ResourceManagerSpec
-from flare_airflow.core.config.site import SUPPORTED_BACKENDS, LauncherSpec, SiteSpec, merge_sites
+from flare_airflow.core.config.site import (
+    SITE_POLICY_CONTEXT,
+    SUPPORTED_BACKENDS,
+    LauncherSpec,
+    SiteSpec,
+    merge_sites,
+)
 from flare_airflow.core.config.validators import Strict, conn_id_name
 from flare_airflow.core.config.yaml_loader import parse_job_yaml_text, read_job_yaml
 from flare_airflow.core.errors import ConfigError
@@ -47,7 +57,7 @@ SITE_CONFIG_ENV = envvars.FLARE_SITE_CONFIG
 # The Airflow variable that may hold the policy instead of a file (same YAML or JSON document).
 SITE_POLICY_VARIABLE = "flare_site_policy"
 # What the policy owns: the job's values for these are replaced, never merged.
-POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec", "privacy")
+POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec", "privacy", "confinement")
 
 
 class SitePolicyEntry(Strict):
@@ -59,6 +69,9 @@ class SitePolicyEntry(Strict):
     store_conn_id: str | None = Field(None, description="Airflow connection of the model store at this site")
     privacy: SitePrivacy | None = Field(
         None, description="filters applied to every update before it leaves, and what else may leave (privacy.md)"
+    )
+    confinement: ProcessConfinement | None = Field(
+        None, description="process sites: how trainers are confined (default: mode auto)"
     )
 
     @field_validator("store_conn_id")
@@ -76,6 +89,16 @@ class SitePolicyEntry(Strict):
                 f"unknown backend(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(SUPPORTED_BACKENDS)}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _confinement_of_process_sites(self) -> SitePolicyEntry:
+        if self.confinement is not None and self.launcher != "process":
+            raise ValueError(
+                f"confinement applies to process sites; a {self.launcher!r} site's trainers are confined by "
+                + ("their pod" if self.launcher == "k8s" else "the cluster (cgroups, the submitting user)")
+                + ": remove it"
+            )
+        return self
 
 
 class SitePolicy(Strict):
@@ -155,8 +178,12 @@ def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfi
         merged["resource_manager"] = entry.resource_manager.model_dump()
     if entry.privacy is not None:
         merged["privacy"] = entry.privacy.model_dump()
+    if entry.confinement is not None:
+        merged["confinement"] = entry.confinement
     try:
-        spec = SiteSpec.model_validate(merge_sites({site: merged}, None, None)[site])
+        spec = SiteSpec.model_validate(
+            merge_sites({site: merged}, None, None)[site], context={SITE_POLICY_CONTEXT: True}
+        )
     except ValidationError as exc:
         reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
         raise ConfigError(cap(f"{where}: the job's request does not fit the site's policy: {reasons}")) from None

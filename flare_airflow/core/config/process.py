@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import posixpath
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -108,3 +109,66 @@ class ProcessLaunchSpec(Strict):
         if value is not None and not value.strip():
             raise ValueError("must not be empty (leave it out to run in the job file's directory)")
         return None if value is None else no_nul(value, "cwd")
+
+
+# More than this many writable directories or devices is a policy no admin means.
+_MAX_CONFINEMENT_PATHS = 64
+
+
+class ProcessConfinement(Strict):
+    """How a process site confines its trainers (site policy only: ``sites.<site>.confinement``).
+
+    ``auto`` (the default): confined with bubblewrap where the worker can, else unconfined with a
+    warning in the task log. ``required``: a worker that cannot confine fails the site task.
+    ``off``: the trainer runs as the worker's user and can write wherever that user can.
+    """
+
+    mode: Literal["auto", "required", "off"] = Field(
+        "auto", description="auto: confine where the host can; required: refuse to run unconfined; off: unconfined"
+    )
+    network: bool = Field(True, description="false: no network but the trainer's own loopback")
+    writable: list[str] = Field(
+        default_factory=list, description="directories the trainer may write besides its output directory and /tmp"
+    )
+    devices: list[str] = Field(default_factory=list, description="device nodes passed through besides the GPUs")
+
+    @field_validator("writable")
+    @classmethod
+    def _writable(cls, value: list[str]) -> list[str]:
+        return [_confinement_path(p, "writable") for p in _bounded(value, "writable")]
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, value: list[str]) -> list[str]:
+        out = [_confinement_path(p, "devices") for p in _bounded(value, "devices")]
+        for path in out:
+            if not path.startswith("/dev/"):
+                raise ValueError(f"devices entry {path!r} is not a device node under /dev/ (e.g. /dev/infiniband)")
+        return out
+
+    @model_validator(mode="after")
+    def _off_is_off(self) -> ProcessConfinement:
+        if self.mode == "off" and (not self.network or self.writable or self.devices):
+            raise ValueError(
+                "mode 'off' runs the trainer unconfined, so network, writable and devices would not apply; "
+                "remove them, or use mode 'auto' or 'required'"
+            )
+        return self
+
+
+def _bounded(value: list[str], what: str) -> list[str]:
+    if len(value) > _MAX_CONFINEMENT_PATHS:
+        raise ValueError(f"{what} lists {len(value)} paths; at most {_MAX_CONFINEMENT_PATHS}")
+    return value
+
+
+def _confinement_path(value: str, what: str) -> str:
+    no_nul(value, what)
+    if not posixpath.isabs(value):
+        raise ValueError(f"{what} entry {value!r} must be an absolute path on the site's worker")
+    norm = posixpath.normpath(value)
+    if norm in ("/", "//"):
+        raise ValueError(f"{what} entry {value!r} is the whole file system: that is mode 'off', say so")
+    if ".." in value.split("/"):
+        raise ValueError(f"{what} entry {value!r} must not contain '..'; give the directory itself")
+    return norm

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from flare_airflow.core.config.describe import clip, short_repr
 from flare_airflow.core.config.kubernetes import KubernetesLaunchSpec
 from flare_airflow.core.config.privacy import SitePrivacy
-from flare_airflow.core.config.process import ProcessLaunchSpec
+from flare_airflow.core.config.process import ProcessConfinement, ProcessLaunchSpec
 from flare_airflow.core.config.resources import ResourceManagerSpec, ResourceSpec
 from flare_airflow.core.config.slurm import SlurmLaunchSpec
 from flare_airflow.core.config.validators import (
@@ -29,6 +29,8 @@ from flare_airflow.core.config.validators import (
 
 DEFAULT_SITE = "@default"
 NVFLARE_DEFAULT = "default"
+# The validation context under which a site's spec may carry the site policy's own fields.
+SITE_POLICY_CONTEXT = "site_policy"
 # The backends this version runs. NVFlare's job meta also names docker: a job that asks for it is
 # refused with the list below, never accepted and ignored.
 SUPPORTED_BACKENDS = ("process", "k8s", "slurm")
@@ -74,6 +76,21 @@ class SiteSpec(Strict):
         "task",
         description="task: one site task launches and waits; sensor: a launch task, then a sensor that watches",
     )
+    confinement: ProcessConfinement | None = Field(
+        None, description="set by the site policy only (sites.<site>.confinement); None: the default, auto"
+    )
+
+    @field_validator("confinement")
+    @classmethod
+    def _policy_only(cls, value: ProcessConfinement | None, info: ValidationInfo) -> ProcessConfinement | None:
+        # The site admin decides how trainers are confined; a job file that could say `mode: off`
+        # would let any job author undo it.
+        if value is not None and not (info.context or {}).get(SITE_POLICY_CONTEXT):
+            raise ValueError(
+                "confinement is the site admin's, not the job's: set it in the site policy "
+                "(sites.<site>.confinement in the worker's FLARE_SITE_CONFIG file or flare_site_policy variable)"
+            )
+        return value
 
     @field_validator("queue")
     @classmethod

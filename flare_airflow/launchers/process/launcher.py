@@ -5,7 +5,8 @@ environment (``FLARE_PROCESS_TREE``) that its descendants inherit. When the trai
 ``terminate()`` is called, every process of the job that this process can see is ended
 (:mod:`flare_airflow.launchers.process.tree`). Output streams line by line to a sink (the Airflow
 task log when run from a site task). Exit codes and signals map to ``JobReturnCode`` in
-:func:`~flare_airflow.launchers.process.state.map_exit`.
+:func:`~flare_airflow.launchers.process.state.map_exit`. Given a
+:class:`~flare_airflow.launchers.process.sandbox.Sandbox`, the trainer runs confined by bubblewrap.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -35,11 +37,13 @@ from flare_airflow.core.spec import (
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.process.environment import check_environment, check_launchable, trainer_environment
 from flare_airflow.launchers.process.naming import TREE_MARK_ENV, new_tree_mark
+from flare_airflow.launchers.process.sandbox import Sandbox, sandboxed_exit
 from flare_airflow.launchers.process.state import map_exit
 from flare_airflow.launchers.process.tree import (
     POLL_INTERVAL,
     become_subreaper,
     child_preexec,
+    children,
     end_processes,
     job_processes,
     signal_processes,
@@ -62,6 +66,7 @@ class ProcessJobHandle(JobHandleSpec):
         mark: str | None = None,
         adopt_orphans: bool = False,
         hidden: Iterable[str] = (),
+        sandbox_dir: Path | None = None,
     ) -> None:
         self.job = job
         self.proc = proc
@@ -75,6 +80,9 @@ class ProcessJobHandle(JobHandleSpec):
         self._lock = threading.Lock()
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._hidden: set[str] = {v for v in hidden if v}
+        # Confined (bwrap): the leader is bwrap, the trainer runs in its PID namespace; this private
+        # directory (the handshake's) is removed when the job ends.
+        self._sandbox_dir = sandbox_dir
         self._reader = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
         self._reader.start()
 
@@ -116,22 +124,31 @@ class ProcessJobHandle(JobHandleSpec):
             self._reason = f"the trainer did not call receive() within launch_timeout={timeout:g}s"
             self.terminate()
 
-    def poll(self) -> JobReturnCode:
+    @property
+    def confined(self) -> bool:
+        return self._sandbox_dir is not None
+
+    def _exit_status(self) -> int | None:
+        """The trainer's exit status (``None`` while it runs), as if it had not been confined."""
         code = self.proc.poll()
+        return sandboxed_exit(code) if self.confined else code
+
+    def poll(self) -> JobReturnCode:
+        code = self._exit_status()
         if code is None:
             self._check_launch_timeout()
-            code = self.proc.poll()
+            code = self._exit_status()
         return map_exit(code, terminated=self._terminated)[1]
 
     @property
     def state(self) -> JobState:
-        return map_exit(self.proc.poll(), terminated=self._terminated)[0]
+        return map_exit(self._exit_status(), terminated=self._terminated)[0]
 
     @property
     def reason(self) -> str:
         if self._reason:
             return self._reason
-        state, _, reason = map_exit(self.proc.poll(), terminated=self._terminated)
+        state, _, reason = map_exit(self._exit_status(), terminated=self._terminated)
         last = self.last_output() if state is JobState.FAILED else ""
         return f"{reason}; its last output: {last}" if last else reason
 
@@ -174,6 +191,14 @@ class ProcessJobHandle(JobHandleSpec):
         self._reader.join(timeout=5)
         if self._handshake is not None:
             self._handshake.unlink(missing_ok=True)
+        if self._sandbox_dir is not None:
+            shutil.rmtree(self._sandbox_dir, ignore_errors=True)
+
+    def _sandbox_processes(self) -> set[int]:
+        """bwrap itself: the leader and the PID namespace's init (its child), which ends the
+        namespace when the trainer ends."""
+        leader = self.proc.pid
+        return {leader, *children(leader)}
 
     def _kill_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -189,8 +214,14 @@ class ProcessJobHandle(JobHandleSpec):
             deadline = time.monotonic() + self.job.shutdown_timeout
             # Its descendants are still linked to it now: signal them before they are orphaned.
             others = self.processes()
-            self._kill_group(signal.SIGTERM)
-            signal_processes(others, signal.SIGTERM)
+            if self.confined:
+                # Not bwrap: its death would SIGKILL the namespace (--die-with-parent) and take the
+                # trainer's grace period. The trainer has its own group (--new-session); bwrap
+                # exits when it does.
+                signal_processes(others - self._sandbox_processes(), signal.SIGTERM)
+            else:
+                self._kill_group(signal.SIGTERM)
+                signal_processes(others, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=self.job.shutdown_timeout)
             except subprocess.TimeoutExpired:
@@ -227,21 +258,35 @@ class ProcessLauncher(JobLauncherSpec):
         self.adopt_orphans = adopt_orphans and become_subreaper()
         self.hidden = tuple(v for v in hidden if v)
 
-    def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> ProcessJobHandle:
+    def launch_job(
+        self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None, *, sandbox: Sandbox | None = None
+    ) -> ProcessJobHandle:
+        """Start the trainer; with ``sandbox``, confined by bubblewrap (:mod:`.sandbox`)."""
         if not job_meta.argv:
             raise LaunchError(f"{job_meta.label}: empty argv")
         check_environment(job_meta)
         handshake: Path | None = None
         mark = new_tree_mark()
         extra = {**job_meta.env, TREE_MARK_ENV: mark}
-        if job_meta.launch_timeout is not None:
+        sandbox_dir: Path | None = None
+        if sandbox is not None:
+            # The handshake goes where the launcher sees it: the trainer's /tmp is its own.
+            sandbox_dir = Path(tempfile.mkdtemp(prefix="flare-sandbox-"))
+            handshake = sandbox_dir / "handshake"
+        elif job_meta.launch_timeout is not None:
             fd, name = tempfile.mkstemp(prefix="flare-handshake-")
             os.close(fd)
             handshake = Path(name)
             handshake.unlink()
+        if job_meta.launch_timeout is not None and handshake is not None:
             extra[FLARE_HANDSHAKE] = str(handshake)
+        else:
+            handshake = None
         env = trainer_environment(os.environ, extra)
         check_launchable(job_meta, env.get("PATH", os.defpath))
+        argv = list(job_meta.argv)
+        if sandbox is not None and sandbox_dir is not None:
+            argv = sandbox.argv(argv, job_meta.cwd, env, also_writable=(str(sandbox_dir),))
         prefix = output_prefix(job_meta) if self.prefix_lines else ""
         sink = self.sink
 
@@ -250,7 +295,7 @@ class ProcessLauncher(JobLauncherSpec):
 
         try:
             proc = subprocess.Popen(
-                list(job_meta.argv),
+                argv,
                 env=env,
                 cwd=job_meta.cwd,
                 stdin=subprocess.DEVNULL,
@@ -266,9 +311,13 @@ class ProcessLauncher(JobLauncherSpec):
         except (OSError, ValueError) as exc:
             if handshake is not None:
                 handshake.unlink(missing_ok=True)
+            if sandbox_dir is not None:
+                shutil.rmtree(sandbox_dir, ignore_errors=True)
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise LaunchError(f"{job_meta.label}: cannot start {job_meta.argv[0]!r}: {detail}") from exc
-        return ProcessJobHandle(job_meta, proc, emit, handshake, mark, self.adopt_orphans, self.hidden)
+        return ProcessJobHandle(
+            job_meta, proc, emit, handshake, mark, self.adopt_orphans, self.hidden, sandbox_dir=sandbox_dir
+        )
 
     def find_job(self, identity: JobIdentity) -> ProcessJobHandle | None:
         """Never possible: a process site job is a child of the task that launched it and ends with

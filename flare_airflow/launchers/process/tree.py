@@ -101,6 +101,16 @@ def job_processes(
     return {p for p in found if p != own and p not in exclude and table[p][3] not in ("Z", "X")}
 
 
+def children(pid: int) -> set[int]:
+    """The live direct children of ``pid`` (Linux; elsewhere an empty set)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return set()
+    stats = {int(n): _stat(int(n)) for n in names if n.isdigit()}
+    return {child for child, st in stats.items() if st is not None and st[0] == pid and st[3] not in ("Z", "X")}
+
+
 def signal_processes(pids: Iterable[int], sig: int) -> None:
     """Send ``sig`` to each process and to its process group (never to this process's own group)."""
     own_group = os.getpgrp()

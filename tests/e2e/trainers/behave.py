@@ -6,7 +6,8 @@
               [--clobber-output-late SITE]... [--diff-all VALUE] [--fill-store SITE]...
               [--fail-in-round SITE:ROUND]... [--until-file PATH]
 
-Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number.
+Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number. A relative
+``--echo-args`` file is written in ``FLARE_OUTPUT``'s directory, which a confined trainer may write.
 """
 
 from __future__ import annotations
@@ -23,6 +24,22 @@ import numpy as np
 import flare_airflow.client as flare
 
 
+def _escape(what: str) -> None:
+    import pathlib
+    import socket
+
+    global_model = pathlib.Path(os.environ["FLARE_GLOBAL_MODEL"].removeprefix("file://"))
+    if what == "outside":
+        pathlib.Path("pwned-outside").write_text("x")
+    elif what == "global":
+        with open(global_model, "r+b") as fh:
+            fh.write(b"garbage")
+    elif what == "store":
+        (global_model.parents[3] / "pwned-store-root").write_text("x")  # store/job/run/round-0000/global
+    elif what == "net":
+        socket.create_connection(("192.0.2.1", 80), timeout=10).close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     flags = ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang", "send_then_fail", "send_twice", "nan_metric")
@@ -31,17 +48,23 @@ def main() -> int:
     p.add_argument("--diff-all", type=float)
     # --fail-in-round SITE:ROUND fails that site's job in that round, while --until-file (if given) does not exist.
     p.add_argument("--fail-in-round", action="append", default=[])
+    # --escape SITE:WHAT tries to break out after receive(): outside (its cwd), global (its input
+    # global model), store (the store's root), net (a connection out).
+    p.add_argument("--escape", action="append", default=[])
     p.add_argument("--until-file")
     p.add_argument("--fail-evaluate", action="store_true")
     p.add_argument("--pidfile-dir")
     p.add_argument("--echo-args")
     args, rest = p.parse_known_args()
     site = os.environ["FLARE_SITE"]
-    if args.pidfile_dir:
+    # The server's evaluation is confined by default and writes only its output: sites only.
+    evaluating = os.environ.get("FLARE_TASK") == "evaluate"
+    if args.pidfile_dir and not evaluating:
         with open(os.path.join(args.pidfile_dir, f"{site}.pid"), "w") as fh:
             fh.write(str(os.getpid()))
-    if args.echo_args:
-        with open(args.echo_args, "w") as fh:
+    if args.echo_args and not evaluating:
+        echo = os.path.join(os.path.dirname(os.environ["FLARE_OUTPUT"].removeprefix("file://")), args.echo_args)
+        with open(echo, "w") as fh:
             json.dump({"args": rest, "hparams": flare.get_hparams(), "round": os.environ["FLARE_ROUND"]}, fh)
     if site in args.hang:
         print(f"{site}: hanging", flush=True)
@@ -65,6 +88,10 @@ def main() -> int:
         print(f"{site}: failing on purpose", flush=True)
         return 3
     model = flare.receive()
+    for item in args.escape:
+        who, _, what = item.partition(":")
+        if who == site:
+            _escape(what)
     if flare.is_evaluate():
         if args.fail_evaluate:
             print("evaluator crashing on purpose", flush=True)

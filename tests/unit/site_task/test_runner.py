@@ -81,6 +81,9 @@ def make_run(trainer: pathlib.Path, global_model: pathlib.Path, output: pathlib.
         "output": str(output),
         "hparams": {"lr": 0.1, "epochs": 2},
         "shutdown_timeout": 5.0,
+        # Unconfined (the site policy's opt-out): these drills read the trainer's host pids from a
+        # file next to it; the confined runs are in test_confinement.py.
+        "confinement": {"mode": "off"},
     }
     fields.update(kw)
     return SiteRun(**fields)
@@ -543,7 +546,7 @@ def test_a_trainer_that_touches_its_input_global_model(tamper: str, tmp_path: pa
         argv=[sys.executable, str(script)], global_model=str(global_model),
         output=str(store / "round-0001" / "sites" / "site-1.safetensors"),
         staging=str(store / "round-0001" / "staging" / "site-1" / "try-1" / "update.safetensors"),
-        shutdown_timeout=2.0,
+        shutdown_timeout=2.0, confinement={"mode": "off"},  # unconfined: the trainer can write its input
     )  # fmt: skip
     rc, result = run_site(run, ProcessLauncher(sink=lambda _line: None), handle_signals=False)
     if "^=" in tamper:
