@@ -54,6 +54,7 @@ import bench_poc
 import bench_privacy
 import bench_rounds
 import bench_scale
+import bench_tracking
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -73,6 +74,7 @@ OWN_OUTPUTS = {
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
     "privacy": BENCH_DIR / "results" / "privacy.md",
+    "tracking": BENCH_DIR / "results" / "tracking.md",
 }
 
 
@@ -96,6 +98,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "rounds",
             "edge",
             "privacy",
+            "tracking",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -162,6 +165,10 @@ def main(argv: list[str]) -> int:
             log("[privacy] the site's filters per update; digits accuracy under local DP ...")
             tables = bench_privacy.run(reps=args.reps, quick=args.quick)
             sections.append(("8. Privacy: the site's filters and what noise costs", tables))
+        if args.only == "tracking":
+            log("[tracking] digits with and without MLflow tracking under the real scheduler ...")
+            tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Experiment tracking's cost per round", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(

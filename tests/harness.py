@@ -77,14 +77,28 @@ class AirflowHome:
         dag_file.write_text(textwrap.dedent(code))
         return dag_file
 
-    def run(self, dag_id: str, dag_file: pathlib.Path | None = None, conf: dict[str, Any] | None = None) -> RunResult:
+    def run(
+        self,
+        dag_id: str,
+        dag_file: pathlib.Path | None = None,
+        conf: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> RunResult:
         log = self.root / f"{dag_id}-{len(list(self.root.glob('*.log')))}.log"
         cmd = [str(BIN / "flare-airflow"), "run", dag_id, "--json", "--log", str(log)]
         if dag_file is not None:  # relative, as a user types it (Airflow itself needs it absolute)
             cmd += ["--dagfile", os.path.relpath(dag_file, self.root)]
         if conf:
             cmd += ["--conf", json.dumps(conf)]
-        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=False, timeout=900, cwd=self.root)
+        out = subprocess.run(
+            cmd,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=900,
+            cwd=self.root,
+        )
         assert out.stdout.strip(), f"no output from flare-airflow run: {out.stderr[-3000:]}"
         state = json.loads(out.stdout)
         return RunResult(state=state, log=log.read_text(), returncode=out.returncode, stderr=out.stderr)

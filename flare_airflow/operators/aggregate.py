@@ -27,6 +27,7 @@ from flare_airflow.operators.common import (
 )
 from flare_airflow.operators.site import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
+from flare_airflow.operators.tracking import track_round
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
@@ -171,6 +172,7 @@ class AggregateOperator(BaseOperator):
             "round %d: %d/%d sites counted %s, metrics %s, evaluation %s",
             r, len(outcome.accepted), len(job.sites), summary["accepted"], outcome.metrics, summary["evaluation"],
         )  # fmt: skip
+        track_round(job, context, summary, self.log)
         return summary
 
     def _check_sites_done(self, context: Context, rounds: int) -> None:
