@@ -1,121 +1,127 @@
 """Experiment tracking's cost per round: the digits job with MLflow tracking (embedded SQLite store)
-against the same job without it, under Airflow's real scheduler (``tests.stack``: a private
-PostgreSQL, api-server, scheduler with the LocalExecutor, dag-processor).
+against the same job without it, side by side.
 
 Two DAGs of the digits demo's shape (4 process sites, 3 rounds, evaluation on) differ only in
-``tracking: {backend: mlflow}``. A first tracked run creates the SQLite store (once per store) and
-is reported apart; then the runs alternate. Reported: trigger-to-end wall time per round, and the
-aggregation task's own duration (where tracking runs: one import of MLflow and the writes per
-round), medians of the repetitions.
+``tracking: {backend: mlflow}``; they run through ``flare-airflow run`` (``airflow dags test`` on
+SQLite, the embedded default). A first tracked run creates the SQLite store (once per store) and
+is reported apart; then the runs alternate. Reported, medians of the repetitions:
+
+- wall time per round, tracking off and on;
+- tracking's own time inside each round's aggregation task, from the task log (the line after
+  the round's summary to the line that reports the write);
+- what a task pays in a fresh process, as under the real scheduler where every task is a process
+  of its own (``dags test`` runs its tasks in one process, which imports MLflow once per run):
+  a new Python process that imports the writer and writes one round to the same store.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
+import datetime
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 from bench_common import BenchmarkFailed, Table, log, median, spread
-from bench_scale import descendants
 
 REPO = Path(__file__).resolve().parent.parent
 ROUNDS = 3
-PARALLELISM = 4
+FRESH_WRITE = """
+import sys, time
+t = time.monotonic()
+from flare_airflow.tracking import MlflowWriter, RunIdentity
+writer = MlflowWriter(sys.argv[1], "digits-on")
+with writer.session():
+    writer.write(RunIdentity("bench", sys.argv[2], "digits-on", "file:///"), {"global_accuracy": {1: 0.5}},
+                 {f"site-{i}": {"train_loss": {1: 0.3}} for i in range(1, 5)})
+print(time.monotonic() - t)
+"""
 
 
-def write_job(folder: Path, dag_id: str, tracking: bool) -> None:
+def _job(dag_id: str, tracking: bool) -> dict:
     job = yaml.safe_load((REPO / "dags" / "digits.yaml").read_text())
-    job.update(job=dag_id.replace("_", "-"), rounds=ROUNDS)
+    job.update(job=dag_id, rounds=ROUNDS)
     job["initial_model"] = str(REPO / "examples" / "digits" / "initial_model.safetensors")
     job["trainer"]["script"] = str(REPO / "examples" / "digits" / "trainer.py")
     if tracking:
         job["tracking"] = {"backend": "mlflow"}
-    (folder / f"{dag_id}.yaml").write_text(yaml.safe_dump(job))
-    (folder / f"{dag_id}_dag.py").write_text(
-        "from pathlib import Path\n\n"
-        "from flare_airflow.builder import build_dag\n\n"
-        f'dag = build_dag(Path(__file__).with_name("{dag_id}.yaml"), dag_id="{dag_id}")\n'
-    )
+    return job
 
 
-def timed_run(stack: Any, dag_id: str) -> tuple[float, list[float]]:
-    """Seconds from trigger to end, and each round's aggregation task duration."""
-    started = time.monotonic()
-    run_id = stack.trigger(dag_id, {})
-    state = stack.wait_for_run(dag_id, run_id, timeout=900)
-    elapsed = time.monotonic() - started
-    tis = stack.task_instances(dag_id, run_id)
-    if state != "success":
-        raise BenchmarkFailed(f"{dag_id} run {run_id}: {state}; { ({t: ti['state'] for t, ti in tis.items()}) }")
-    aggregations = [float(ti["duration"]) for t, ti in tis.items() if t.endswith(".global_model")]
-    return elapsed, aggregations
+def _stamp(line: str) -> float:
+    return datetime.datetime.fromisoformat(line.split(" ", 1)[0].replace("Z", "+00:00")).timestamp()
+
+
+def tracking_seconds(home: Path, dag_id: str, run_id: str) -> list[float]:
+    """Per round: from the aggregation's summary line to the line reporting the tracking write."""
+    out = []
+    for r in range(1, ROUNDS + 1):
+        logs = home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id=round_{r}.global_model"
+        lines = "\n".join(p.read_text() for p in sorted(logs.glob("attempt=*.log"))).splitlines()
+        start = [_stamp(x) for x in lines if re.search(rf"\] round {r}: \d+/\d+ sites counted", x)]
+        end = [_stamp(x) for x in lines if f"experiment tracking (round {r})" in x]
+        if not start or not end:
+            raise BenchmarkFailed(f"{dag_id} {run_id}: no tracking lines in round {r}'s aggregation log")
+        out.append(end[-1] - start[-1])
+    return out
 
 
 def run(*, reps: int, keep: bool, tmp_base: str | None) -> list[Table]:
-    import tempfile
-
     sys.path.insert(0, str(REPO))
-    from tests.stack import AirflowStack, Postgres
+    from tests.harness import BIN, AirflowHome
 
     root = Path(tempfile.mkdtemp(prefix="flare-bench-tracking-", dir=tmp_base))
-    pg = stack = None
-    walls: dict[str, list[float]] = {"off": [], "on": []}
-    aggs: dict[str, list[float]] = {"off": [], "on": []}
-    first: tuple[float, list[float]] | None = None
-    try:
-        pg = Postgres()
-        stack = AirflowStack(root / "stack", pg.url, parallelism=PARALLELISM)
-        write_job(stack.dags, "digits_off", tracking=False)
-        write_job(stack.dags, "digits_on", tracking=True)
-        stack.start()
-        log("[tracking] PostgreSQL + Airflow up")
-        first = timed_run(stack, "digits_on")
-        log(f"[tracking] first tracked run (creates the SQLite store): {first[0]:.1f}s")
-        for rep in range(reps):
-            for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-                elapsed, agg = timed_run(stack, f"digits_{mode}")
-                walls[mode].append(elapsed / ROUNDS)
-                aggs[mode].append(median(agg))
-                log(f"[tracking] {mode}: {elapsed:.1f}s, aggregation {median(agg):.2f}s")
-    finally:
-        if stack is not None:
-            tree = descendants([p.pid for p in stack.procs])
-            stack.stop()
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        if pg is not None:
-            pg.stop()
-        if not keep:
-            import shutil
+    home = AirflowHome(root)
+    files = {mode: home.write_job(f"digits_{mode}", _job(f"digits_{mode}", mode == "on")) for mode in ("off", "on")}
+    per_round: dict[str, list[float]] = {"off": [], "on": []}
+    inside: list[float] = []
 
-            shutil.rmtree(root, ignore_errors=True)
+    def timed(mode: str) -> tuple[float, str]:
+        started = time.monotonic()
+        result = home.run(f"flare_digits_{mode}", files[mode])
+        elapsed = time.monotonic() - started
+        if result.state["state"] != "success":
+            raise BenchmarkFailed(f"digits_{mode}: {result.state['state']}; {result.tasks}")
+        return elapsed, result.state["run_id"]
+
+    first, _ = timed("on")
+    log(f"[tracking] first tracked run (creates the SQLite store): {first:.1f}s")
+    for rep in range(reps):
+        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            elapsed, run_id = timed(mode)
+            per_round[mode].append(elapsed / ROUNDS)
+            if mode == "on":
+                inside += tracking_seconds(home.home, "flare_digits_on", run_id)
+            log(f"[tracking] {mode}: {elapsed:.1f}s")
+    db = f"sqlite:///{home.store / 'mlflow.db'}"
+    fresh = []
+    for rep in range(reps):
+        out = subprocess.run(
+            [str(BIN / "python"), "-c", FRESH_WRITE, db, f"fresh-{rep}"],
+            env=home.env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        fresh.append(float(out.stdout.strip().splitlines()[-1]))
+    if not keep:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    off = median(per_round["off"])
     table = Table(
-        f"Digits (4 process sites x {ROUNDS} rounds, evaluation on) with and without MLflow tracking "
-        f"(embedded SQLite), real scheduler (LocalExecutor, parallelism {PARALLELISM}, PostgreSQL); "
-        f"medians of {reps}",
-        ["tracking", "per round, trigger to end (s)", "runs", "aggregation task (s)", "runs"],
+        f"Digits (4 process sites x {ROUNDS} rounds, evaluation on) with and without MLflow tracking (embedded "
+        f"SQLite), `flare-airflow run` (dags test); medians of {reps} runs",
+        ["measure", "seconds", "runs", "share of a round without tracking"],
     )
-    for mode in ("off", "on"):
-        table.add(
-            mode, f"{median(walls[mode]):.2f}", spread(walls[mode]), f"{median(aggs[mode]):.2f}", spread(aggs[mode])
-        )
-    cost = median(walls["on"]) - median(walls["off"])
-    table.add(
-        "cost of tracking",
-        f"{cost:+.2f} ({100 * cost / median(walls['off']):+.0f} % of a round)",
-        "",
-        f"{median(aggs['on']) - median(aggs['off']):+.2f}",
-        "",
+    table.add("a round, tracking off", f"{off:.2f}", spread(per_round["off"]), "")
+    on = median(per_round["on"])
+    table.add("a round, tracking on", f"{on:.2f}", spread(per_round["on"]), f"{100 * (on - off) / off:+.1f} %")
+    table.add("tracking inside the aggregation (task log)", f"{median(inside):.3f}", spread(inside, "{:.3f}"),
+              f"{100 * median(inside) / off:.1f} %")  # fmt: skip
+    table.add("a fresh process: import + one round's write", f"{median(fresh):.2f}", spread(fresh),
+              f"{100 * median(fresh) / off:.1f} %")  # fmt: skip
+    table.notes.append(
+        f"The first tracked run, which creates the SQLite store, took {first / ROUNDS:.2f} s per round; not counted."
     )
-    if first is not None:
-        table.notes.append(
-            f"The first tracked run, which creates the SQLite store, took {first[0] / ROUNDS:.2f} s per round "
-            f"(aggregation {median(first[1]):.2f} s); not counted above."
-        )
     return [table]
