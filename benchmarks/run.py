@@ -166,7 +166,7 @@ def main(argv: list[str]) -> int:
             tables = bench_privacy.run(reps=args.reps, quick=args.quick)
             sections.append(("8. Privacy: the site's filters and what noise costs", tables))
         if args.only == "tracking":
-            log("[tracking] digits with and without MLflow tracking under the real scheduler ...")
+            log("[tracking] digits with and without MLflow tracking (flare-airflow run) ...")
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Experiment tracking's cost per round", tables))
         if args.only == "nvflare-aggregation":
