@@ -11,6 +11,7 @@ embedded tracker -- stops the run, and only at its start (prepare).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from importlib.util import find_spec
 from typing import Any
 
 from airflow.sdk import Context
@@ -170,6 +171,11 @@ def track_run_start(job: JobConfig, context: Context, log: Any) -> None:
     """At the run's start (prepare): refuse a tracking configuration that cannot work; open the run."""
     if job.tracking is None:
         return
+    if find_spec("mlflow") is None:
+        raise AirflowFailException(
+            "tracking: backend mlflow needs the mlflow package where Airflow runs this job's tasks: "
+            "pip install 'flare-airflow[tracking]' there, or remove tracking from the job"
+        )
     try:
         _writer(job, store_for(job))
     except TrackingConfigError as exc:

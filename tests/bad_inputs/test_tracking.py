@@ -13,6 +13,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.core.config import job_from_dict
+from flare_airflow.operators import tracking
 from flare_airflow.operators.tracking import track_run_start
 from tests.bad_inputs.cases import Case, assert_clear
 
@@ -27,6 +28,13 @@ CASES = [
         "the tracking server's URI and credentials",
     ),
     Case(
+        "tracking-mlflow-not-installed",
+        "tracking",
+        "tracking: {backend: mlflow} on workers without the mlflow package",
+        "tracking: backend mlflow needs the mlflow package where Airflow runs this job's tasks: "
+        "pip install 'flare-airflow[tracking]' there",
+    ),
+    Case(
         "tracking-embedded-on-object-store",
         "tracking",
         "tracking with the embedded store and an s3:// model store (no place for a SQLite file)",
@@ -36,6 +44,7 @@ CASES = [
 SPECS = {
     "tracking-connection-missing": ({"conn_id": "mlflow_team"}, None),
     "tracking-embedded-on-object-store": ({}, "s3://models/flare"),
+    "tracking-mlflow-not-installed": ({}, None),
 }
 
 
@@ -44,6 +53,9 @@ def test_tracking_that_cannot_work_stops_the_run_at_its_start(
     bad_case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("AIRFLOW_CONN_MLFLOW_TEAM", raising=False)
+    if bad_case.id == "tracking-mlflow-not-installed":
+        # Stand-in for a worker without mlflow (this environment has it): the package lookup finds nothing.
+        monkeypatch.setattr(tracking, "find_spec", lambda name: None)
     spec, store = SPECS[bad_case.id]
     (tmp_path / "train.py").write_text("")
     job = job_from_dict(
