@@ -55,6 +55,7 @@ import bench_poc
 import bench_privacy
 import bench_rounds
 import bench_scale
+import bench_tracking
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -75,6 +76,7 @@ OWN_OUTPUTS = {
     "edge": BENCH_DIR / "results" / "edge.md",
     "privacy": BENCH_DIR / "results" / "privacy.md",
     "confinement": BENCH_DIR / "results" / "confinement.md",
+    "tracking": BENCH_DIR / "results" / "tracking.md",
 }
 
 
@@ -99,6 +101,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "edge",
             "privacy",
             "confinement",
+            "tracking",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -169,6 +172,10 @@ def main(argv: list[str]) -> int:
             log("[confinement] one site job, confined (bubblewrap) vs unconfined ...")
             tables = bench_confinement.run(reps=max(args.reps, 5), keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Confinement of process trainers: the cost of one site job", tables))
+        if args.only == "tracking":
+            log("[tracking] digits with and without MLflow tracking (flare-airflow run) ...")
+            tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Experiment tracking's cost per round", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(

@@ -83,21 +83,30 @@ class AirflowHome:
         dag_file: pathlib.Path | None = None,
         conf: dict[str, Any] | None = None,
         site_policy: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
     ) -> RunResult:
         """Run ``dag_id`` once; ``site_policy`` (``{"sites": {...}}``) is the workers' site policy
-        file (``FLARE_SITE_CONFIG``) for this run only."""
+        file (``FLARE_SITE_CONFIG``) for this run only; ``env`` adds variables for this run only."""
         log = self.root / f"{dag_id}-{len(list(self.root.glob('*.log')))}.log"
-        env = self.env
+        run_env = self.env
         if site_policy is not None:
             policy = log.with_suffix(".policy.yaml")
             policy.write_text(yaml.safe_dump(site_policy))
-            env = {**self.env, "FLARE_SITE_CONFIG": str(policy)}
+            run_env = {**self.env, "FLARE_SITE_CONFIG": str(policy)}
         cmd = [str(BIN / "flare-airflow"), "run", dag_id, "--json", "--log", str(log)]
         if dag_file is not None:  # relative, as a user types it (Airflow itself needs it absolute)
             cmd += ["--dagfile", os.path.relpath(dag_file, self.root)]
         if conf:
             cmd += ["--conf", json.dumps(conf)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=900, cwd=self.root)
+        out = subprocess.run(
+            cmd,
+            env={**run_env, **(env or {})},
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=900,
+            cwd=self.root,
+        )
         assert out.stdout.strip(), f"no output from flare-airflow run: {out.stderr[-3000:]}"
         state = json.loads(out.stdout)
         return RunResult(state=state, log=log.read_text(), returncode=out.returncode, stderr=out.stderr)

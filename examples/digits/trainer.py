@@ -21,6 +21,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+from collections.abc import Callable
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -114,11 +115,22 @@ def loss_and_accuracy(w: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray
 
 
 def train(
-    w: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray, *, lr: float, epochs: int, batch_size: int, seed: int
+    w: np.ndarray,
+    b: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    lr: float,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    on_epoch: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     onehot = np.eye(NUM_CLASSES, dtype=np.float32)[y]
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        if on_epoch is not None and epoch:
+            on_epoch(epoch, w, b)
         order = rng.permutation(len(y))
         for start in range(0, len(y), batch_size):
             batch = order[start : start + batch_size]
@@ -126,6 +138,8 @@ def train(
             grad = (softmax(xb @ w + b) - tb) / len(batch)
             w = w - np.float32(lr) * (xb.T @ grad)
             b = b - np.float32(lr) * grad.sum(axis=0)
+    if on_epoch is not None:
+        on_epoch(epochs, w, b)
     return w.astype(np.float32), b.astype(np.float32)
 
 
@@ -159,6 +173,14 @@ def main(argv: list[str]) -> int:
     else:
         shard = partition(y_train, args.num_sites, args.alpha, args.seed)[site_index(model.site or "", args.num_sites)]
         x, y = x_train[shard], y_train[shard]
+    epochs = int(hp.get("local_epochs", 5))
+
+    def log_epoch(epoch: int, w_now: np.ndarray, b_now: np.ndarray) -> None:
+        # The training loss after each local epoch, for the experiment tracker (docs/tracking.md):
+        # one series per site, steps continuing across rounds.
+        step = ((model.current_round or 1) - 1) * epochs + epoch
+        flare.log_metric("epoch_train_loss", loss_and_accuracy(w_now, b_now, x, y)[0], step=step)
+
     seed = args.seed * 1_000_003 + (model.current_round or 0) * 101 + site_index(model.site or "", args.num_sites)
     new_w, new_b = train(
         w,
@@ -166,9 +188,10 @@ def main(argv: list[str]) -> int:
         x,
         y,
         lr=float(hp.get("lr", 0.5)),
-        epochs=int(hp.get("local_epochs", 5)),
+        epochs=epochs,
         batch_size=int(hp.get("batch_size", 32)),
         seed=seed,
+        on_epoch=log_epoch,
     )
     loss, acc = loss_and_accuracy(new_w, new_b, x, y)
     print(f"site {model.site} round {model.current_round}: {len(y)} samples, train loss {loss:.4f}, acc {acc:.4f}")

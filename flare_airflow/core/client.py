@@ -23,10 +23,15 @@ Example::
     model = flare.receive()
     new_params, n, loss = train(model.params, **flare.get_hparams())
     flare.send(flare.FLModel(params=new_params, metrics={"loss": loss}, meta={"num_samples": n}))
+
+``log_metric(name, value, step)`` records a scalar of your own (a loss per epoch, say); it
+travels with the update sent and reaches the run's experiment tracker in the site's child run
+(docs/tracking.md). The site itself never talks to the tracker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -49,6 +54,13 @@ from flare_airflow.core.errors import ClientAPIError, FlareAirflowError
 from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.core.strategies.fedprox import FEDPROX_MU_HPARAM, proximal_gradient, proximal_term
+from flare_airflow.core.tracking import (
+    MAX_STEP,
+    MAX_TRACKED_POINTS,
+    TRACKED_META_KEY,
+    finite_number,
+    metric_key_problem,
+)
 
 __all__ = [
     "ENV_VARS",
@@ -63,6 +75,7 @@ __all__ = [
     "init",
     "is_evaluate",
     "is_train",
+    "log_metric",
     "proximal_gradient",
     "proximal_term",
     "receive",
@@ -78,6 +91,8 @@ class _Session:
     def __init__(self) -> None:
         self.received: FLModel | None = None
         self.sent = False
+        # (name, step) -> value: one value per name and step, the last call wins.
+        self.tracked: dict[tuple[str, int], float] = {}
 
 
 _session = _Session()
@@ -175,7 +190,33 @@ def receive() -> FLModel:
     )
     _session.received = model
     _session.sent = False
+    _session.tracked = {}
     return model
+
+
+def log_metric(name: str, value: float, step: int | None = None) -> None:
+    """Record a scalar of this site's training (e.g. the loss of each epoch) for the experiment tracker.
+
+    It is sent with this round's update by ``send()`` and written to the site's run in the tracker
+    by the round's aggregation (no tracker access from the site). ``step`` defaults to the round;
+    give your own (``(round - 1) * epochs + epoch``) for a series within a round. One value per
+    name and step: logging the same name and step again replaces the value.
+    """
+    why = metric_key_problem(name)
+    if why is not None:
+        raise ClientAPIError(f"log_metric: {why}")
+    number = finite_number(value)
+    if number is None:
+        raise ClientAPIError(f"log_metric({name!r}): the value must be a finite number, got {str(value)[:40]!r}")
+    if step is None:
+        step = get_round()
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ClientAPIError(f"log_metric({name!r}): step must be an integer in 0..2**53, got {str(step)[:40]!r}")
+    if len(_session.tracked) >= MAX_TRACKED_POINTS and (name, step) not in _session.tracked:
+        raise ClientAPIError(
+            f"log_metric: more than {MAX_TRACKED_POINTS} points in one round; log fewer (e.g. per epoch, not per batch)"
+        )
+    _session.tracked[(name, step)] = number
 
 
 def send(model: FLModel) -> None:
@@ -196,6 +237,9 @@ def send(model: FLModel) -> None:
         # A multi-rank site job (SLURM nodes / tasks_per_node > 1): the site's one update is rank 0's.
         _session.sent = True
         return
+    if _session.tracked:
+        tracked = [[name, value, step] for (name, step), value in sorted(_session.tracked.items())]
+        model = dataclasses.replace(model, meta={**model.meta, TRACKED_META_KEY: tracked})
     out = path_from_uri(_env(FLARE_OUTPUT))
     write_artifact(out, model, where=f"update from site {get_site_name()} round {get_round()}")
     _session.sent = True

@@ -27,6 +27,7 @@ from flare_airflow.operators.common import (
 )
 from flare_airflow.operators.site import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
+from flare_airflow.operators.tracking import track_round
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
@@ -195,6 +196,7 @@ class AggregateOperator(BaseOperator):
             f" (combined {outcome.selected})" if outcome.selected is not None else "",
             outcome.metrics, summary["evaluation"],
         )  # fmt: skip
+        track_round(job, context, summary, self.log)
         return summary
 
     def _server_state(self, context: Context, store: Any, run_id: str) -> tuple[dict[str, Any], WritablePath]:

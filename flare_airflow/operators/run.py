@@ -27,6 +27,7 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
+from flare_airflow.operators.tracking import track_publish, track_run_start
 
 
 def _resume_hint(context: Context, round_num: int) -> str:
@@ -81,6 +82,7 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
         except RunParamsError as exc:
             raise AirflowFailException(f"invalid run parameters: {exc}") from None
         self._check_pools()
+        track_run_start(self.job, context, self.log)
         store = store_for(self.job)
         run_id = run_id_of(context)
         source = None
@@ -355,6 +357,7 @@ class PublishOperator(BaseOperator):
         if note:
             self.log.warning("%s", note)
         self.log.info("final model: %s\nmetrics: %s\nplot: %s", model_path, metrics_path, plot_path)
+        track_publish(self.job, context, summaries, pointer, self.log)
         return {"final_model": str(model_path), "metrics": str(metrics_path), "plot": str(plot_path), **pointer}
 
 

@@ -15,6 +15,7 @@ CATEGORIES = {
     "slurm": "SLURM spec",
     "cli": "CLI",
     "privacy": "Privacy (docs/privacy.md)",
+    "tracking": "Experiment tracking (docs/tracking.md)",
 }
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*[a-z0-9]$")

@@ -864,6 +864,42 @@ case(
     value={"process": {"cwd": "/data\0/x"}},
 )
 
+case(
+    "tracking-unknown-backend",
+    "tracking: {backend: wandb} (a tracker flare-airflow does not write to)",
+    "unknown tracking backend 'wandb': use one of mlflow",
+    field="tracking",
+    value={"backend": "wandb"},
+)
+case(
+    "tracking-uri-with-credentials",
+    "tracking.uri with a user and password in it",
+    "tracking.uri holds credentials (a user name or password before '@'); a job file must not",
+    field="tracking",
+    value={"backend": "mlflow", "uri": "https://alice:s3cr3t@mlflow.example.org"},
+)
+case(
+    "tracking-uri-with-token",
+    "tracking.uri with an access token as a query parameter",
+    "tracking.uri holds credentials (the query parameter 'token')",
+    field="tracking",
+    value={"backend": "mlflow", "uri": "https://mlflow.example.org/?token=s3cr3t"},
+)
+case(
+    "tracking-conn-id-as-uri",
+    "tracking.conn_id written as a URI with credentials",
+    "tracking.conn_id must be an Airflow connection id",
+    field="tracking",
+    value={"backend": "mlflow", "conn_id": "http://alice:s3cr3t@mlflow:5000"},
+)
+case(
+    "tracking-conn-id-and-uri",
+    "tracking with both conn_id and uri",
+    "tracking: give conn_id (a server through an Airflow connection) or uri, not both",
+    field="tracking",
+    value={"backend": "mlflow", "conn_id": "mlflow", "uri": "http://mlflow:5000"},
+)
+
 
 def _set(data: dict[str, Any], field: str, value: Any) -> None:
     *parents, last = field.split(".")
@@ -950,3 +986,12 @@ def test_a_store_conn_id_that_looks_like_credentials_is_not_echoed(tmp_path: pat
     path = build(tmp_path, Bad(field="store_conn_id", value="aws://AKIA:s3cr3t@"))
     message = validate(path)
     assert "store_conn_id" in message and "s3cr3t" not in message, message
+
+
+@pytest.mark.parametrize(
+    "tracking",
+    [{"backend": "mlflow", "uri": "https://alice:s3cr3t@x"}, {"backend": "mlflow", "conn_id": "http://a:s3cr3t@x"}],
+)
+def test_tracking_credentials_are_not_echoed(tmp_path: pathlib.Path, tracking: dict[str, str]) -> None:
+    message = validate(build(tmp_path, Bad(field="tracking", value=tracking)))
+    assert "tracking" in message and "s3cr3t" not in message, message

@@ -58,6 +58,13 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         ),
     ),
     (r"^airflow edge worker\b", RunBy("tests/deploy_guide.py", "(airflow edge worker [^`]+)")),
+    (
+        r"^mlflow ui\b",
+        NotRun(
+            "MLflow's own browser UI on the embedded store; the same MLflow server code is started and "
+            "read by tests/e2e/test_tracking.py (mlflow server)"
+        ),
+    ),
     (r"^make airflow$", RunBy("tests/integration/test_make_airflow.py", '"airflow", f"AIRFLOW_HOME={home}"')),
     (r"^make test$", NotRun("the command that runs this suite (.ci/run calls it)")),
     (
@@ -78,6 +85,10 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         r"^make bench$",
         NotRun("~35 min of measurements on a quiet machine: run by hand, reports in benchmarks/results/"),
     ),
+    (
+        r"^python benchmarks/run\.py --only tracking$",
+        NotRun("measurements on a quiet machine: run by hand, report in benchmarks/results/tracking.md"),
+    ),
     (r"^make lock$", NotRun("re-resolves every dependency from the registry and rewrites requirements.lock")),
     (
         r"^kubectl\b",
@@ -91,6 +102,13 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         NotRun(
             "the `sites` extra's packages are in requirements.lock and installed by `make setup` for the "
             "Edge tier (tests/e2e/test_edge_sites.py); this line installs them into a deployment"
+        ),
+    ),
+    (
+        r"^pip install 'flare-airflow\[tracking\]'$",
+        NotRun(
+            "the `tracking` extra (mlflow) is in requirements.lock and installed by `make setup` for "
+            "tests/e2e/test_tracking.py; this line installs it into a deployment"
         ),
     ),
     (r"^airflow plugins$", WALKTHROUGH),

@@ -48,6 +48,7 @@ from flare_airflow.core.config.site import (
     merge_sites,
 )
 from flare_airflow.core.config.slurm import SlurmLaunchSpec
+from flare_airflow.core.config.tracking import TRACKING_BACKENDS, TrackingSpec
 from flare_airflow.core.config.validators import (
     MAX_FORM_INT,
     MAX_SECONDS,
@@ -97,6 +98,7 @@ __all__ = [
     "SUPPORTED_BACKENDS",
     "SYSTEM_HOST_PATHS",
     "SYSTEM_MOUNT_PATHS",
+    "TRACKING_BACKENDS",
     "AggregatorSpec",
     "AirflowSecretRef",
     "JobConfig",
@@ -112,6 +114,7 @@ __all__ = [
     "SiteSpec",
     "SlurmLaunchSpec",
     "StoreMount",
+    "TrackingSpec",
     "TrainerSpec",
     "VolumeSpec",
     "apply_site_policy",

@@ -18,6 +18,7 @@ from flare_airflow.core.config.aggregator import AggregatorSpec, check_hparams_f
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
 from flare_airflow.core.config.privacy import JobPrivacy, site_privacy_plan
 from flare_airflow.core.config.site import SiteSpec, merge_sites
+from flare_airflow.core.config.tracking import TrackingSpec
 from flare_airflow.core.config.validators import (
     DNS_LABEL,
     MAX_FORM_INT,
@@ -139,6 +140,7 @@ class JobConfig(Strict):
     privacy: JobPrivacy = Field(
         default_factory=JobPrivacy, description="filters added at every site, the (ε, δ) account, the budget"
     )
+    tracking: TrackingSpec | None = Field(None, description="experiment tracking of each run (docs/tracking.md)")
     sites: dict[str, SiteSpec]
     base_dir: str = Field(".", description="directory relative paths are resolved against")
 

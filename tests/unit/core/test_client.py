@@ -222,3 +222,41 @@ def test_client_api_runs_where_airflow_is_not_installed(bare_venv, package_copy,
     module_file, numpy_version = where.stdout.split()
     assert module_file.startswith(str(package_copy))
     assert numpy_version == np.__version__
+
+
+def test_log_metric_travels_in_the_update_record(env) -> None:
+    flare.receive()
+    flare.log_metric("epoch_loss", 0.9, step=21)
+    flare.log_metric("epoch_loss", np.float32(0.5), step=22)
+    flare.log_metric("epoch_loss", 0.4, step=22)  # the same name and step again: the last value counts
+    flare.log_metric("grad_norm", 3)  # no step: the round (FLARE_ROUND=3)
+    flare.send(FLModel(params={"w": np.ones(2, np.float32)}, meta={"num_samples": 4}))
+    _, record = read_artifact(pathlib.Path(env["FLARE_OUTPUT"]))
+    assert record.meta["tracked_metrics"] == [["epoch_loss", 0.9, 21], ["epoch_loss", 0.4, 22], ["grad_norm", 3.0, 3]]
+    assert record.num_samples == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "step", "error"),
+    [
+        ("loss?", 1.0, None, "metric name 'loss?' is not allowed"),
+        ("", 1.0, None, "metric name '' is not allowed"),
+        ("loss", float("nan"), None, "must be a finite number"),
+        ("loss", "high", None, "must be a finite number"),
+        ("loss", 1.0, -1, "step must be an integer in 0..2**53"),
+        ("loss", 1.0, 1.5, "step must be an integer in 0..2**53"),
+    ],
+)
+def test_log_metric_refuses_what_a_tracker_cannot_hold(env, name, value, step, error) -> None:
+    flare.receive()
+    with pytest.raises(ClientAPIError, match=error.replace("?", r"\?").replace("*", r"\*")):
+        flare.log_metric(name, value, step=step)
+
+
+def test_log_metric_points_do_not_leak_into_the_next_round(env) -> None:
+    flare.receive()
+    flare.log_metric("loss", 1.0)
+    flare.receive()  # a new round in the same process starts with no points
+    flare.send(FLModel(params={"w": np.ones(2, np.float32)}))
+    _, record = read_artifact(pathlib.Path(env["FLARE_OUTPUT"]))
+    assert "tracked_metrics" not in record.meta

@@ -1,0 +1,76 @@
+"""Bad-input battery, category "tracking": a job's tracking that cannot work in this deployment.
+
+Found at the run's start (the ``prepare`` task, :func:`track_run_start`), never mid-run. The job
+file's own mistakes (unknown backend, credentials in a URI) are refused by ``validate``: see
+test_job_file.py. The connection is looked up as in a task, by the Task SDK (AIRFLOW_CONN_*).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from flare_airflow.core.config import job_from_dict
+from flare_airflow.operators import tracking
+from flare_airflow.operators.tracking import track_run_start
+from tests.bad_inputs.cases import Case, assert_clear
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+CASES = [
+    Case(
+        "tracking-connection-missing",
+        "tracking",
+        "tracking.conn_id names an Airflow connection that does not exist",
+        "tracking.conn_id 'mlflow_team': no such Airflow connection (AirflowNotFoundException); create it with "
+        "the tracking server's URI and credentials",
+    ),
+    Case(
+        "tracking-mlflow-not-installed",
+        "tracking",
+        "tracking: {backend: mlflow} on workers without the mlflow package",
+        "tracking: backend mlflow needs the mlflow package where Airflow runs this job's tasks: "
+        "pip install 'flare-airflow[tracking]' there",
+    ),
+    Case(
+        "tracking-embedded-on-object-store",
+        "tracking",
+        "tracking with the embedded store and an s3:// model store (no place for a SQLite file)",
+        "is not on this machine's file system; name a tracking server in tracking.conn_id",
+    ),
+]
+SPECS = {
+    "tracking-connection-missing": ({"conn_id": "mlflow_team"}, None),
+    "tracking-embedded-on-object-store": ({}, "s3://models/flare"),
+    "tracking-mlflow-not-installed": ({}, None),
+}
+
+
+@pytest.mark.parametrize("bad_case", CASES, ids=lambda c: c.id)
+def test_tracking_that_cannot_work_stops_the_run_at_its_start(
+    bad_case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AIRFLOW_CONN_MLFLOW_TEAM", raising=False)
+    if bad_case.id == "tracking-mlflow-not-installed":
+        # Stand-in for a worker without mlflow (this environment has it): the package lookup finds nothing.
+        monkeypatch.setattr(tracking, "find_spec", lambda name: None)
+    spec, store = SPECS[bad_case.id]
+    (tmp_path / "train.py").write_text("")
+    job = job_from_dict(
+        {
+            "job": "demo",
+            "rounds": 1,
+            "min_clients": 1,
+            "initial_model": str(REPO / "examples" / "digits" / "initial_model.safetensors"),
+            "trainer": {"script": "train.py"},
+            "tracking": {"backend": "mlflow", **spec},
+            **({"store": store} if store else {}),
+            "sites": {"site-1": {}},
+        },
+        base_dir=str(tmp_path),
+    )
+    with pytest.raises(AirflowFailException) as info:
+        track_run_start(job, {}, None)  # refused before the context or the log is used
+    assert_clear(bad_case, str(info.value))
