@@ -148,6 +148,16 @@ class JobHandleSpec(abc.ABC):
     def reason(self) -> str:
         """Why the job ended the way it did (empty while running or on success)."""
 
+    def logs(self) -> str:
+        """The trainer's output so far, as the backend keeps it (empty where a backend streams it
+        elsewhere: a process job's lines go to its task log as they come)."""
+        return ""
+
+    def where(self) -> dict[str, Any]:
+        """What the backend calls this job (pod, SLURM job id, container), shown in XCom and logs;
+        never needed to find it again (its :class:`JobIdentity` is)."""
+        return {}
+
 
 def wait_by_polling(
     poll: Callable[[], JobReturnCode], ended: Callable[[], bool], interval: float, timeout: float | None
@@ -179,3 +189,9 @@ class JobLauncherSpec(abc.ABC):
         when the backend has no such job (any more). Backends whose jobs cannot outlive the process
         that launched them raise ``NotImplementedError`` saying why."""
         raise NotImplementedError(f"{type(self).__name__} cannot find a site job by its identity")
+
+    def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
+        """End the jobs launched under ``identity``'s earlier tries (a try whose worker died left
+        them running, unwatched) before this try launches its own; returns what was ended. Backends
+        whose jobs end with their task have none to end."""
+        return []

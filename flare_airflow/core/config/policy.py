@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from flare_airflow.core import envvars
+from flare_airflow.core.backends import BackendName
 from flare_airflow.core.config.describe import cap, describe
 from flare_airflow.core.config.job import JobConfig
 from flare_airflow.core.config.privacy import SitePrivacy
@@ -53,7 +54,7 @@ POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec", "privacy")
 class SitePolicyEntry(Strict):
     """One site's policy: its backend, its GPUs, its launcher blocks, its store connection, its privacy."""
 
-    launcher: Literal["process", "k8s", "slurm"] = "process"
+    launcher: BackendName = "process"
     resource_manager: ResourceManagerSpec | None = None
     launcher_spec: dict[str, Any] = Field(default_factory=dict, description="process / k8s blocks")
     store_conn_id: str | None = Field(None, description="Airflow connection of the model store at this site")

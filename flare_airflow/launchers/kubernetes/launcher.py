@@ -185,6 +185,9 @@ class KubernetesJobHandle(JobHandleSpec):
     def wait(self, timeout: float | None = None) -> JobReturnCode:
         return wait_by_polling(self.poll, lambda: self._final is not None, self._spec.poll_interval, timeout)
 
+    def where(self) -> dict[str, Any]:
+        return {"backend": "k8s", "namespace": self.namespace, "pod": self.name}
+
     def logs(self) -> str:
         """The trainer container's log (kept after the pod is deleted; empty if it never started);
         of a multi-node site job, every pod's log, each under a ``--- node rank R (pod NAME) ---`` line."""

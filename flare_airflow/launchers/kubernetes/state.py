@@ -18,9 +18,9 @@ from typing import Any
 
 from kubernetes import client as k8s
 
+from flare_airflow.core.exit_codes import map_exit
 from flare_airflow.core.spec import JobReturnCode, JobState
 from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME
-from flare_airflow.launchers.process.state import map_exit
 
 # Container waiting reasons that no amount of waiting fixes (the kubelet keeps retrying them, but a
 # site job must fail with the reason instead of hanging until a timeout), and their return codes.

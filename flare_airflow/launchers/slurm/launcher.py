@@ -142,6 +142,9 @@ class SlurmJobHandle(JobHandleSpec):
     def job_id(self) -> str:
         return self.submitted.job_id
 
+    def where(self) -> dict[str, Any]:
+        return {"backend": "slurm", "job_id": self.job_id, "name": self.submitted.name}
+
     @property
     def status(self) -> SlurmStatus:
         return self._final or self._status

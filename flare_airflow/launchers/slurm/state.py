@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flare_airflow.core.exit_codes import map_exit
 from flare_airflow.core.spec import JobReturnCode, JobState
-from flare_airflow.launchers.process.state import map_exit
 
 # Reasons of a job that waits its turn: other jobs must end first.
 WAITING_REASONS = frozenset(
