@@ -26,6 +26,7 @@ class Backend:
     """One backend: its name, its config block and the Airflow classes that run its site jobs.
 
     :param name: the ``launcher:`` value and the ``launcher_spec`` block's key.
+    :param title: how messages name the backend's sites ("a Kubernetes site").
     :param aliases: other names a job may use (NVFlare's ``kubernetes``, ``docker``).
     :param site_task: the fused site task's operator class (``watch: task``).
     :param launcher: a function ``(job, site, *, try_number, sink, hidden) -> JobLauncherSpec``
@@ -47,6 +48,7 @@ class Backend:
     """
 
     name: str
+    title: str
     site_task: str
     aliases: tuple[str, ...] = ()
     launcher: str | None = None
@@ -73,11 +75,13 @@ BACKENDS: Mapping[str, Backend] = {
     for backend in (
         Backend(
             name="process",
+            title="process",
             site_task="flare_airflow.operators.site.SiteTrainOperator",
             on_worker=True,
         ),
         Backend(
             name="k8s",
+            title="Kubernetes",
             aliases=("kubernetes",),
             site_task="flare_airflow.operators.pod.SitePodOperator",
             launcher="flare_airflow.operators.site_job.kubernetes_launcher",
@@ -90,6 +94,7 @@ BACKENDS: Mapping[str, Backend] = {
         ),
         Backend(
             name="slurm",
+            title="SLURM",
             site_task="flare_airflow.operators.slurm.SiteSlurmOperator",
             launcher="flare_airflow.operators.site_job.slurm_launcher",
             trigger="flare_airflow.sensors.site_job.slurm_trigger",
@@ -98,6 +103,7 @@ BACKENDS: Mapping[str, Backend] = {
         ),
         Backend(
             name="container",
+            title="container",
             aliases=("docker", "podman"),
             site_task="flare_airflow.operators.container.SiteContainerOperator",
             launcher="flare_airflow.operators.container.container_launcher",

@@ -51,7 +51,8 @@ def watchable(job: JobConfig, site: str) -> None:
     """Raise :class:`ConfigError` unless ``site``'s jobs can be watched by a sensor."""
     backend = job.sites[site].backend
     if not backend.watchable:
-        others = " and ".join(b.name for b in BACKENDS.values() if b.watchable)
+        titles = [b.title for b in BACKENDS.values() if b.watchable]
+        others = ", ".join(titles[:-1]) + " and " + titles[-1]
         raise ConfigError(
             f"site {site!r}: a {backend.name} site job cannot be launched in one task and watched in another -- it "
             f"ends with the task that launched it (a {backend.name} job never outlives its task); use the fused site "

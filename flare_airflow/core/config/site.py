@@ -100,7 +100,7 @@ class SiteSpec(Strict):
     def _image(self) -> SiteSpec:
         if self.backend.needs_image and self.block.image is None:
             raise ValueError(
-                f"a {self.launcher} site needs its trainer image: set launcher_spec.{self.launcher}.image "
+                f"a {self.backend.title} site needs its trainer image: set launcher_spec.{self.launcher}.image "
                 "(e.g. registry.example.org/fl/trainer:1.0, built from docker/Dockerfile.trainer)"
             )
         return self

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from flare_airflow.core import envvars
 from flare_airflow.core.spec import JobIdentity, SiteJob
+from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.container.naming import container_name, labels
 from flare_airflow.launchers.errors import LaunchError
 
@@ -36,14 +37,27 @@ def store_mounts(env: Mapping[str, str]) -> list[tuple[str, str]]:
     mounts: list[tuple[str, str]] = []
     model = env.get(envvars.FLARE_GLOBAL_MODEL)
     if model:
-        path = pathlib.Path(model)
+        path = local_path(model)
         record = path.with_name(path.name.removesuffix(".safetensors") + ".json")
         mounts += [(str(p), "ro") for p in (path, record) if p.exists()]
+    mounts.append((str(staging_dir(env)), "rw"))
+    return mounts
+
+
+def local_path(uri: str) -> pathlib.Path:
+    """The host path of a store location the site task staged locally (``/x`` or ``file:/x``)."""
+    path = path_from_uri(uri)
+    if not isinstance(path, pathlib.Path):
+        raise LaunchError(f"{uri!r} is not a local file: a container mounts only local files of the model store")
+    return path
+
+
+def staging_dir(env: Mapping[str, str]) -> pathlib.Path:
+    """The directory the trainer writes its update into (``FLARE_OUTPUT``'s)."""
     output = env.get(envvars.FLARE_OUTPUT)
     if not output:
         raise LaunchError("a container site job needs FLARE_OUTPUT (its staging directory) in its environment")
-    mounts.append((str(pathlib.Path(output).parent), "rw"))
-    return mounts
+    return local_path(output).parent
 
 
 def run_command(

@@ -14,14 +14,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from flare_airflow.core import envvars
 from flare_airflow.core.spec import (
     JobHandleSpec,
     JobIdentity,
@@ -31,7 +29,7 @@ from flare_airflow.core.spec import (
     LineSink,
     SiteJob,
 )
-from flare_airflow.launchers.container.command import run_command
+from flare_airflow.launchers.container.command import run_command, staging_dir
 from flare_airflow.launchers.container.naming import LABEL_PREFIX, run_filters, site_job_filters
 from flare_airflow.launchers.container.state import ContainerStatus, launch_failure, map_container
 from flare_airflow.launchers.errors import LaunchError
@@ -185,11 +183,10 @@ class ContainerLauncher(JobLauncherSpec):
 
     def _writable_staging(self, job: SiteJob) -> None:
         """The staging directory belongs to the container's user (the worker creates it as itself)."""
-        output = job.env.get(envvars.FLARE_OUTPUT)
-        if not output or os.geteuid() != 0:
+        if os.geteuid() != 0:
             return
         uid, _, gid = self.spec.user.partition(":")
-        staging = pathlib.Path(output).parent
+        staging = staging_dir(job.env)
         staging.mkdir(parents=True, exist_ok=True)
         os.chown(staging, int(uid), int(gid or uid))
 
