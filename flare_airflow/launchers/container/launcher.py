@@ -76,8 +76,9 @@ class ContainerLauncher(JobLauncherSpec):
 
     # ------------------------------------------------------------------ engine calls
 
-    def engine(self, *args: str, env: Mapping[str, str] | None = None, timeout: float = ENGINE_TIMEOUT) -> str:
-        """Run ``<engine> ARGS`` and return its stdout; :class:`ContainerEngineError` when it fails."""
+    def engine(self, *args: str, env: Mapping[str, str] | None = None, timeout: float | None = ENGINE_TIMEOUT) -> str:
+        """Run ``<engine> ARGS`` and return its stdout (``timeout`` ``None``: as long as it takes);
+        :class:`ContainerEngineError` when it fails."""
         program = shutil.which(self.spec.engine, path=self.environ.get("PATH"))
         if program is None:
             raise ContainerEngineError(
@@ -94,7 +95,7 @@ class ContainerLauncher(JobLauncherSpec):
                 check=False,
             )
         except subprocess.TimeoutExpired:
-            raise ContainerEngineError(f"{self.spec.engine} {args[0]} did not answer within {timeout:g}s") from None
+            raise ContainerEngineError(f"{self.spec.engine} {args[0]} did not answer within {timeout}s") from None
         if proc.returncode != 0:
             raise ContainerEngineError(self.mask(proc.stderr.strip() or f"exit code {proc.returncode}"))
         return proc.stdout
@@ -296,7 +297,7 @@ class ContainerJobHandle(JobHandleSpec):
         ``UNKNOWN``), then read its final state."""
         if self._final is None:
             with contextlib.suppress(ContainerEngineError):
-                self.launcher.engine("wait", self.container_id, timeout=1e9 if timeout is None else timeout)
+                self.launcher.engine("wait", self.container_id, timeout=timeout)
         return self.poll()
 
     def terminate(self) -> None:
