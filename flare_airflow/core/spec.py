@@ -13,7 +13,7 @@ import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 
 class JobReturnCode(enum.IntEnum):
@@ -42,6 +42,32 @@ class JobState(enum.StrEnum):
     @property
     def finished(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.TERMINATED)
+
+
+EventStatus = Literal["success", "failed", "timeout", "error"]
+
+
+class SiteJobEvent(TypedDict):
+    """The payload of every site-job trigger's event (``TriggerEvent(event)``), one type for all backends.
+
+    ``status`` is the cncf provider's vocabulary: ``success``, ``failed``, ``timeout`` (never ran to
+    its end), ``error`` (the watch itself failed; the job may still run). ``state`` and
+    ``return_code`` are the common :class:`JobState` / :class:`JobReturnCode`; the rest says where
+    the job runs (a pod's ``name`` and ``namespace``, a SLURM job's ``job_id``) and what it printed.
+    """
+
+    status: EventStatus
+    state: str
+    return_code: int
+    reason: str
+    name: NotRequired[str]
+    namespace: NotRequired[str]
+    job_id: NotRequired[str]
+    native: NotRequired[str]
+    message: NotRequired[str]
+    offset: NotRequired[int]
+    last_output: NotRequired[str]
+    _redefer_count: NotRequired[int]
 
 
 @dataclass(frozen=True)
