@@ -44,6 +44,20 @@ class JobState(enum.StrEnum):
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.TERMINATED)
 
 
+@dataclass(frozen=True)
+class JobStatus:
+    """One read of a site job, the same type for every backend: what it means (state, return code,
+    reason), whether it has ended, whether it waits for resources (GPUs, a partition), and the
+    backend's own words for it (``native``, e.g. SLURM's ``PENDING (Resources)``)."""
+
+    state: JobState
+    return_code: JobReturnCode
+    reason: str
+    done: bool
+    waiting_for_resources: bool = False
+    native: str = ""
+
+
 EventStatus = Literal["success", "failed", "timeout", "error"]
 
 

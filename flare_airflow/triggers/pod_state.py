@@ -31,8 +31,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from flare_airflow.core.spec import EventStatus, JobReturnCode, JobState, SiteJobEvent
-from flare_airflow.launchers.kubernetes import GroupStatus, PodStatus, map_pod, map_pod_group
+from flare_airflow.core.spec import EventStatus, JobReturnCode, JobState, JobStatus, SiteJobEvent
+from flare_airflow.launchers.kubernetes import GroupStatus, map_pod, map_pod_group
 
 # Apiservers end watches after --min-request-timeout (30-60 min by default); ask for as long.
 _MAX_WATCH_SECONDS = 1800
@@ -137,7 +137,7 @@ class PodStateTrigger(BaseTrigger):
             connection_extras=self.connection_extras,
         )
 
-    def _event(self, status: PodStatus, pod: Any, name: str | None = None) -> TriggerEvent:
+    def _event(self, status: JobStatus, pod: Any, name: str | None = None) -> TriggerEvent:
         name = name or self.pod_name
         phase = getattr(getattr(pod, "status", None), "phase", None)
         kind: EventStatus
@@ -209,7 +209,7 @@ class PodStateTrigger(BaseTrigger):
         async with self._hook().get_conn() as api:
             await self._delete(client.CoreV1Api(api))
 
-    def _status(self, pod: Any, events: list[Any] | None = None) -> PodStatus:
+    def _status(self, pod: Any, events: list[Any] | None = None) -> JobStatus:
         return map_pod(
             pod,
             now=datetime.now(UTC),
@@ -249,7 +249,7 @@ class PodStateTrigger(BaseTrigger):
         # Events of an earlier pod of the same name are told apart by uid (map_pod checks it).
         return list(listed.items)
 
-    async def _decide(self, core: Any, pod: Any) -> PodStatus:
+    async def _decide(self, core: Any, pod: Any) -> JobStatus:
         status = self._status(pod)
         if status.done or not self._needs_events(pod):
             return status

@@ -14,13 +14,12 @@ from __future__ import annotations
 from flare_airflow.launchers.container.command import run_command, store_mounts
 from flare_airflow.launchers.container.launcher import ContainerEngineError, ContainerJobHandle, ContainerLauncher
 from flare_airflow.launchers.container.naming import container_name, labels
-from flare_airflow.launchers.container.state import ContainerStatus, launch_failure, map_container
+from flare_airflow.launchers.container.state import launch_failure, map_container
 
 __all__ = [
     "ContainerEngineError",
     "ContainerJobHandle",
     "ContainerLauncher",
-    "ContainerStatus",
     "container_name",
     "labels",
     "launch_failure",

@@ -26,12 +26,13 @@ from flare_airflow.core.spec import (
     JobLauncherSpec,
     JobReturnCode,
     JobState,
+    JobStatus,
     LineSink,
     SiteJob,
 )
 from flare_airflow.launchers.container.command import run_command, staging_dir
 from flare_airflow.launchers.container.naming import LABEL_PREFIX, run_filters, site_job_filters
-from flare_airflow.launchers.container.state import ContainerStatus, launch_failure, map_container
+from flare_airflow.launchers.container.state import launch_failure, map_container
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.gpus import GpuAllocationError, GpuAllocator, GpuLease
 
@@ -241,14 +242,14 @@ class ContainerJobHandle(JobHandleSpec):
         self.identity = identity
         self.container_id = container_id
         self.lease = lease
-        self._status = ContainerStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "")
-        self._final: ContainerStatus | None = None
+        self._status = JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
+        self._final: JobStatus | None = None
         self._logs: str | None = None
         self._terminated = False
         self._lock = threading.RLock()
 
     @property
-    def status(self) -> ContainerStatus:
+    def status(self) -> JobStatus:
         return self._final or self._status
 
     def _inspect(self) -> Mapping[str, Any] | None:
@@ -273,7 +274,7 @@ class ContainerJobHandle(JobHandleSpec):
                 self._finish(status)
             return status.return_code
 
-    def _finish(self, status: ContainerStatus) -> None:
+    def _finish(self, status: JobStatus) -> None:
         """The job ended: keep its log and state, remove the container, free its GPUs."""
         self._final = status
         self._logs = self._read_logs()
@@ -313,7 +314,7 @@ class ContainerJobHandle(JobHandleSpec):
             self._logs = self._read_logs()
             with contextlib.suppress(ContainerEngineError):
                 self.launcher.engine("rm", "--force", self.container_id)
-            self._final = ContainerStatus(JobState.TERMINATED, JobReturnCode.ABORTED, "terminated")
+            self._final = JobStatus(JobState.TERMINATED, JobReturnCode.ABORTED, "terminated", done=True)
             if self.lease is not None:
                 self.lease.release()
 

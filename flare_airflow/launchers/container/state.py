@@ -23,11 +23,10 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from flare_airflow.core.exit_codes import map_exit
-from flare_airflow.core.spec import JobReturnCode, JobState
+from flare_airflow.core.spec import JobReturnCode, JobState, JobStatus
 
 _STARTING = ("created", "configured", "initialized")
 _RUNNING = ("running", "paused", "stopping")
@@ -47,40 +46,27 @@ _PULL_FAILURE_TEXT = (
 )
 
 
-@dataclass(frozen=True)
-class ContainerStatus:
-    """One read of a site job's container, in the common state set."""
-
-    state: JobState
-    return_code: JobReturnCode
-    reason: str
-
-    @property
-    def done(self) -> bool:
-        return self.state.finished
+def _status(state: JobState, return_code: JobReturnCode, reason: str) -> JobStatus:
+    return JobStatus(state, return_code, reason, done=state.finished)
 
 
-def map_container(
-    state: Mapping[str, Any] | None, *, terminated: bool, memory_limit: str | None = None
-) -> ContainerStatus:
+def map_container(state: Mapping[str, Any] | None, *, terminated: bool, memory_limit: str | None = None) -> JobStatus:
     """Map ``inspect``'s ``.State`` (``None``: the container is gone) per the table above;
     ``memory_limit``: the container's limit (``resource_spec.memory``), if it has one."""
     if state is None:
-        return ContainerStatus(
+        return _status(
             JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR, "the container disappeared (removed by someone else)"
         )
     status = str(state.get("Status", "")).lower()
     if status in _STARTING:
-        return ContainerStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "")
+        return _status(JobState.STARTING, JobReturnCode.UNKNOWN, "")
     if status in _RUNNING:
-        return ContainerStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "")
+        return _status(JobState.RUNNING, JobReturnCode.UNKNOWN, "")
     if status not in ("exited", "stopped"):
-        return ContainerStatus(
-            JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR, f"unknown container state {status!r}"
-        )
+        return _status(JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR, f"unknown container state {status!r}")
     code = int(state.get("ExitCode") or 0)
     if state.get("OOMKilled"):
-        return ContainerStatus(
+        return _status(
             JobState.FAILED,
             JobReturnCode.EXECUTION_ERROR,
             f"OOMKilled: the trainer exceeded its memory limit (exit code {code}); raise resource_spec.memory",
@@ -88,22 +74,22 @@ def map_container(
     if memory_limit and code == _SIGKILLED and not terminated:
         # Some engines (podman with runc on cgroup v1) do not set OOMKilled: a SIGKILL nobody sent
         # to a container under a memory limit is the kernel's OOM killer.
-        return ContainerStatus(
+        return _status(
             JobState.FAILED,
             JobReturnCode.EXECUTION_ERROR,
             f"OOMKilled: the trainer was killed (SIGKILL, exit code {code}) under its memory limit of "
             f"{memory_limit}; raise resource_spec.memory",
         )
     if terminated:
-        return ContainerStatus(JobState.TERMINATED, JobReturnCode.ABORTED, f"terminated (exit code {code})")
+        return _status(JobState.TERMINATED, JobReturnCode.ABORTED, f"terminated (exit code {code})")
     error = str(state.get("Error") or "").strip()
     if error and code != 0:
-        return ContainerStatus(JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR, f"the engine failed: {error}")
+        return _status(JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR, f"the engine failed: {error}")
     mapped_state, rc, reason = map_exit(code, terminated=False)
     if 128 < code < 160:
         with contextlib.suppress(ValueError):
             reason += f" ({signal.Signals(code - 128).name})"
-    return ContainerStatus(mapped_state, rc, reason)
+    return _status(mapped_state, rc, reason)
 
 
 def launch_failure(returncode: int, stderr: str) -> tuple[JobReturnCode, str]:
