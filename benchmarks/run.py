@@ -27,6 +27,8 @@
 6. **rounds** -- a run of R of a job's M rounds next to a job of exactly R rounds under the real
    scheduler (PostgreSQL, LocalExecutor): what the rounds a run does not ask for cost (~4 min;
    ``benchmarks/results/skipped_rounds.md``).
+9. **containers** -- one digits site job on a container site (rootful podman, the trainer image)
+   next to a process site, through their launchers (~1 min; ``benchmarks/results/containers.md``).
 
 The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details
 (``--only k8s``: to ``benchmarks/results/k8s_api.md``, ``--only fedavg``: ``fedavg.md``, and so on,
@@ -45,6 +47,7 @@ import time
 from pathlib import Path
 
 import bench_confinement
+import bench_containers
 import bench_e2e
 import bench_edge
 import bench_fedavg
@@ -77,6 +80,7 @@ OWN_OUTPUTS = {
     "privacy": BENCH_DIR / "results" / "privacy.md",
     "confinement": BENCH_DIR / "results" / "confinement.md",
     "tracking": BENCH_DIR / "results" / "tracking.md",
+    "containers": BENCH_DIR / "results" / "containers.md",
 }
 
 
@@ -102,6 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "privacy",
             "confinement",
             "tracking",
+            "containers",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -176,6 +181,10 @@ def main(argv: list[str]) -> int:
             log("[tracking] digits with and without MLflow tracking (flare-airflow run) ...")
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Experiment tracking's cost per round", tables))
+        if args.only in (None, "containers"):
+            log("[containers] one site job: container site (podman) vs process site ...")
+            tables = bench_containers.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("9. Container sites: one site job next to a process site", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(

@@ -20,11 +20,11 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, TaskGroup
 
+from flare_airflow.core.backends import load, sweeps
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, SweepPodsOperator
-from flare_airflow.operators.site import SiteTrainOperator
+from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
 
 AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
 _PARAM_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -78,18 +78,10 @@ def job_params(job: JobConfig) -> dict[str, Param]:
 
 
 def site_task(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> Any:
-    """The site's task for one round, chosen by the site's launcher (site policy, not the DAG's)."""
-    launcher = job.sites[site].launcher
-    if launcher == "k8s":
-        # Imported only when a job has Kubernetes sites.
-        from flare_airflow.operators.pod import SitePodOperator
-
-        return SitePodOperator(job=job, site=site, round_num=round_num, **kwargs)
-    if launcher == "slurm":
-        from flare_airflow.operators.slurm import SiteSlurmOperator
-
-        return SiteSlurmOperator(job=job, site=site, round_num=round_num, **kwargs)
-    return SiteTrainOperator(job=job, site=site, round_num=round_num, **kwargs)
+    """The site's task for one round, chosen by the site's launcher (site policy, not the DAG's):
+    its backend's fused site-task class, imported only when a job has such a site."""
+    operator = load(job.sites[site].backend.site_task)
+    return operator(job=job, site=site, round_num=round_num, **kwargs)
 
 
 LAUNCH_SUFFIX = "_launch"  # an underscore: never part of a site name, so never a site's task id
@@ -199,20 +191,12 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
     )
     aggregates >> publish
     tasks += [prepare, *aggregates, publish]
-    if any(spec.launcher == "k8s" for spec in job.sites.values()):
+    for task_id, operator in sweeps(job.sites):
         # A teardown: runs when everything else is done, failed runs included, and does not
         # change the run's outcome.
-        sweep = SweepPodsOperator(task_id="sweep_pods", job=job, doc_md="Delete pods this run left behind.")
+        sweep = load(operator)(task_id=task_id, job=job, doc_md=load(operator).sweep_doc)
         publish >> sweep.as_teardown()
         tasks.append(sweep)
-    if any(spec.launcher == "slurm" for spec in job.sites.values()):
-        from flare_airflow.operators.slurm import SweepSlurmJobsOperator
-
-        sweep_jobs = SweepSlurmJobsOperator(
-            task_id="sweep_slurm_jobs", job=job, doc_md="Cancel SLURM jobs this run left queued or running."
-        )
-        publish >> sweep_jobs.as_teardown()
-        tasks.append(sweep_jobs)
     record_failures(tasks)
     return prepare, publish
 

@@ -7,6 +7,7 @@ from typing import Any
 
 def get_provider_info() -> dict[str, Any]:
     from flare_airflow import __version__
+    from flare_airflow.core.backends import BACKENDS
 
     return {
         "package-name": "flare-airflow",
@@ -23,10 +24,9 @@ def get_provider_info() -> dict[str, Any]:
         "operators": [
             {
                 "integration-name": "Federated learning",
+                # Each backend's site-task module (the registry's), then the backend-neutral ones.
                 "python-modules": [
-                    "flare_airflow.operators.site",
-                    "flare_airflow.operators.pod",
-                    "flare_airflow.operators.slurm",
+                    *dict.fromkeys(b.site_task.rpartition(".")[0] for b in BACKENDS.values()),
                     "flare_airflow.operators.site_job",
                     "flare_airflow.operators.aggregate",
                     "flare_airflow.operators.run",

@@ -99,14 +99,16 @@ def try_trainer(
     else:
         params = load_model_file(pathlib.Path(model), f"--model {model!r}")
     spec = job.sites[site]
-    if spec.launcher != "process":
+    if not spec.backend.on_worker:
         print(
             f"note: site {site!r} runs {spec.launcher} jobs; try-trainer runs its trainer here as a local process "
             f"({' '.join(trainer_argv(job))})",
             file=sys.stderr,
         )
     environ = environ if environ is not None else {}
-    names = [*spec.launcher_spec.process.secret_env, *spec.launcher_spec.k8s.secret_env]
+    # The process block's (what this local run is) and the site's own backend's: a SLURM or
+    # container site's Airflow references, a Kubernetes site's Secret references.
+    names = list(dict.fromkeys([*spec.launcher_spec.process.secret_env, *spec.block.secret_env]))
     secrets = {name: environ[name] for name in names if name in environ}
     missing = [name for name in names if name not in environ]
     if missing:

@@ -21,3 +21,12 @@ from tests.slurm_harness.fixtures import slurm, slurm_cluster, sshd  # noqa: F40
 def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> AirflowHome:
     """A private Airflow home (SQLite, migrated once per session) with its own dags folder."""
     return AirflowHome(tmp_path_factory.mktemp("airflow"))
+
+
+@pytest.fixture(scope="session")
+def trainer_image() -> str:
+    """The site trainer image of this tree, built once per session when missing (docker/images.py
+    caches it by content, so a warm machine builds nothing). Container-site tests share it."""
+    from tests.containers import trainer_image as build
+
+    return build()

@@ -41,3 +41,8 @@ def build_images(*names: str) -> dict[str, str]:
 def openblas_env() -> list[str]:
     """``-e`` options passing the machine's OPENBLAS_* settings on, unchanged (see INFRA.md)."""
     return [opt for name in sorted(os.environ) if name.startswith("OPENBLAS_") for opt in ("-e", name)]
+
+
+def trainer_image() -> str:
+    """The trainer image's tag for this tree (built, cached by content, when missing)."""
+    return build_images("trainer")["trainer"]

@@ -13,7 +13,7 @@ import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 
 class JobReturnCode(enum.IntEnum):
@@ -42,6 +42,46 @@ class JobState(enum.StrEnum):
     @property
     def finished(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.TERMINATED)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One read of a site job, the same type for every backend: what it means (state, return code,
+    reason), whether it has ended, whether it waits for resources (GPUs, a partition), and the
+    backend's own words for it (``native``, e.g. SLURM's ``PENDING (Resources)``)."""
+
+    state: JobState
+    return_code: JobReturnCode
+    reason: str
+    done: bool
+    waiting_for_resources: bool = False
+    native: str = ""
+
+
+EventStatus = Literal["success", "failed", "timeout", "error"]
+
+
+class SiteJobEvent(TypedDict):
+    """The payload of every site-job trigger's event (``TriggerEvent(event)``), one type for all backends.
+
+    ``status`` is the cncf provider's vocabulary: ``success``, ``failed``, ``timeout`` (never ran to
+    its end), ``error`` (the watch itself failed; the job may still run). ``state`` and
+    ``return_code`` are the common :class:`JobState` / :class:`JobReturnCode`; the rest says where
+    the job runs (a pod's ``name`` and ``namespace``, a SLURM job's ``job_id``) and what it printed.
+    """
+
+    status: EventStatus
+    state: str
+    return_code: int
+    reason: str
+    name: NotRequired[str]
+    namespace: NotRequired[str]
+    job_id: NotRequired[str]
+    native: NotRequired[str]
+    message: NotRequired[str]
+    offset: NotRequired[int]
+    last_output: NotRequired[str]
+    _redefer_count: NotRequired[int]
 
 
 @dataclass(frozen=True)
@@ -148,6 +188,16 @@ class JobHandleSpec(abc.ABC):
     def reason(self) -> str:
         """Why the job ended the way it did (empty while running or on success)."""
 
+    def logs(self) -> str:
+        """The trainer's output so far, as the backend keeps it (empty where a backend streams it
+        elsewhere: a process job's lines go to its task log as they come)."""
+        return ""
+
+    def where(self) -> dict[str, Any]:
+        """What the backend calls this job (pod, SLURM job id, container), shown in XCom and logs;
+        never needed to find it again (its :class:`JobIdentity` is)."""
+        return {}
+
 
 def wait_by_polling(
     poll: Callable[[], JobReturnCode], ended: Callable[[], bool], interval: float, timeout: float | None
@@ -179,3 +229,9 @@ class JobLauncherSpec(abc.ABC):
         when the backend has no such job (any more). Backends whose jobs cannot outlive the process
         that launched them raise ``NotImplementedError`` saying why."""
         raise NotImplementedError(f"{type(self).__name__} cannot find a site job by its identity")
+
+    def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
+        """End the jobs launched under ``identity``'s earlier tries (a try whose worker died left
+        them running, unwatched) before this try launches its own; returns what was ended. Backends
+        whose jobs end with their task have none to end."""
+        return []

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from flare_airflow.core.nvflare.run import wrapper_argv
 
 if TYPE_CHECKING:  # the configuration layer (pydantic) is not loaded by the process backend
-    from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec, SlurmLaunchSpec
+    from flare_airflow.core.config import ContainerLaunchSpec, JobConfig, KubernetesLaunchSpec, SlurmLaunchSpec
     from flare_airflow.core.spec import SiteJob
 
 # What the trainer image runs the script with when the site names no trainer_command.
@@ -16,13 +16,16 @@ IMAGE_DEFAULT_COMMAND = ("python",)
 
 
 def trainer_argv(
-    job: JobConfig, image: KubernetesLaunchSpec | None = None, *, cluster: SlurmLaunchSpec | None = None
+    job: JobConfig,
+    image: KubernetesLaunchSpec | ContainerLaunchSpec | None = None,
+    *,
+    cluster: SlurmLaunchSpec | None = None,
 ) -> list[str]:
     """The trainer's exact argv, ``command + [script] + trainer.args`` (never a shell string).
 
     On this host (``image`` is ``None``): the job's ``trainer.command``, by default this Python,
     and the trainer script resolved against the job file's directory. In a site's image
-    (``image``, the site's ``launcher_spec.k8s`` block): ``image.trainer_command``, by default
+    (``image``, the site's ``launcher_spec.k8s`` or ``.container`` block): ``image.trainer_command``, by default
     ``python`` (the job's ``trainer.command`` names the worker's interpreter, which the image
     does not have), and ``image.trainer_script``, by default ``trainer.script`` as given.
 

@@ -13,6 +13,7 @@ from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.airflow_pools import live_pools_from_api
+from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig, load_initial_model
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.model import FLModel, Params, all_finite, atomic_write, read_artifact, write_artifact
@@ -372,6 +373,7 @@ class SweepPodsOperator(BaseOperator):
     """
 
     ui_color = "#eeeeee"
+    sweep_doc = "Delete pods this run left behind."
 
     def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -382,7 +384,7 @@ class SweepPodsOperator(BaseOperator):
 
     def sweep_site_pods(self, context: Context) -> list[str]:
         """The pods deleted, as ``namespace/name``."""
-        specs = [s.launcher_spec.k8s for s in self.job.sites.values() if s.launcher == "k8s"]
+        specs = [s.launcher_spec.k8s for s in sites_swept_by(self.job.sites, SweepPodsOperator).values()]
         if not specs:
             return []
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook

@@ -102,8 +102,8 @@ def _summary(output: str) -> dict[str, Any] | None:
 
 
 def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
-    """The site's ``launcher_spec.process.secret_env`` (``.slurm`` for SLURM sites), resolved on this
-    worker and masked in logs.
+    """The ``secret_env`` of the site's own launcher block (backends whose secrets are Airflow
+    references: process, SLURM, container), resolved on this worker and masked in logs.
 
     Raises :class:`SiteJobFailed` naming the site, the variable and the reference it could not
     resolve. The values go to the site runner in its environment (never argv, XCom or the store).
@@ -112,7 +112,7 @@ def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
 
     values: dict[str, str] = {}
     spec = job.sites[site]
-    refs = spec.launcher_spec.slurm.secret_env if spec.launcher == "slurm" else spec.launcher_spec.process.secret_env
+    refs = spec.block.secret_env if spec.backend.worker_secrets else {}
     for name, ref in refs.items():
         try:
             value = secret_value(ref)
@@ -317,7 +317,7 @@ def make_site_run(
     spec = job.sites[site]
     process = spec.launcher_spec.process
     manager = spec.resource_manager
-    local = spec.launcher == "process"
+    local = spec.backend.on_worker
     return _run_of(
         job,
         context,
@@ -329,7 +329,7 @@ def make_site_run(
         output=str(store.site_update(job.job, run_id, round_num, site)),
         staging=str(store.staging(job.job, run_id, round_num, site, try_number)),
         global_sha256=produced_sha256(context, global_task_id),
-        env=dict(process.env) if local else dict(spec.launcher_spec.slurm.env) if spec.launcher == "slurm" else {},
+        env=dict(spec.block.env) if spec.backend.site_env else {},
         cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
         assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
         num_gpus=spec.resource_spec.num_of_gpus,
@@ -426,7 +426,7 @@ class SiteTrainOperator(BashOperator):
         self.job = job_at_site(self.job, self.site, context, self.round_num)
         run = self.site_run(context)
         store = store_for(self.job)
-        if self.job.sites[self.site].launcher == "process":
+        if self.job.sites[self.site].backend.on_worker:
             try:
                 secrets = resolve_secret_env(self.job, self.site)
             except SiteJobFailed as exc:

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
+from flare_airflow.core.backends import BACKENDS, load
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobIdentity, JobReturnCode
+from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.operators.common import FINISHED_STATES, store_for, task_states
 from flare_airflow.operators.site import (
@@ -40,21 +42,21 @@ from flare_airflow.operators.site_outputs import claim_and_clear
 from flare_airflow.site_task.spec import SiteRun
 
 if TYPE_CHECKING:
+    from flare_airflow.core.spec import JobLauncherSpec
     from flare_airflow.launchers.kubernetes import KubernetesLauncher
     from flare_airflow.launchers.slurm import SlurmLauncher
-
-# Backends whose jobs can be found and watched from another task than the one that launched them.
-WATCHABLE_BACKENDS = ("k8s", "slurm")
 
 
 def watchable(job: JobConfig, site: str) -> None:
     """Raise :class:`ConfigError` unless ``site``'s jobs can be watched by a sensor."""
-    launcher = job.sites[site].launcher
-    if launcher not in WATCHABLE_BACKENDS:
+    backend = job.sites[site].backend
+    if not backend.watchable:
+        titles = [b.title for b in BACKENDS.values() if b.watchable]
+        others = ", ".join(titles[:-1]) + " and " + titles[-1]
         raise ConfigError(
-            f"site {site!r}: a {launcher} site job cannot be launched in one task and watched in another -- it "
-            "ends with the task that launched it (a process job never outlives its task); use the fused site "
-            "task (watch: task) for process sites; Kubernetes and SLURM sites can use watch: sensor"
+            f"site {site!r}: a {backend.name} site job cannot be launched in one task and watched in another -- it "
+            f"ends with the task that launched it (a {backend.name} job never outlives its task); use the fused site "
+            f"task (watch: task) for {backend.name} sites; {others} sites can use watch: sensor"
         )
 
 
@@ -69,34 +71,48 @@ def site_launcher(
     try_number: int = 1,
     sink: Callable[[str], None] | None = None,
     hidden: Sequence[str] = (),
-) -> KubernetesLauncher | SlurmLauncher:
-    """The site's launcher (launcher spec) on this worker: its cluster through the site's Airflow
-    connection (Kubernetes: ``KubernetesHook``; SLURM: local or an SSH connection)."""
+) -> JobLauncherSpec:
+    """The site's launcher (launcher spec) on this worker, built by its backend's registry entry."""
     watchable(job, site)
+    factory = load(str(job.sites[site].backend.launcher))
+    launcher: JobLauncherSpec = factory(job, site, try_number=try_number, sink=sink, hidden=hidden)
+    return launcher
+
+
+def kubernetes_launcher(
+    job: JobConfig, site: str, *, try_number: int, sink: Callable[[str], None] | None, hidden: Sequence[str]
+) -> KubernetesLauncher:
+    """A Kubernetes site's launcher: its cluster through the site's Airflow connection (``KubernetesHook``)."""
+    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+    from flare_airflow.launchers.kubernetes import KubernetesLauncher
+
     spec = job.sites[site]
-    if spec.launcher == "k8s":
-        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+    k8s = spec.launcher_spec.k8s
+    hook = KubernetesHook(
+        conn_id=k8s.kubernetes_conn_id,
+        in_cluster=k8s.in_cluster,
+        config_file=k8s.config_file,
+        cluster_context=k8s.cluster_context,
+    )
+    return KubernetesLauncher(
+        k8s,
+        spec.resource_spec,
+        store_root=str(store_for(job).root),
+        api_client=hook.api_client,
+        try_number=try_number,
+        sink=sink,
+    )
 
-        from flare_airflow.launchers.kubernetes import KubernetesLauncher
 
-        k8s = spec.launcher_spec.k8s
-        hook = KubernetesHook(
-            conn_id=k8s.kubernetes_conn_id,
-            in_cluster=k8s.in_cluster,
-            config_file=k8s.config_file,
-            cluster_context=k8s.cluster_context,
-        )
-        return KubernetesLauncher(
-            k8s,
-            spec.resource_spec,
-            store_root=str(store_for(job).root),
-            api_client=hook.api_client,
-            try_number=try_number,
-            sink=sink,
-        )
+def slurm_launcher(
+    job: JobConfig, site: str, *, try_number: int, sink: Callable[[str], None] | None, hidden: Sequence[str]
+) -> SlurmLauncher:
+    """A SLURM site's launcher: local commands or the site's SSH connection."""
     from flare_airflow.hooks.slurm import slurm_commands
     from flare_airflow.launchers.slurm import SlurmLauncher
 
+    spec = job.sites[site]
     slurm = spec.launcher_spec.slurm
     return SlurmLauncher(
         slurm, spec.resource_spec, commands=slurm_commands(slurm), try_number=try_number, sink=sink, hidden=hidden
@@ -104,18 +120,13 @@ def site_launcher(
 
 
 def site_argv(job: JobConfig, site: str) -> list[str]:
-    """The trainer's argv where the site runs it (in the image, on the cluster)."""
+    """The trainer's argv where the site runs it: this worker, an image, a cluster."""
     spec = job.sites[site]
-    if spec.launcher == "k8s":
-        return trainer_argv(job, spec.launcher_spec.k8s)
-    return trainer_argv(job, cluster=spec.launcher_spec.slurm)
-
-
-def where(handle: Any) -> dict[str, Any]:
-    """What the backend calls a found or launched job (shown in XCom and logs, never needed to find it)."""
-    if hasattr(handle, "job_id"):
-        return {"backend": "slurm", "job_id": handle.job_id, "name": handle.submitted.name}
-    return {"backend": "k8s", "namespace": handle.namespace, "pod": handle.name}
+    if spec.backend.argv == "image":
+        return trainer_argv(job, spec.block)
+    if spec.backend.argv == "cluster":
+        return trainer_argv(job, cluster=spec.block)
+    return trainer_argv(job)
 
 
 class SiteJobLaunchOperator(BaseOperator):
@@ -193,7 +204,7 @@ class SiteJobLaunchOperator(BaseOperator):
         site_job = run.site_job()
         identity = JobIdentity.of(site_job, try_number)
         secrets: dict[str, str] = {}
-        if self.job.sites[self.site].launcher == "slurm":
+        if self.job.sites[self.site].backend.worker_secrets:
             try:
                 secrets = resolve_secret_env(self.job, self.site)
             except SiteJobFailed as exc:
@@ -203,8 +214,8 @@ class SiteJobLaunchOperator(BaseOperator):
             found = launcher.find_job(identity)
             if found is not None:
                 # This try launched it already (its task process was lost after the launch).
-                self.log.info("site job %s already launched: %s; not launching another", identity.label, where(found))
-                return {**identity.to_dict(), **where(found)}
+                self.log.info("site job %s already launched: %s; not launching another", identity.label, found.where())
+                return {**identity.to_dict(), **found.where()}
             claim_and_clear(run)
             ended = launcher.terminate_earlier_tries(identity)
             if ended:
@@ -212,10 +223,12 @@ class SiteJobLaunchOperator(BaseOperator):
             handle = launcher.launch_job(
                 replace(site_job, argv=tuple(run.argv)), {"try_number": try_number, "secrets": secrets}
             )
-        except FlareAirflowError as exc:  # LaunchError, ConfigError: nothing was started
+        except LaunchError as exc:  # nothing was started; the backend says why (pull failure, bad spec)
+            raise self._failed(context, exc.return_code, str(exc)) from None
+        except FlareAirflowError as exc:  # ConfigError: nothing was started
             raise self._failed(context, JobReturnCode.CONFIG_ERROR, str(exc)) from None
         except Exception as exc:  # the cluster could not be reached or refused the call
             detail = " ".join(str(exc).split())[:500] or type(exc).__name__
             raise self._failed(context, JobReturnCode.INFRASTRUCTURE_ERROR, f"cannot launch: {detail}") from None
-        self.log.info("site job %s launched: %s", identity.label, where(handle))
-        return {**identity.to_dict(), **where(handle)}
+        self.log.info("site job %s launched: %s", identity.label, handle.where())
+        return {**identity.to_dict(), **handle.where()}

@@ -12,7 +12,7 @@ from airflow.sdk import Context
 from airflow.sdk.bases.xcom import BaseXCom
 
 from flare_airflow.core.errors import FlareAirflowError
-from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.spec import JobHandleSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.operators.site import noise_secret_for, site_failed
 from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
@@ -45,3 +45,16 @@ def accept_update(context: Context, site: str, round_num: int, run: SiteRun) -> 
         raise site_failed(context, site, round_num, str(exc)) from None
     context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=summary)
     return summary
+
+
+LOG_LINES = 10
+
+
+def last_lines(handle: JobHandleSpec, count: int = LOG_LINES) -> str:
+    """The job's last non-empty log lines (a pod's log; a SLURM job's reason already has its own)."""
+    try:
+        text = handle.logs()
+    except Exception as exc:  # a missing log must not hide the job's reason
+        return f"(its log could not be read: {type(exc).__name__})"
+    lines = [line for line in text.splitlines() if line.strip()][-count:]
+    return " | ".join(line if len(line) <= 300 else line[:299] + "…" for line in lines)

@@ -25,6 +25,7 @@ from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import TaskDeferred
 
+from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.spec import JobIdentity, JobReturnCode
 from flare_airflow.core.store import path_from_uri
@@ -241,6 +242,7 @@ class SweepSlurmJobsOperator(BaseOperator):
     """
 
     ui_color = "#eeeeee"
+    sweep_doc = "Cancel SLURM jobs this run left queued or running."
 
     def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -255,9 +257,7 @@ class SweepSlurmJobsOperator(BaseOperator):
 
         run_id = run_id_of(context)
         by_connection: dict[str, list[str]] = {}
-        for site, spec in self.job.sites.items():
-            if spec.launcher != "slurm":
-                continue
+        for site, spec in sites_swept_by(self.job.sites, SweepSlurmJobsOperator).items():
             prefixes = by_connection.setdefault(spec.launcher_spec.slurm.connection, [])
             prefixes += [site_job_prefix(self.job.job, run_id, r, site) for r in range(1, self.job.rounds + 1)]
         cancelled: list[str] = []

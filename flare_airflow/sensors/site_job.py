@@ -30,32 +30,18 @@ from airflow.sdk.bases.sensor import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.bases.xcom import BaseXCom
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from flare_airflow.core.backends import load
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import read_artifact
-from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobReturnCode, JobState
+from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import path_from_uri, record_path
 from flare_airflow.operators.common import push_failure
 from flare_airflow.operators.site import SiteJobFailed, job_at_site, make_site_run, site_task_defaults
 from flare_airflow.operators.site_job import as_job, site_argv, site_launcher, watchable
-from flare_airflow.operators.site_outputs import accept_update
+from flare_airflow.operators.site_outputs import accept_update, last_lines
 from flare_airflow.site_task.checks import read_failure, update_summary, write_failure
 from flare_airflow.site_task.spec import SiteRun
-
-LOG_LINES = 10
-
-
-def last_lines(handle: JobHandleSpec, count: int = LOG_LINES) -> str:
-    """The job's last non-empty log lines (a pod's log; a SLURM job's reason already has its own)."""
-    logs = getattr(handle, "logs", None)
-    if logs is None:
-        return ""
-    try:
-        text = str(logs())
-    except Exception as exc:  # a missing log must not hide the job's reason
-        return f"(its log could not be read: {type(exc).__name__})"
-    lines = [line for line in text.splitlines() if line.strip()][-count:]
-    return " | ".join(line if len(line) <= 300 else line[:299] + "…" for line in lines)
 
 
 class SiteJobSensor(BaseSensorOperator):
@@ -97,9 +83,7 @@ class SiteJobSensor(BaseSensorOperator):
         watchable(cfg, site)
         if (launch_task_id is None) == (identity is None):
             raise ConfigError(f"site {site!r} round {round_num}: give the sensor either launch_task_id or identity")
-        spec = cfg.sites[site]
-        backend = spec.launcher_spec.k8s if spec.launcher == "k8s" else spec.launcher_spec.slurm
-        kwargs.setdefault("poke_interval", backend.poll_interval)
+        kwargs.setdefault("poke_interval", cfg.sites[site].block.poll_interval)
         # The site's pool, queue, executor and retries, as every site task; the trainer's timeout
         # bounds the wait (the sensor's timeout: execution_timeout would not count reschedules).
         given_execution_timeout = "execution_timeout" in kwargs
@@ -259,7 +243,9 @@ class SiteJobSensor(BaseSensorOperator):
     # ------------------------------------------------------------------ deferrable
 
     def execute(self, context: Context) -> Any:
-        if not self.deferrable:
+        if not self.deferrable or self.job.sites[self.site].backend.trigger is None:
+            # A backend without a trigger (containers: a local engine the triggerer may not reach)
+            # is watched from the worker, in the sensor's poke or reschedule mode.
             return super().execute(context)
         self._defer_or_finish(context)
 
@@ -274,34 +260,7 @@ class SiteJobSensor(BaseSensorOperator):
         )
 
     def _trigger(self, handle: Any) -> Any:
-        spec = self.job.sites[self.site]
-        if spec.launcher == "k8s":
-            from flare_airflow.triggers.pod_state import PodStateTrigger
-
-            k8s = spec.launcher_spec.k8s
-            return PodStateTrigger(
-                pod_name=handle.name,
-                pod_namespace=handle.namespace,
-                kubernetes_conn_id=k8s.kubernetes_conn_id,
-                config_dict=_kubeconfig(k8s.config_file),
-                in_cluster=k8s.in_cluster,
-                cluster_context=k8s.cluster_context,
-                pending_timeout=k8s.pending_timeout,
-                startup_timeout=k8s.startup_timeout,
-                delete_on_kill=False,  # the sensor does not own the pod: a later try re-attaches
-                # a multi-node site job: every pod of the launch, watched as one
-                group_selector=handle.group_selector,
-                group_pods=handle.names if handle.group_selector else None,
-            )
-        from flare_airflow.triggers.slurm_state import SlurmJobTrigger
-
-        return SlurmJobTrigger.for_job(
-            spec.launcher_spec.slurm,
-            handle.submitted,
-            offset=handle.output.offset,  # the lines before it are in the task log already
-            prefix=f"[{self.site} r{self.round_num}] ",
-            cancel_on_kill=False,
-        )
+        return load(str(self.job.sites[self.site].backend.trigger))(self.job, self.site, handle, self.round_num)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         """The trigger saw the job end (or could not watch it): look at the job once more, through
@@ -323,6 +282,40 @@ class SiteJobSensor(BaseSensorOperator):
         # A state the handle does not call final yet (a pending timeout counted from another
         # start): wait again.
         self.defer(trigger=self._trigger(handle), method_name="execute_complete")
+
+
+def pod_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> Any:
+    """A Kubernetes site job's deferrable watch: the fused pod task's own trigger."""
+    from flare_airflow.triggers.pod_state import PodStateTrigger
+
+    k8s = job.sites[site].launcher_spec.k8s
+    return PodStateTrigger(
+        pod_name=handle.name,
+        pod_namespace=handle.namespace,
+        kubernetes_conn_id=k8s.kubernetes_conn_id,
+        config_dict=_kubeconfig(k8s.config_file),
+        in_cluster=k8s.in_cluster,
+        cluster_context=k8s.cluster_context,
+        pending_timeout=k8s.pending_timeout,
+        startup_timeout=k8s.startup_timeout,
+        delete_on_kill=False,  # the sensor does not own the pod: a later try re-attaches
+        # a multi-node site job: every pod of the launch, watched as one
+        group_selector=handle.group_selector,
+        group_pods=handle.names if handle.group_selector else None,
+    )
+
+
+def slurm_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> Any:
+    """A SLURM site job's deferrable watch: the fused SLURM task's own trigger."""
+    from flare_airflow.triggers.slurm_state import SlurmJobTrigger
+
+    return SlurmJobTrigger.for_job(
+        job.sites[site].launcher_spec.slurm,
+        handle.submitted,
+        offset=handle.output.offset,  # the lines before it are in the task log already
+        prefix=f"[{site} r{round_num}] ",
+        cancel_on_kill=False,
+    )
 
 
 def _kubeconfig(path: str | None) -> dict[str, Any] | None:

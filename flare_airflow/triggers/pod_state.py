@@ -31,8 +31,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from flare_airflow.core.spec import JobReturnCode, JobState
-from flare_airflow.launchers.kubernetes import GroupStatus, PodStatus, map_pod, map_pod_group
+from flare_airflow.core.spec import EventStatus, JobReturnCode, JobState, JobStatus, SiteJobEvent
+from flare_airflow.launchers.kubernetes import GroupStatus, map_pod, map_pod_group
 
 # Apiservers end watches after --min-request-timeout (30-60 min by default); ask for as long.
 _MAX_WATCH_SECONDS = 1800
@@ -137,40 +137,39 @@ class PodStateTrigger(BaseTrigger):
             connection_extras=self.connection_extras,
         )
 
-    def _event(self, status: PodStatus, pod: Any, name: str | None = None) -> TriggerEvent:
+    def _event(self, status: JobStatus, pod: Any, name: str | None = None) -> TriggerEvent:
         name = name or self.pod_name
         phase = getattr(getattr(pod, "status", None), "phase", None)
+        kind: EventStatus
         if status.state is JobState.SUCCEEDED:
             kind = "success"
         elif phase == "Failed" or pod is None:
             kind = "failed"
         else:
             kind = "timeout"  # never ran to the end: the operator must not wait for completion
-        return TriggerEvent(
-            {
-                "status": kind,
-                "name": name,
-                "namespace": self.pod_namespace,
-                "state": status.state.value,
-                "return_code": int(status.return_code),
-                "reason": status.reason,
-                "message": f"pod {self.pod_namespace}/{name}: {status.reason or status.state.value}",
-            }
-        )
+        event: SiteJobEvent = {
+            "status": kind,
+            "name": name,
+            "namespace": self.pod_namespace,
+            "state": status.state.value,
+            "return_code": int(status.return_code),
+            "reason": status.reason,
+            "message": f"pod {self.pod_namespace}/{name}: {status.reason or status.state.value}",
+        }
+        return TriggerEvent(event)
 
     def _deadline_event(self) -> TriggerEvent:
         reason = "execution_timeout reached: the site job ran too long; its pod was deleted"
-        return TriggerEvent(
-            {
-                "status": "timeout",
-                "name": self.pod_name,
-                "namespace": self.pod_namespace,
-                "state": JobState.TERMINATED.value,
-                "return_code": int(JobReturnCode.ABORTED),
-                "reason": reason,
-                "message": f"pod {self.pod_namespace}/{self.pod_name}: {reason}",
-            }
-        )
+        event: SiteJobEvent = {
+            "status": "timeout",
+            "name": self.pod_name,
+            "namespace": self.pod_namespace,
+            "state": JobState.TERMINATED.value,
+            "return_code": int(JobReturnCode.ABORTED),
+            "reason": reason,
+            "message": f"pod {self.pod_namespace}/{self.pod_name}: {reason}",
+        }
+        return TriggerEvent(event)
 
     def _seconds_left(self) -> float | None:
         if self.execution_deadline is None:
@@ -210,7 +209,7 @@ class PodStateTrigger(BaseTrigger):
         async with self._hook().get_conn() as api:
             await self._delete(client.CoreV1Api(api))
 
-    def _status(self, pod: Any, events: list[Any] | None = None) -> PodStatus:
+    def _status(self, pod: Any, events: list[Any] | None = None) -> JobStatus:
         return map_pod(
             pod,
             now=datetime.now(UTC),
@@ -250,7 +249,7 @@ class PodStateTrigger(BaseTrigger):
         # Events of an earlier pod of the same name are told apart by uid (map_pod checks it).
         return list(listed.items)
 
-    async def _decide(self, core: Any, pod: Any) -> PodStatus:
+    async def _decide(self, core: Any, pod: Any) -> JobStatus:
         status = self._status(pod)
         if status.done or not self._needs_events(pod):
             return status
@@ -279,18 +278,17 @@ class PodStateTrigger(BaseTrigger):
         )
 
     def _error_event(self, reason: str) -> TriggerEvent:
-        return TriggerEvent(
-            {
-                "status": "error",
-                "name": self.pod_name,
-                "namespace": self.pod_namespace,
-                "state": JobState.UNKNOWN.value,
-                "return_code": int(JobReturnCode.INFRASTRUCTURE_ERROR),
-                "reason": reason,
-                "message": f"pod {self.pod_namespace}/{self.pod_name}: {reason}",
-                "_redefer_count": self.redefer_count,
-            }
-        )
+        event: SiteJobEvent = {
+            "status": "error",
+            "name": self.pod_name,
+            "namespace": self.pod_namespace,
+            "state": JobState.UNKNOWN.value,
+            "return_code": int(JobReturnCode.INFRASTRUCTURE_ERROR),
+            "reason": reason,
+            "message": f"pod {self.pod_namespace}/{self.pod_name}: {reason}",
+            "_redefer_count": self.redefer_count,
+        }
+        return TriggerEvent(event)
 
     def _watch_seconds(self, pod: Any) -> int:
         """How long one watch may last before the deadlines need checking again."""

@@ -26,7 +26,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from flare_airflow.core.config import AirflowSecretRef, SlurmLaunchSpec
-from flare_airflow.core.spec import JobReturnCode, JobState
+from flare_airflow.core.spec import EventStatus, JobReturnCode, JobState, SiteJobEvent
 from flare_airflow.hooks.secrets import secret_value
 from flare_airflow.hooks.slurm import slurm_commands
 from flare_airflow.launchers.slurm import SlurmCommandError, SlurmJobHandle, SubmittedJob, cancel
@@ -161,22 +161,21 @@ class SlurmJobTrigger(BaseTrigger):
         else:
             self.log.info("%s%s", self.prefix, line)
 
-    def _event(self, status: str, rc: JobReturnCode, reason: str, state: JobState) -> TriggerEvent:
+    def _event(self, status: EventStatus, rc: JobReturnCode, reason: str, state: JobState) -> TriggerEvent:
         self._fired = True
         handle = self._handle
-        return TriggerEvent(
-            {
-                "status": status,
-                "job_id": self.job_id,
-                "name": self.name,
-                "state": state.value,
-                "native": handle.status.native if handle else "",
-                "return_code": int(rc),
-                "reason": reason,
-                "offset": handle.output.offset if handle else self.offset,
-                "last_output": handle.output.last_lines() if handle else "",
-            }
-        )
+        event: SiteJobEvent = {
+            "status": status,
+            "job_id": self.job_id,
+            "name": self.name,
+            "state": state.value,
+            "native": handle.status.native if handle else "",
+            "return_code": int(rc),
+            "reason": reason,
+            "offset": handle.output.offset if handle else self.offset,
+            "last_output": handle.output.last_lines() if handle else "",
+        }
+        return TriggerEvent(event)
 
     def _hide_secrets(self, handle: SlurmJobHandle) -> None:
         if not self.secret_refs:

@@ -13,6 +13,7 @@ CATEGORIES = {
     "site_env": "Site environment",
     "kubernetes": "Kubernetes spec",
     "slurm": "SLURM spec",
+    "container": "Container spec",
     "cli": "CLI",
     "privacy": "Privacy (docs/privacy.md)",
     "tracking": "Experiment tracking (docs/tracking.md)",

@@ -136,3 +136,14 @@ def test_bad_arguments_get_a_clear_error(tmp_path: pathlib.Path, argv: list[str]
     assert out.returncode == 2, out.stdout + out.stderr
     assert expected in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_slurm_sites_secret_env_comes_from_this_shell_too(tmp_path: pathlib.Path) -> None:
+    """The drift issue 27 named: try-trainer read the process and k8s blocks' secret_env only."""
+    site = {"launcher": "slurm", "launcher_spec": {"slurm": {"secret_env": {"CLUSTER_TOKEN": {"variable": "tok"}}}}}
+    job = job_file(tmp_path, **site)
+    out = try_trainer(str(job), "--site", "site-1", "--workdir", str(tmp_path / "w"))
+    assert out.returncode == 0, out.stderr
+    assert "secret_env CLUSTER_TOKEN: try-trainer does not read Airflow's connections or variables" in out.stderr
+    out = try_trainer(str(job), "--site", "site-1", "--workdir", str(tmp_path / "w2"), env={"CLUSTER_TOKEN": "s3cr3t"})
+    assert out.returncode == 0 and "CLUSTER_TOKEN" not in out.stderr, out.stderr

@@ -12,6 +12,7 @@ The names below are the public ones; import them from here.
 """
 
 from flare_airflow.core.config.checks import check_store_backend, load_initial_model, load_model_file
+from flare_airflow.core.config.container import ContainerLaunchSpec, ContainerVolume
 from flare_airflow.core.config.describe import MAX_ERROR_LINE, MAX_ERROR_LINES, MAX_REPR, reprlib_repr, short_repr
 from flare_airflow.core.config.job import STORE_SCHEMES, AggregatorSpec, JobConfig, TrainerSpec, job_from_dict, load_job
 from flare_airflow.core.config.kubernetes import (
@@ -38,9 +39,7 @@ from flare_airflow.core.config.process import (
 )
 from flare_airflow.core.config.resources import ResourceManagerSpec, ResourceSpec
 from flare_airflow.core.config.site import (
-    BACKEND_ALIASES,
     DEFAULT_SITE,
-    NVFLARE_BACKENDS,
     NVFLARE_DEFAULT,
     SUPPORTED_BACKENDS,
     LauncherSpec,
@@ -70,7 +69,6 @@ from flare_airflow.core.config.volumes import (
 from flare_airflow.core.config.yaml_loader import MAX_EXPANDED_NODES, MAX_JOB_FILE_BYTES, MAX_NESTING
 
 __all__ = [
-    "BACKEND_ALIASES",
     "CONNECTION_FIELDS",
     "DEFAULT_SITE",
     "MANAGED_BY_LABEL",
@@ -84,7 +82,6 @@ __all__ = [
     "MAX_SECONDS",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
-    "NVFLARE_BACKENDS",
     "NVFLARE_DEFAULT",
     "RESERVED_ENV_PREFIX",
     "RESERVED_LABEL_PREFIX",
@@ -101,6 +98,8 @@ __all__ = [
     "TRACKING_BACKENDS",
     "AggregatorSpec",
     "AirflowSecretRef",
+    "ContainerLaunchSpec",
+    "ContainerVolume",
     "JobConfig",
     "KubernetesLaunchSpec",
     "LauncherSpec",

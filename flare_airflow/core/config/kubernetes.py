@@ -101,7 +101,7 @@ _IMAGE_DIGEST = re.compile(r"^(sha256:[0-9a-f]{64}|sha384:[0-9a-f]{96}|sha512:[0
 _IMAGE_FORM = "[registry[:port]/]name[:tag][@sha256:<64 hex digits>], e.g. registry.example.org/fl/trainer:1.0"
 
 
-def _image_reference(value: str) -> str:
+def image_reference(value: str) -> str:
     """An image reference the kubelet can pull (refused here rather than as InvalidImageName in a pod)."""
 
     def bad(why: str) -> ValueError:
@@ -186,7 +186,7 @@ class KubernetesLaunchSpec(Strict):
     @field_validator("image")
     @classmethod
     def _image(cls, value: str | None) -> str | None:
-        return None if value is None else _image_reference(value)
+        return None if value is None else image_reference(value)
 
     @field_validator("namespace")
     @classmethod

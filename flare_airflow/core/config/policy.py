@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from flare_airflow.core import envvars
+from flare_airflow.core.backends import BackendName, backend
 from flare_airflow.core.config.describe import cap, describe
 from flare_airflow.core.config.job import JobConfig
 from flare_airflow.core.config.privacy import SitePrivacy
@@ -63,7 +64,7 @@ POLICY_FIELDS = ("launcher", "resource_manager", "launcher_spec", "privacy", "co
 class SitePolicyEntry(Strict):
     """One site's policy: its backend, its GPUs, its launcher blocks, its store connection, its privacy."""
 
-    launcher: Literal["process", "k8s", "slurm"] = "process"
+    launcher: BackendName = "process"
     resource_manager: ResourceManagerSpec | None = None
     launcher_spec: dict[str, Any] = Field(default_factory=dict, description="process / k8s blocks")
     store_conn_id: str | None = Field(None, description="Airflow connection of the model store at this site")
@@ -92,11 +93,11 @@ class SitePolicyEntry(Strict):
 
     @model_validator(mode="after")
     def _confinement_of_process_sites(self) -> SitePolicyEntry:
-        if self.confinement is not None and self.launcher != "process":
+        confined_by = backend(self.launcher).confined_by
+        if self.confinement is not None and confined_by is not None:
             raise ValueError(
                 f"confinement applies to process sites; a {self.launcher!r} site's trainers are confined by "
-                + ("their pod" if self.launcher == "k8s" else "the cluster (cgroups, the submitting user)")
-                + ": remove it"
+                f"{confined_by}: remove it"
             )
         return self
 

@@ -8,10 +8,12 @@ Blocks merge shallowly, most specific last::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from flare_airflow.core.backends import ALIASES, BACKENDS, BackendName, backend, canonical
+from flare_airflow.core.config.container import ContainerLaunchSpec
 from flare_airflow.core.config.describe import clip, short_repr
 from flare_airflow.core.config.kubernetes import KubernetesLaunchSpec
 from flare_airflow.core.config.privacy import SitePrivacy
@@ -27,22 +29,15 @@ from flare_airflow.core.config.validators import (
     queue_name,
 )
 
+if TYPE_CHECKING:
+    from flare_airflow.core.backends import Backend
+
 DEFAULT_SITE = "@default"
 NVFLARE_DEFAULT = "default"
 # The validation context under which a site's spec may carry the site policy's own fields.
 SITE_POLICY_CONTEXT = "site_policy"
-# The backends this version runs. NVFlare's job meta also names docker: a job that asks for it is
-# refused with the list below, never accepted and ignored.
-SUPPORTED_BACKENDS = ("process", "k8s", "slurm")
-NVFLARE_BACKENDS = ("process", "k8s", "docker", "slurm")
-BACKEND_ALIASES = {"kubernetes": "k8s"}
-
-
-def _not_available(backend: str, what: str) -> ValueError:
-    return ValueError(
-        f"{what} {backend!r} is not available in this version of flare-airflow; "
-        f"supported: {', '.join(SUPPORTED_BACKENDS)}"
-    )
+# The backends this version runs: the registry's (flare_airflow.core.backends).
+SUPPORTED_BACKENDS = tuple(BACKENDS)
 
 
 class LauncherSpec(Strict):
@@ -51,12 +46,13 @@ class LauncherSpec(Strict):
     process: ProcessLaunchSpec = Field(default_factory=ProcessLaunchSpec)
     k8s: KubernetesLaunchSpec = Field(default_factory=KubernetesLaunchSpec)
     slurm: SlurmLaunchSpec = Field(default_factory=SlurmLaunchSpec)
+    container: ContainerLaunchSpec = Field(default_factory=ContainerLaunchSpec)
 
 
 class SiteSpec(Strict):
     """One site of a job, after ``@default`` has been merged in."""
 
-    launcher: Literal["process", "k8s", "slurm"] = "process"
+    launcher: BackendName = "process"
     weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="multiplies num_samples in FedAvg")
     retries: int = Field(0, ge=0, le=20)
     retry_delay_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)
@@ -105,30 +101,31 @@ class SiteSpec(Strict):
     @field_validator("launcher", mode="before")
     @classmethod
     def _supported(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        value = BACKEND_ALIASES.get(value, value)
-        if value in NVFLARE_BACKENDS and value not in SUPPORTED_BACKENDS:
-            raise _not_available(value, "launcher")
-        return value
+        return canonical(value) if isinstance(value, str) else value
+
+    @property
+    def backend(self) -> Backend:
+        """The registry entry of the site's backend."""
+        return backend(self.launcher)
+
+    @property
+    def block(self) -> Any:
+        """The site's own launcher block (``launcher_spec.<launcher>``)."""
+        return self.backend.block(self.launcher_spec)
 
     @model_validator(mode="after")
-    def _k8s_image(self) -> SiteSpec:
-        if self.launcher == "k8s" and self.launcher_spec.k8s.image is None:
+    def _image(self) -> SiteSpec:
+        if self.backend.needs_image and self.block.image is None:
             raise ValueError(
-                "a Kubernetes site needs its trainer image: set launcher_spec.k8s.image "
+                f"a {self.backend.title} site needs its trainer image: set launcher_spec.{self.launcher}.image "
                 "(e.g. registry.example.org/fl/trainer:1.0, built from docker/Dockerfile.trainer)"
             )
         return self
 
     @property
     def nodes(self) -> int:
-        """Nodes one site job spans (``nodes`` of the site's k8s or slurm block; 1 otherwise)."""
-        if self.launcher == "k8s":
-            return self.launcher_spec.k8s.nodes
-        if self.launcher == "slurm":
-            return self.launcher_spec.slurm.nodes
-        return 1
+        """Nodes one site job spans (``nodes`` of the site's block where it has one; 1 otherwise)."""
+        return int(getattr(self.block, "nodes", 1))
 
     @property
     def gpus_per_job(self) -> int:
@@ -137,11 +134,12 @@ class SiteSpec(Strict):
 
     @model_validator(mode="after")
     def _watchable(self) -> SiteSpec:
-        if self.watch == "sensor" and self.launcher == "process":
+        if self.watch == "sensor" and not self.backend.watchable:
+            watchable = " / ".join(b.name for b in BACKENDS.values() if b.watchable)
             raise ValueError(
-                "watch: sensor needs a site job that outlives the task that launched it, and a process site's "
-                "job ends with its task (by design): use watch: task (the default) for process sites, or "
-                "launcher k8s / slurm"
+                f"watch: sensor needs a site job that outlives the task that launched it, and a {self.launcher} "
+                f"site's job ends with its task (by design): use watch: task (the default) for {self.launcher} "
+                f"sites, or launcher {watchable}"
             )
         return self
 
@@ -154,6 +152,13 @@ class SiteSpec(Strict):
                 f"a site job asks for {wanted} GPU(s) (resource_spec.num_of_gpus) but the site declares no "
                 "resource_manager: add resource_manager: {type: gpu, num_of_gpus: <the site's GPUs>}, "
                 "or {type: passthrough} if the backend enforces GPU limits itself"
+            )
+        devices = getattr(self.block, "gpu_devices", None)
+        if devices is not None and self.resource_spec.num_of_gpus > len(devices):
+            raise ValueError(
+                f"a site job asks for {self.resource_spec.num_of_gpus} GPU(s) (resource_spec.num_of_gpus) but the "
+                f"site's launcher_spec.{self.launcher}.gpu_devices lists {len(devices)}: list the host's GPUs there "
+                "(e.g. nvidia.com/gpu=0) or lower num_of_gpus"
             )
         if manager is not None and manager.type == "gpu":
             if manager.num_of_gpus < 1:
@@ -173,9 +178,9 @@ class SiteSpec(Strict):
     def runs_script_here(self) -> bool:
         """Whether the site runs ``trainer.script`` from this machine's file system (process sites,
         and SLURM sites submitting locally without a ``trainer_script`` of their own)."""
-        slurm = self.launcher_spec.slurm
-        return self.launcher == "process" or (
-            self.launcher == "slurm" and slurm.ssh_conn_id is None and slurm.trainer_script is None
+        block = self.block
+        return self.backend.on_worker or (
+            self.backend.argv == "cluster" and block.ssh_conn_id is None and block.trainer_script is None
         )
 
     def gpu_pool(self, site: str) -> str | None:
@@ -213,15 +218,13 @@ def _merge_block(*blocks: tuple[Any, str]) -> dict[str, Any]:
 def _backends(block: Any, where: str) -> dict[str, Any]:
     out = {}
     for key, value in _mapping(block, where, "backend -> settings (process, k8s, ...)").items():
-        backend = BACKEND_ALIASES.get(key, key) if isinstance(key, str) else key
-        if backend not in NVFLARE_BACKENDS:
+        name = canonical(key) if isinstance(key, str) else key
+        if name not in BACKENDS:
             raise ValueError(
                 f"{where}: unknown launcher backend {short_repr(key)}; "
-                f"allowed: {', '.join(NVFLARE_BACKENDS)}, kubernetes"
+                f"allowed: {', '.join(BACKENDS)} (aliases: {', '.join(ALIASES)})"
             )
-        if backend not in SUPPORTED_BACKENDS:
-            raise ValueError(f"{where}.{backend}: {_not_available(backend, 'the backend')}")
-        out[backend] = value
+        out[name] = value
     return out
 
 
@@ -278,11 +281,9 @@ def merge_sites(sites: Any, top_resources: Any, top_launchers: Any) -> Any:
             (_backends(own.get("launcher_spec"), f"sites.{name}.launcher_spec"), f"sites.{name}.launcher_spec"),
         ]
         site["launcher_spec"] = {
-            backend: _merge_block(
-                *((layer[backend], f"{where}.{backend}") for layer, where in layers if backend in layer)
-            )
-            for backend in SUPPORTED_BACKENDS
-            if any(backend in layer for layer, _ in layers)
+            name: _merge_block(*((layer[name], f"{where}.{name}") for layer, where in layers if name in layer))
+            for name in SUPPORTED_BACKENDS
+            if any(name in layer for layer, _ in layers)
         }
         merged[name] = site
     return merged

@@ -71,7 +71,7 @@ def _system_dir(path: str, system: tuple[str, ...]) -> str | None:
     return next((top for top in system if path_within(path, top) or path_within(top, path)), None)
 
 
-def _host_path(value: str, what: str) -> str:
+def host_directory(value: str, what: str) -> str:
     path = _absolute_path(value, what)
     system = _system_dir(path, SYSTEM_HOST_PATHS)
     if system is not None:
@@ -82,7 +82,7 @@ def _host_path(value: str, what: str) -> str:
     return path
 
 
-def _mount_path(value: str, what: str) -> str:
+def mount_directory(value: str, what: str) -> str:
     path = _absolute_path(value, what)
     system = _system_dir(path, SYSTEM_MOUNT_PATHS)
     if system is not None:
@@ -105,12 +105,12 @@ class _Mounted(Strict):
     @field_validator("mount_path", check_fields=False)
     @classmethod
     def _mount(cls, value: str) -> str:
-        return _mount_path(value, "mount_path")
+        return mount_directory(value, "mount_path")
 
     @field_validator("host_path", check_fields=False)
     @classmethod
     def _host(cls, value: str | None) -> str | None:
-        return None if value is None else _host_path(value, "host_path")
+        return None if value is None else host_directory(value, "host_path")
 
     @field_validator("pvc", check_fields=False)
     @classmethod

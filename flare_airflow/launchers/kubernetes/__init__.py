@@ -50,7 +50,7 @@ from flare_airflow.launchers.kubernetes.naming import (
     site_job_selector,
     site_pods_selector,
 )
-from flare_airflow.launchers.kubernetes.state import FAIL_FAST_REASONS, GroupStatus, PodStatus, map_pod, map_pod_group
+from flare_airflow.launchers.kubernetes.state import FAIL_FAST_REASONS, GroupStatus, map_pod, map_pod_group
 from flare_airflow.launchers.kubernetes.storage import (
     ALLOWED_HOST_PATHS_ENV,
     allowed_host_paths,
@@ -70,7 +70,6 @@ __all__ = [
     "GroupStatus",
     "KubernetesJobHandle",
     "KubernetesLauncher",
-    "PodStatus",
     "SiteJobObjects",
     "allowed_host_paths",
     "build_pod",

@@ -32,6 +32,7 @@ from flare_airflow.core.spec import (
     JobLauncherSpec,
     JobReturnCode,
     JobState,
+    JobStatus,
     LineSink,
     SiteJob,
     wait_by_polling,
@@ -56,7 +57,6 @@ from flare_airflow.launchers.kubernetes.naming import (
 )
 from flare_airflow.launchers.kubernetes.state import (
     FAIL_FAST_REASONS,
-    PodStatus,
     container_statuses,
     map_pod_group,
     trainer_started,
@@ -94,8 +94,8 @@ class KubernetesJobHandle(JobHandleSpec):
         self.service_uid: str | None = service.metadata.uid if service is not None else None
         # A multi-node site job: the label selector of its pods and Service (what a watch follows).
         self.group_selector = group_selector if len(self.names) > 1 else None
-        self._status = PodStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
-        self._final: PodStatus | None = None
+        self._status = JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
+        self._final: JobStatus | None = None
         self._logs: str | None = None
         self._deleted = False
         self._lock = threading.RLock()
@@ -109,8 +109,8 @@ class KubernetesJobHandle(JobHandleSpec):
         return self.launcher.spec
 
     @property
-    def status(self) -> PodStatus:
-        """The last :class:`PodStatus` seen (``waiting_for_resources`` and the scheduler's message while Pending)."""
+    def status(self) -> JobStatus:
+        """The last :class:`JobStatus` seen (``waiting_for_resources`` and the scheduler's message while Pending)."""
         return self._final or self._status
 
     def _read_pod(self, name: str) -> k8s.V1Pod | None:
@@ -185,6 +185,9 @@ class KubernetesJobHandle(JobHandleSpec):
     def wait(self, timeout: float | None = None) -> JobReturnCode:
         return wait_by_polling(self.poll, lambda: self._final is not None, self._spec.poll_interval, timeout)
 
+    def where(self) -> dict[str, Any]:
+        return {"backend": "k8s", "namespace": self.namespace, "pod": self.name}
+
     def logs(self) -> str:
         """The trainer container's log (kept after the pod is deleted; empty if it never started);
         of a multi-node site job, every pod's log, each under a ``--- node rank R (pod NAME) ---`` line."""
@@ -241,7 +244,7 @@ class KubernetesJobHandle(JobHandleSpec):
                 for line in logs.get(name, "").splitlines():
                     self.launcher.sink(prefix + node + line)
 
-    def _finish(self, pods: Sequence[tuple[str, k8s.V1Pod | None]], status: PodStatus) -> None:
+    def _finish(self, pods: Sequence[tuple[str, k8s.V1Pod | None]], status: JobStatus) -> None:
         self._final = status
         try:
             self._collect_logs(pods)
@@ -311,7 +314,7 @@ class KubernetesJobHandle(JobHandleSpec):
                 self._finish(pods, group.status)
                 return
             what = "pod deleted" if len(self.names) == 1 else "pods deleted"
-            self._final = PodStatus(
+            self._final = JobStatus(
                 JobState.TERMINATED, JobReturnCode.ABORTED, f"terminated: {what} on request", done=True
             )
             try:

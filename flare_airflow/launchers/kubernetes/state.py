@@ -18,9 +18,9 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-from flare_airflow.core.spec import JobReturnCode, JobState
+from flare_airflow.core.exit_codes import map_exit
+from flare_airflow.core.spec import JobReturnCode, JobState, JobStatus
 from flare_airflow.launchers.kubernetes.naming import CONTAINER_NAME
-from flare_airflow.launchers.process.state import map_exit
 
 # Container waiting reasons that no amount of waiting fixes (the kubelet keeps retrying them, but a
 # site job must fail with the reason instead of hanging until a timeout), and their return codes.
@@ -40,19 +40,8 @@ _INSUFFICIENT = re.compile(r"Insufficient [\w./-]+|Too many pods")
 _VANISHED = "pod vanished (deleted or garbage-collected) before reporting a result"
 
 
-@dataclass(frozen=True)
-class PodStatus:
-    """A pod's meaning for its site job (see :func:`map_pod`)."""
-
-    state: JobState
-    return_code: JobReturnCode
-    reason: str
-    done: bool
-    waiting_for_resources: bool = False
-
-
-def _failed(rc: JobReturnCode, reason: str) -> PodStatus:
-    return PodStatus(JobState.FAILED, rc, reason, done=True)
+def _failed(rc: JobReturnCode, reason: str) -> JobStatus:
+    return JobStatus(JobState.FAILED, rc, reason, done=True)
 
 
 def container_statuses(status: Any) -> list[Any]:
@@ -102,7 +91,7 @@ def _mount_failure(pod: k8s.V1Pod, events: Iterable[Any]) -> str | None:
     return None
 
 
-def _exit_status(term: Any) -> PodStatus:
+def _exit_status(term: Any) -> JobStatus:
     code = term.exit_code
     detail = f"{term.reason}: {term.message}" if term.message else (term.reason or "")
     if term.reason == "OOMKilled":
@@ -141,7 +130,7 @@ def map_pod(
     pending_timeout: float,
     startup_timeout: float,
     events: Sequence[Any] = (),
-) -> PodStatus:
+) -> JobStatus:
     """The state table of the Kubernetes backend (``docs/state-mapping.md``).
 
     ``pod`` is the pod as read now, ``None`` when the API says it does not exist (404). ``events``
@@ -153,9 +142,9 @@ def map_pod(
     meta, status = pod.metadata, pod.status or k8s.V1PodStatus()
     phase = status.phase or "Pending"
     if phase == "Succeeded":
-        return PodStatus(JobState.SUCCEEDED, JobReturnCode.SUCCESS, "", done=True)
+        return JobStatus(JobState.SUCCEEDED, JobReturnCode.SUCCESS, "", done=True)
     if meta is not None and meta.deletion_timestamp is not None:
-        return PodStatus(
+        return JobStatus(
             JobState.TERMINATED,
             JobReturnCode.ABORTED,
             f"pod deleted before it finished (deletionTimestamp {meta.deletion_timestamp.isoformat()})",
@@ -175,7 +164,7 @@ def map_pod(
             message = f": {waiting.message}" if waiting.message else ""
             return _failed(FAIL_FAST_REASONS[waiting.reason], f"{waiting.reason}{message}")
     if phase == "Running":
-        return PodStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False)
+        return JobStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False)
     mount = _mount_failure(pod, events)
     if mount is not None:
         return _failed(JobReturnCode.INFRASTRUCTURE_ERROR, mount)
@@ -190,14 +179,14 @@ def map_pod(
                 JobReturnCode.INFRASTRUCTURE_ERROR,
                 f"not scheduled within pending_timeout={pending_timeout:g}s: {message}",
             )
-        return PodStatus(JobState.STARTING, JobReturnCode.UNKNOWN, message, done=False, waiting_for_resources=True)
+        return JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, message, done=False, waiting_for_resources=True)
     if pending_for > startup_timeout:
         why = message if unschedulable else _pending_detail(status)
         return _failed(
             JobReturnCode.INFRASTRUCTURE_ERROR,
             f"pod did not start within startup_timeout={startup_timeout:g}s" + (f": {why}" if why else ""),
         )
-    return PodStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
+    return JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
 
 
 def _pending_detail(status: Any) -> str:
@@ -217,7 +206,7 @@ class GroupStatus:
     it (the failing one, or rank 0) and its status, with the reason naming that pod's node rank."""
 
     pod: str
-    status: PodStatus
+    status: JobStatus
 
 
 def map_pod_group(
@@ -260,5 +249,5 @@ def map_pod_group(
         rank, name, status = waiting[0]
         return GroupStatus(name, replace(status, reason=f"node rank {rank} of {total} (pod {name}): {status.reason}"))
     if all(s.state in (JobState.RUNNING, JobState.SUCCEEDED) for _name, s in statuses):
-        return GroupStatus(first, PodStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False))
-    return GroupStatus(first, PodStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False))
+        return GroupStatus(first, JobStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False))
+    return GroupStatus(first, JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False))

@@ -5,8 +5,8 @@ Rooms (the same as every backend's):
 * :mod:`.naming` -- the job's identity: the mark (``FLARE_PROCESS_TREE``) its processes inherit.
 * :mod:`.environment` -- what the trainer starts with: its environment, and the checks made
   before starting it (working directory, program, variables).
-* :mod:`.state` -- the state table: exit codes and signals to ``JobState`` / ``JobReturnCode``
-  (:func:`map_exit`, ``docs/state-mapping.md``).
+* the state table is the core's exit-code table (:func:`flare_airflow.core.exit_codes.map_exit`,
+  ``docs/state-mapping.md``), shared by every backend.
 * :mod:`.tree` -- the job's processes in ``/proc``, ending them, child subreaper and
   die-with-parent.
 * :mod:`.launcher` -- :class:`ProcessLauncher` / :class:`ProcessJobHandle` (the launcher spec).
@@ -18,7 +18,6 @@ from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.process.environment import check_environment, check_launchable, trainer_environment
 from flare_airflow.launchers.process.launcher import ProcessJobHandle, ProcessLauncher
 from flare_airflow.launchers.process.naming import TREE_MARK_ENV
-from flare_airflow.launchers.process.state import map_exit
 from flare_airflow.launchers.process.tree import (
     become_subreaper,
     die_with_parent,
@@ -38,7 +37,6 @@ __all__ = [
     "die_with_parent",
     "end_processes",
     "job_processes",
-    "map_exit",
     "start_time",
     "trainer_environment",
 ]

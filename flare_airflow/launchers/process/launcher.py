@@ -5,7 +5,7 @@ environment (``FLARE_PROCESS_TREE``) that its descendants inherit. When the trai
 ``terminate()`` is called, every process of the job that this process can see is ended
 (:mod:`flare_airflow.launchers.process.tree`). Output streams line by line to a sink (the Airflow
 task log when run from a site task). Exit codes and signals map to ``JobReturnCode`` in
-:func:`~flare_airflow.launchers.process.state.map_exit`. Given a
+:func:`~flare_airflow.core.exit_codes.map_exit`. Given a
 :class:`~flare_airflow.launchers.process.sandbox.Sandbox`, the trainer runs confined by bubblewrap.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from flare_airflow.core.envvars import FLARE_HANDSHAKE
+from flare_airflow.core.exit_codes import map_exit
 from flare_airflow.core.spec import (
     JobHandleSpec,
     JobIdentity,
@@ -38,7 +39,6 @@ from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.process.environment import check_environment, check_launchable, trainer_environment
 from flare_airflow.launchers.process.naming import TREE_MARK_ENV, new_tree_mark
 from flare_airflow.launchers.process.sandbox import Sandbox, sandboxed_exit
-from flare_airflow.launchers.process.state import map_exit
 from flare_airflow.launchers.process.tree import (
     POLL_INTERVAL,
     become_subreaper,

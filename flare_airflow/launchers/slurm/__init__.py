@@ -38,7 +38,7 @@ from flare_airflow.launchers.slurm.launcher import (
 )
 from flare_airflow.launchers.slurm.naming import job_name, output_file, site_job_prefix, try_of
 from flare_airflow.launchers.slurm.script import batch_script, parse_job_id, sbatch_argv
-from flare_airflow.launchers.slurm.state import SlurmStatus, map_job, waits_its_turn
+from flare_airflow.launchers.slurm.state import map_job, waits_its_turn
 
 __all__ = [
     "TAIL_LINES",
@@ -52,7 +52,6 @@ __all__ = [
     "SlurmCommands",
     "SlurmJobHandle",
     "SlurmLauncher",
-    "SlurmStatus",
     "SubmittedJob",
     "batch_script",
     "cancel",

@@ -27,6 +27,7 @@ from flare_airflow.core.spec import (
     JobLauncherSpec,
     JobReturnCode,
     JobState,
+    JobStatus,
     LineSink,
     SiteJob,
     wait_by_polling,
@@ -43,7 +44,7 @@ from flare_airflow.launchers.slurm.commands import (
 )
 from flare_airflow.launchers.slurm.naming import job_name, output_file, site_job_prefix, try_of
 from flare_airflow.launchers.slurm.script import batch_script, parse_job_id, sbatch_argv
-from flare_airflow.launchers.slurm.state import SlurmStatus, map_job
+from flare_airflow.launchers.slurm.state import map_job
 from flare_airflow.launchers.trainer import output_prefix
 
 TAIL_LINES = 20
@@ -121,8 +122,8 @@ class SlurmJobHandle(JobHandleSpec):
         self.label = label or submitted.name
         self.sink = sink
         self.output = OutputReader(commands, submitted.output, offset, hidden)
-        self._status = SlurmStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
-        self._final: SlurmStatus | None = None
+        self._status = JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
+        self._final: JobStatus | None = None
         self._cancelled = False
         self._failures = 0
         self._lock = threading.RLock()
@@ -142,8 +143,11 @@ class SlurmJobHandle(JobHandleSpec):
     def job_id(self) -> str:
         return self.submitted.job_id
 
+    def where(self) -> dict[str, Any]:
+        return {"backend": "slurm", "job_id": self.job_id, "name": self.submitted.name}
+
     @property
-    def status(self) -> SlurmStatus:
+    def status(self) -> JobStatus:
         return self._final or self._status
 
     def _emit(self, lines: list[str]) -> None:
@@ -151,7 +155,7 @@ class SlurmJobHandle(JobHandleSpec):
             for line in lines:
                 self.sink(line)
 
-    def read_status(self) -> SlurmStatus:
+    def read_status(self) -> JobStatus:
         """One read of the job's state through the state table (no output read, no cancel)."""
         info = read_job(self.commands, self.job_id)
         return map_job(
@@ -175,7 +179,7 @@ class SlurmJobHandle(JobHandleSpec):
                 self._failures += 1
                 if self._failures < _MAX_READ_FAILURES:
                     return JobReturnCode.UNKNOWN
-                status = SlurmStatus(
+                status = JobStatus(
                     JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR, f"cannot read the job's state: {exc}", True
                 )
             self._status = status

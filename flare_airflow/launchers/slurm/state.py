@@ -11,10 +11,8 @@ InvalidAccount, a per-job limit, a held job, ...) gets ``startup_timeout``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from flare_airflow.core.spec import JobReturnCode, JobState
-from flare_airflow.launchers.process.state import map_exit
+from flare_airflow.core.exit_codes import map_exit
+from flare_airflow.core.spec import JobReturnCode, JobState, JobStatus
 
 # Reasons of a job that waits its turn: other jobs must end first.
 WAITING_REASONS = frozenset(
@@ -43,18 +41,6 @@ _ENDED: dict[str, tuple[JobReturnCode, str]] = {
 }
 
 
-@dataclass(frozen=True)
-class SlurmStatus:
-    """A batch job's meaning for its site job (see :func:`map_job`)."""
-
-    state: JobState
-    return_code: JobReturnCode
-    reason: str
-    done: bool
-    waiting_for_resources: bool = False
-    native: str = ""  # SLURM's own words, e.g. "PENDING (Resources)"
-
-
 def waits_its_turn(reason: str) -> bool:
     """Whether a PENDING job with this reason gets ``pending_timeout`` (else ``startup_timeout``)."""
     if reason in WAITING_REASONS:
@@ -77,8 +63,8 @@ def map_job(
     pending_timeout: float = 300.0,
     startup_timeout: float = 120.0,
     cancelled_by_us: bool = False,
-) -> SlurmStatus:
-    """Map one read of a batch job to ``SlurmStatus``.
+) -> JobStatus:
+    """Map one read of a batch job to ``JobStatus``.
 
     ``job_state`` ``None``: the job is known neither to slurmctld nor to accounting.
     ``pending_seconds``: how long the job has been waiting since it was submitted.
@@ -101,7 +87,7 @@ def map_job(
     ====================================  ==========  ====================  ==============================
     """
     if job_state is None:
-        return SlurmStatus(
+        return JobStatus(
             JobState.FAILED,
             JobReturnCode.INFRASTRUCTURE_ERROR,
             "the job is no longer known to slurmctld (it forgets finished jobs after MinJobAge) and no accounting "
@@ -112,7 +98,7 @@ def map_job(
     native = f"{state} ({reason})" if reason and reason != "None" else state
     if state in _STARTING:
         if state != "PENDING":
-            return SlurmStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False, native=native)
+            return JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False, native=native)
         turn = waits_its_turn(reason)
         limit, what = (pending_timeout, "pending_timeout") if turn else (startup_timeout, "startup_timeout")
         if pending_seconds > limit:
@@ -122,7 +108,7 @@ def map_job(
                 if turn
                 else "a reason waiting does not fix (check partition, account, qos and the resources asked for)"
             )
-            return SlurmStatus(
+            return JobStatus(
                 JobState.FAILED,
                 rc,
                 f"the job stayed PENDING ({reason}) for more than {what}={limit:g}s, {why}",
@@ -130,26 +116,26 @@ def map_job(
                 waiting_for_resources=turn,
                 native=native,
             )
-        return SlurmStatus(
+        return JobStatus(
             JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False, waiting_for_resources=turn, native=native
         )
     if state in _RUNNING:
-        return SlurmStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False, native=native)
+        return JobStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False, native=native)
     code, sig = parse_exit_code(exit_code)
     if state == "COMPLETED" and code == 0 and sig == 0:
-        return SlurmStatus(JobState.SUCCEEDED, JobReturnCode.SUCCESS, "", done=True, native=native)
+        return JobStatus(JobState.SUCCEEDED, JobReturnCode.SUCCESS, "", done=True, native=native)
     if state == "CANCELLED":
         who = "by flare-airflow (scancel)" if cancelled_by_us else "outside flare-airflow (scancel by a user or admin)"
-        return SlurmStatus(
+        return JobStatus(
             JobState.TERMINATED, JobReturnCode.ABORTED, f"the job was cancelled {who}", True, native=native
         )
     if state in ("FAILED", "COMPLETED"):
         _, rc, why = map_exit(-sig if sig and not code else code, terminated=False)
-        return SlurmStatus(JobState.FAILED, rc, f"the job failed: {why}", done=True, native=native)
+        return JobStatus(JobState.FAILED, rc, f"the job failed: {why}", done=True, native=native)
     if state in _ENDED:
         rc, why = _ENDED[state]
-        return SlurmStatus(JobState.FAILED, rc, f"{why} [{state}]", done=True, native=native)
-    return SlurmStatus(
+        return JobStatus(JobState.FAILED, rc, f"{why} [{state}]", done=True, native=native)
+    return JobStatus(
         JobState.FAILED,
         JobReturnCode.INFRASTRUCTURE_ERROR,
         f"unknown SLURM job state {job_state!r}: not counted as a success",

@@ -233,15 +233,14 @@ def test_trainer_args_numbers_become_strings_but_booleans_are_refused(job_dir) -
     assert "argument True must be a string or a number" in msg
 
 
-@pytest.mark.parametrize("launcher", ["docker"])
-def test_backends_not_in_this_version_are_refused_clearly(job_dir, launcher) -> None:
+@pytest.mark.parametrize("launcher", ["docker", "podman"])
+def test_nvflares_docker_is_a_container_site(job_dir, launcher) -> None:
     data = base_job()
     data["sites"]["site-2"] = {"launcher": launcher}
     path, msg = load_error(job_dir, data)
-    line = next(line for line in msg.splitlines() if "launcher" in line)
-    assert line.strip().startswith(f"{path}: sites.site-2.launcher (site 'site-2'):")
-    assert "is not available in this version of flare-airflow" in line
-    assert "supported: process, k8s, slurm" in line
+    line = next(line for line in msg.splitlines() if "site-2" in line)
+    assert line.strip().startswith(f"{path}: sites.site-2 (site 'site-2'):")
+    assert "a container site needs its trainer image: set launcher_spec.container.image" in line
     assert "site-1" not in msg
 
 
@@ -326,7 +325,7 @@ def test_launcher_spec_unknown_backend(job_dir) -> None:
     path, msg = load_error(job_dir, data)
     assert str(path) in msg
     assert "sites.site-1.launcher_spec: unknown launcher backend 'pbs'" in msg
-    assert "allowed: process, k8s, docker, slurm" in msg
+    assert "allowed: process, k8s, slurm, container (aliases: kubernetes, docker, podman)" in msg
 
 
 @pytest.mark.parametrize("block", ["launcher_spec", "resource_spec"])

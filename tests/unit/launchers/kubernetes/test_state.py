@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
+from flare_airflow.core.exit_codes import map_exit
 from flare_airflow.core.spec import JobReturnCode, JobState
 from flare_airflow.launchers.kubernetes import (
     FAIL_FAST_REASONS,
 )
-from flare_airflow.launchers.process import map_exit
 from tests.unit.launchers.kubernetes.pods import (
     RC,
     mapped,

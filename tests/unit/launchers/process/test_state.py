@@ -1,4 +1,4 @@
-"""The exit-status table (flare_airflow.launchers.process.state.map_exit), with real exits."""
+"""The exit-status table (flare_airflow.core.exit_codes.map_exit), with real exits."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import signal
 
 import pytest
 
+from flare_airflow.core.exit_codes import map_exit
 from flare_airflow.core.spec import JobState
-from flare_airflow.launchers.process import ProcessLauncher, map_exit
+from flare_airflow.launchers.process import ProcessLauncher
 from tests.unit.launchers.process.jobs import PY, RC, site_job
 
 

@@ -1,7 +1,8 @@
-"""The process backend's state table: exit codes and signals to ``JobState`` / ``JobReturnCode``.
+"""The exit-code table: a trainer's exit status or signal to ``JobState`` / ``JobReturnCode``.
 
-The one table for this backend (``docs/state-mapping.md``); the Kubernetes backend maps a
-trainer container's exit code through it too.
+One table for every backend (``docs/state-mapping.md``): a process's exit, a pod's or a
+container's trainer exit code and a SLURM job's ExitCode all map through :func:`map_exit`; each
+backend maps only its own native states (Pending, PENDING, image pull errors) on top of it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,337 @@
+""":class:`ContainerLauncher` / :class:`ContainerJobHandle`: the launcher spec on podman or docker.
+
+Every engine call is an argv list (never a shell string) with a timeout. A handle reads the
+container's state with ``inspect`` through :func:`~flare_airflow.launchers.container.state.map_container`;
+when the job has ended it keeps the container's log and exit state, then removes the container,
+so nothing of a site job stays on the host once its end was seen. ``terminate`` stops (SIGTERM,
+then SIGKILL after the shutdown timeout) and removes. A launch whose worker died leaves its
+container running: the next try finds it by its labels (:meth:`ContainerLauncher.terminate_earlier_tries`),
+a sensor by :meth:`ContainerLauncher.find_job`, the run's teardown by :meth:`ContainerLauncher.sweep`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from flare_airflow.core.spec import (
+    JobHandleSpec,
+    JobIdentity,
+    JobLauncherSpec,
+    JobReturnCode,
+    JobState,
+    JobStatus,
+    LineSink,
+    SiteJob,
+)
+from flare_airflow.launchers.container.command import run_command, staging_dir
+from flare_airflow.launchers.container.naming import LABEL_PREFIX, run_filters, site_job_filters
+from flare_airflow.launchers.container.state import launch_failure, map_container
+from flare_airflow.launchers.errors import LaunchError
+from flare_airflow.launchers.gpus import GpuAllocationError, GpuAllocator, GpuLease
+
+if TYPE_CHECKING:
+    from flare_airflow.core.config import ContainerLaunchSpec, ResourceSpec
+
+ENGINE_TIMEOUT = 120.0  # s: one engine call (a pull of a large image is bounded by the launch timeout)
+_HIDDEN = "***"
+
+
+class ContainerEngineError(RuntimeError):
+    """An engine call failed (not found, timed out, refused): the engine's own words."""
+
+
+class ContainerLauncher(JobLauncherSpec):
+    """Launch site jobs as containers of the site's trainer image.
+
+    :param spec: the site's ``launcher_spec.container`` block.
+    :param resources: the site job's ``resource_spec`` (memory, CPUs, GPUs).
+    :param try_number: the Airflow try that launches (part of the container's identity labels).
+    :param sink: receives the trainer's output lines once the job ended.
+    :param hidden: values (resolved secrets) replaced by ``***`` in every line and log read.
+    :param environ: the environment the engine runs with (default: this process's).
+    """
+
+    def __init__(
+        self,
+        spec: ContainerLaunchSpec,
+        resources: ResourceSpec | None = None,
+        *,
+        try_number: int = 1,
+        sink: LineSink | None = None,
+        hidden: Iterable[str] = (),
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.resources = resources
+        self.try_number = try_number
+        self.sink = sink
+        self.hidden = [h for h in hidden if h]
+        self.environ = dict(os.environ if environ is None else environ)
+
+    # ------------------------------------------------------------------ engine calls
+
+    def engine(self, *args: str, env: Mapping[str, str] | None = None, timeout: float | None = ENGINE_TIMEOUT) -> str:
+        """Run ``<engine> ARGS`` and return its stdout (``timeout`` ``None``: as long as it takes);
+        :class:`ContainerEngineError` when it fails."""
+        program = shutil.which(self.spec.engine, path=self.environ.get("PATH"))
+        if program is None:
+            raise ContainerEngineError(
+                f"the container engine {self.spec.engine!r} is not installed on this worker (not on PATH); "
+                "install podman or docker, or set launcher_spec.container.engine"
+            )
+        try:
+            proc = subprocess.run(
+                [program, *args],
+                env=dict(env or self.environ),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise ContainerEngineError(f"{self.spec.engine} {args[0]} did not answer within {timeout}s") from None
+        if proc.returncode != 0:
+            raise ContainerEngineError(self.mask(proc.stderr.strip() or f"exit code {proc.returncode}"))
+        return proc.stdout
+
+    def mask(self, text: str) -> str:
+        for value in self.hidden:
+            text = text.replace(value, _HIDDEN)
+        return text
+
+    def _containers(self, filters: Sequence[str]) -> list[dict[str, Any]]:
+        args = ["ps", "--all", "--no-trunc", "--format", "json"]
+        for value in filters:
+            args += ["--filter", value]
+        out = self.engine(*args).strip()
+        if not out:
+            return []
+        if out.startswith("["):  # podman: one JSON array
+            return list(json.loads(out))
+        return [json.loads(line) for line in out.splitlines() if line.strip()]  # docker: one object a line
+
+    def remove(self, containers: Sequence[str], *, stop_timeout: float = 10.0) -> None:
+        """Stop (SIGTERM, SIGKILL after ``stop_timeout``) and remove ``containers``."""
+        if not containers:
+            return
+        with contextlib.suppress(ContainerEngineError):  # already stopped: rm says what is left
+            self.engine("stop", "--time", str(max(0, int(stop_timeout))), *containers, timeout=stop_timeout + 60)
+        self.engine("rm", "--force", *containers)
+
+    # ------------------------------------------------------------------ the launcher spec
+
+    def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> ContainerJobHandle:
+        """Start the site job's container, detached; ``fl_ctx``: ``try_number``, ``secrets`` (name ->
+        value: in the container's environment, never in the argv)."""
+        ctx = dict(fl_ctx or {})
+        identity = JobIdentity.of(job_meta, int(ctx.get("try_number") or self.try_number))
+        secrets = dict(ctx.get("secrets") or {})
+        self.hidden += [v for v in secrets.values() if v]
+        lease = self._gpus(job_meta)
+        try:
+            self._writable_staging(job_meta)
+            argv, env = run_command(
+                self.spec,
+                self.resources,
+                job_meta,
+                identity,
+                gpu_devices=[self.spec.gpu_devices[i] for i in lease.devices] if lease else (),
+                secrets=secrets,
+                environ=self.environ,
+            )
+            program = shutil.which(argv[0], path=self.environ.get("PATH"))
+            if program is None:
+                raise LaunchError(
+                    f"{identity.label}: the container engine {argv[0]!r} is not installed on this worker; "
+                    "install podman or docker, or set launcher_spec.container.engine"
+                )
+            timeout = job_meta.launch_timeout or ENGINE_TIMEOUT
+            try:
+                proc = subprocess.run(
+                    [program, *argv[1:]], env=env, capture_output=True, text=True, timeout=timeout, check=False
+                )
+            except subprocess.TimeoutExpired:
+                self._remove_quietly(identity)
+                raise LaunchError(
+                    f"{identity.label}: the container did not start within {timeout:g}s (launch_timeout)",
+                    JobReturnCode.INFRASTRUCTURE_ERROR,
+                ) from None
+            if proc.returncode != 0:
+                self._remove_quietly(identity)  # a container created but not started
+                rc, reason = launch_failure(proc.returncode, self.mask(proc.stderr))
+                raise LaunchError(f"{identity.label}: {reason}", rc)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return ContainerJobHandle(self, job_meta, identity, proc.stdout.strip(), lease=lease)
+
+    def _gpus(self, job: SiteJob) -> GpuLease | None:
+        wanted = self.resources.num_of_gpus if self.resources is not None else 0
+        if not wanted:
+            return None
+        allocator = GpuAllocator(num_gpus=len(self.spec.gpu_devices))
+        try:
+            return allocator.acquire(wanted, self.resources.mem_per_gpu_in_GiB if self.resources else None, 600.0)
+        except GpuAllocationError as exc:
+            raise LaunchError(f"{job.label}: {exc}") from None
+
+    def _writable_staging(self, job: SiteJob) -> None:
+        """The staging directory belongs to the container's user (the worker creates it as itself)."""
+        if os.geteuid() != 0:
+            return
+        uid, _, gid = self.spec.user.partition(":")
+        staging = staging_dir(job.env)
+        staging.mkdir(parents=True, exist_ok=True)
+        os.chown(staging, int(uid), int(gid or uid))
+
+    def _remove_quietly(self, identity: JobIdentity) -> None:
+        with contextlib.suppress(ContainerEngineError):
+            self.remove([str(c["Id"]) for c in self._containers(site_job_filters(identity, with_try=True))])
+
+    def find_job(self, identity: JobIdentity) -> ContainerJobHandle | None:
+        """The container launched under ``identity`` (by any process on this host), or ``None``."""
+        found = self._containers(site_job_filters(identity, with_try=True))
+        if not found:
+            return None
+        return ContainerJobHandle(self, identity.site_job(), identity, str(found[0]["Id"]))
+
+    def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
+        """Stop and remove the containers of this site job's earlier tries; returns their names."""
+        earlier = [
+            c
+            for c in self._containers(site_job_filters(identity, with_try=False))
+            if int((c.get("Labels") or {}).get(LABEL_PREFIX + "try", 0)) < identity.try_number
+        ]
+        self.remove([str(c["Id"]) for c in earlier])
+        return [_name(c) for c in earlier]
+
+    def sweep(self, job: str, run_id: str) -> list[str]:
+        """Remove every container of one run still on this host (the run's teardown); their names."""
+        found = self._containers(run_filters(job, run_id))
+        self.remove([str(c["Id"]) for c in found], stop_timeout=0)
+        return [_name(c) for c in found]
+
+
+def _name(container: Mapping[str, Any]) -> str:
+    names = container.get("Names") or []
+    return str(names[0] if isinstance(names, list) and names else names or container.get("Id", "?"))
+
+
+class ContainerJobHandle(JobHandleSpec):
+    """Handle of one site job's container."""
+
+    def __init__(
+        self,
+        launcher: ContainerLauncher,
+        job: SiteJob,
+        identity: JobIdentity,
+        container_id: str,
+        *,
+        lease: GpuLease | None = None,
+    ) -> None:
+        self.launcher = launcher
+        self.job = job
+        self.identity = identity
+        self.container_id = container_id
+        self.lease = lease
+        self._status = JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
+        self._final: JobStatus | None = None
+        self._logs: str | None = None
+        self._terminated = False
+        self._lock = threading.RLock()
+
+    @property
+    def status(self) -> JobStatus:
+        return self._final or self._status
+
+    def _inspect(self) -> Mapping[str, Any] | None:
+        try:
+            out = self.launcher.engine("inspect", "--format", "{{json .State}}", self.container_id)
+        except ContainerEngineError as exc:
+            if "no such" in str(exc).lower():
+                return None
+            raise
+        loaded = json.loads(out)
+        return loaded if isinstance(loaded, dict) else None
+
+    def poll(self) -> JobReturnCode:
+        with self._lock:
+            if self._final is not None:
+                return self._final.return_code
+            resources = self.launcher.resources
+            memory = resources.memory if resources is not None else None
+            status = map_container(self._inspect(), terminated=self._terminated, memory_limit=memory)
+            self._status = status
+            if status.done:
+                self._finish(status)
+            return status.return_code
+
+    def _finish(self, status: JobStatus) -> None:
+        """The job ended: keep its log and state, remove the container, free its GPUs."""
+        self._final = status
+        self._logs = self._read_logs()
+        if self.launcher.sink is not None:
+            prefix = f"[{self.identity.site} r{self.identity.round}] "
+            for line in self._logs.splitlines():
+                self.launcher.sink(prefix + line)
+        with contextlib.suppress(ContainerEngineError):
+            self.launcher.engine("rm", "--force", self.container_id)
+        if self.lease is not None:
+            self.lease.release()
+
+    def _read_logs(self) -> str:
+        try:
+            return self.launcher.mask(self.launcher.engine("logs", self.container_id))
+        except ContainerEngineError as exc:
+            return f"(the container's log could not be read: {exc})"
+
+    def wait(self, timeout: float | None = None) -> JobReturnCode:
+        """Block in the engine's own ``wait`` until the container exits (or ``timeout`` passes:
+        ``UNKNOWN``), then read its final state."""
+        if self._final is None:
+            with contextlib.suppress(ContainerEngineError):
+                self.launcher.engine("wait", self.container_id, timeout=timeout)
+        return self.poll()
+
+    def terminate(self) -> None:
+        with self._lock:
+            if self._final is not None:
+                return
+            self._terminated = True
+            timeout = self.job.shutdown_timeout
+            with contextlib.suppress(ContainerEngineError):
+                self.launcher.engine(
+                    "stop", "--time", str(max(0, int(timeout))), self.container_id, timeout=timeout + 60
+                )
+            self._logs = self._read_logs()
+            with contextlib.suppress(ContainerEngineError):
+                self.launcher.engine("rm", "--force", self.container_id)
+            self._final = JobStatus(JobState.TERMINATED, JobReturnCode.ABORTED, "terminated", done=True)
+            if self.lease is not None:
+                self.lease.release()
+
+    @property
+    def state(self) -> JobState:
+        self.poll()
+        return self.status.state
+
+    @property
+    def reason(self) -> str:
+        status = self.status
+        return status.reason if status.done else ""
+
+    def logs(self) -> str:
+        if self._logs is not None:
+            return self._logs
+        return self._read_logs()
+
+    def where(self) -> dict[str, Any]:
+        return {"backend": "container", "engine": self.launcher.spec.engine, "container": self.container_id[:12]}

@@ -1,0 +1,105 @@
+"""Site job task for container sites: the site job is one container of the site's trainer image.
+
+:class:`SiteContainerOperator` is the site-task lifecycle (:mod:`flare_airflow.operators.lifecycle`)
+with the container launcher (:mod:`flare_airflow.launchers.container`) filling launch and watch:
+the engine's own ``wait`` in the worker, ``stop`` + ``rm`` when the task is killed or times out, the
+containers of earlier tries found by their labels and ended before a new one starts.
+:class:`SweepContainersOperator` is the run's teardown for what a killed worker's last try left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+
+from flare_airflow.core.backends import sites_swept_by
+from flare_airflow.core.config import JobConfig
+from flare_airflow.launchers.container import ContainerEngineError, ContainerLauncher
+from flare_airflow.operators.common import run_id_of
+from flare_airflow.operators.lifecycle import SiteTaskLifecycle
+from flare_airflow.operators.site import site_task_defaults
+from flare_airflow.operators.site_job import site_argv
+
+
+def container_launcher(
+    job: JobConfig, site: str, *, try_number: int, sink: Callable[[str], None] | None, hidden: Sequence[str]
+) -> ContainerLauncher:
+    """A container site's launcher: the site's engine on this worker."""
+    spec = job.sites[site]
+    return ContainerLauncher(
+        spec.launcher_spec.container, spec.resource_spec, try_number=try_number, sink=sink, hidden=hidden
+    )
+
+
+class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):
+    """Train one site for one round in a container (podman or docker) on the site's worker.
+
+    :param job: the validated job.
+    :param site: the site (its launcher is ``container``).
+    :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
+    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
+
+    Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
+    """
+
+    ui_color = "#cfe3f0"
+    # The Rendered Templates tab: which site job this is and what it runs; the job's environment
+    # (secrets resolved per try) is never a template field.
+    template_fields: Sequence[str] = ("job_name", "site", "round_num", "engine", "image")
+
+    def __init__(
+        self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
+    ) -> None:
+        site_task_defaults(job, site, kwargs)
+        super().__init__(**kwargs)
+        block = job.sites[site].launcher_spec.container
+        self.job = job
+        self.job_name = job.job
+        self.site = site
+        self.round_num = round_num
+        self.global_task_id = global_task_id
+        self.engine = block.engine
+        self.image = block.image
+        self._handle = None
+
+    def argv(self) -> list[str]:
+        return site_argv(self.job, self.site)
+
+    def launcher(self, try_number: int, secrets: dict[str, str]) -> ContainerLauncher:
+        return container_launcher(
+            self.job, self.site, try_number=try_number, sink=lambda line: self.log.info("%s", line),
+            hidden=list(secrets.values()),
+        )  # fmt: skip
+
+
+class SweepContainersOperator(BaseOperator):
+    """Remove every container of this run still on the worker's engine (the run's teardown).
+
+    Such a container belongs to a try that can no longer end it (a worker killed during its last
+    try). Best effort: an engine that cannot be reached is logged and the run's result stands.
+    Runs where the builder puts it (the default queue); sites with a queue of their own run their
+    sweep on their worker only when an Airflow admin routes it there.
+    """
+
+    ui_color = "#eeeeee"
+    sweep_doc = "Remove containers this run left behind."
+
+    def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.job = job
+
+    def execute(self, context: Context) -> list[str]:
+        run_id = run_id_of(context)
+        removed: list[str] = []
+        swept = sites_swept_by(self.job.sites, SweepContainersOperator)
+        engines = {spec.launcher_spec.container.engine: spec for spec in swept.values()}
+        for engine, spec in sorted(engines.items()):
+            try:
+                removed += ContainerLauncher(spec.launcher_spec.container).sweep(self.job.job, run_id)
+            except ContainerEngineError as exc:
+                self.log.warning("could not sweep the containers of this run with %s: %s", engine, exc)
+        if removed:
+            self.log.warning("removed containers this run left behind: %s", ", ".join(removed))
+        return removed

@@ -1,0 +1,101 @@
+"""The container backend without an engine: the run command it builds and its state table."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from flare_airflow.core.config import ContainerLaunchSpec, ResourceSpec
+from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState, SiteJob
+from flare_airflow.launchers.container import launch_failure, map_container, run_command
+from flare_airflow.launchers.container.naming import container_name, site_job_filters
+
+
+def _job(tmp_path: pathlib.Path) -> SiteJob:
+    model = tmp_path / "global" / "model.safetensors"
+    model.parent.mkdir()
+    model.write_bytes(b"x")
+    model.with_suffix(".json").write_text("{}")
+    env = {
+        "FLARE_GLOBAL_MODEL": f"file://{model}",
+        "FLARE_OUTPUT": str(tmp_path / "staging" / "update.safetensors"),
+        "FLARE_SITE": "site-1",
+    }
+    return SiteJob("j", "manual__1", 2, "site-1", argv=("python", "/opt/t.py", "--x"), env=env, shutdown_timeout=7)
+
+
+def test_the_run_command_keeps_the_sandbox_and_values_out_of_the_argv(tmp_path: pathlib.Path) -> None:
+    spec = ContainerLaunchSpec.model_validate(
+        {"image": "localhost/t:1", "gpu_devices": ["nvidia.com/gpu=0", "nvidia.com/gpu=1"], "env": {"A": "plain"}}
+    )
+    job = _job(tmp_path)
+    identity = JobIdentity.of(job, 3)
+    argv, env = run_command(
+        spec,
+        ResourceSpec.model_validate({"memory": "1Gi", "num_of_cpus": 2}),
+        job,
+        identity,
+        gpu_devices=["nvidia.com/gpu=1"],
+        secrets={"TOKEN": "s3cr3t"},
+        environ={"PATH": "/usr/bin", "OPENBLAS_CORETYPE": "Haswell"},
+    )
+    text = " ".join(argv)
+    for flag in ("--read-only", "--cap-drop ALL", "--security-opt no-new-privileges", "--network none",
+                 "--user 1000:1000", "--memory 1073741824 --memory-swap 1073741824", "--cpus 2",
+                 "--device nvidia.com/gpu=1", "--stop-timeout 7", "--pull missing"):  # fmt: skip
+        assert flag in text, flag
+    model = tmp_path / "global" / "model.safetensors"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--volume"] == [
+        f"{model}:{model}:ro",
+        f"{model.with_suffix('.json')}:{model.with_suffix('.json')}:ro",
+        f"{tmp_path / 'staging'}:{tmp_path / 'staging'}:rw",
+    ]
+    assert "s3cr3t" not in text and "Haswell" not in text
+    assert {"TOKEN", "OPENBLAS_CORETYPE", "FLARE_SITE"} <= {argv[i + 1] for i, a in enumerate(argv) if a == "--env"}
+    assert (env["TOKEN"], env["OPENBLAS_CORETYPE"], env["PATH"]) == ("s3cr3t", "Haswell", "/usr/bin")
+    assert argv[-5:] == ["--", "localhost/t:1", "python", "/opt/t.py", "--x"]
+    assert "flare-airflow.try=3" in {argv[i + 1] for i, a in enumerate(argv) if a == "--label"}
+    assert container_name(identity).startswith("fl-j-site-1-r2-") and container_name(identity).endswith("-t3")
+    assert "label=flare-airflow.try=3" in site_job_filters(identity, with_try=True)
+    assert "label=flare-airflow.try=3" not in site_job_filters(identity, with_try=False)
+
+
+@pytest.mark.parametrize(
+    ("state", "terminated", "memory", "expected"),
+    [
+        ({"Status": "created"}, False, None, (JobState.STARTING, JobReturnCode.UNKNOWN, "")),
+        ({"Status": "running"}, False, None, (JobState.RUNNING, JobReturnCode.UNKNOWN, "")),
+        ({"Status": "exited", "ExitCode": 0}, False, None, (JobState.SUCCEEDED, JobReturnCode.SUCCESS, "")),
+        ({"Status": "exited", "ExitCode": 3}, False, None,
+         (JobState.FAILED, JobReturnCode.EXECUTION_ERROR, "exit code 3")),
+        ({"Status": "exited", "ExitCode": 103}, False, None,
+         (JobState.FAILED, JobReturnCode.CONFIG_ERROR, "exit code 103 (CONFIG_ERROR)")),
+        ({"Status": "exited", "ExitCode": 143}, True, None,
+         (JobState.TERMINATED, JobReturnCode.ABORTED, "terminated (exit code 143)")),
+        ({"Status": "exited", "ExitCode": 137}, False, None,
+         (JobState.FAILED, JobReturnCode.EXECUTION_ERROR, "exit code 137 (SIGKILL)")),
+        (None, False, None, (JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR,
+                             "the container disappeared (removed by someone else)")),
+        ({"Status": "weird"}, False, None, (JobState.FAILED, JobReturnCode.INFRASTRUCTURE_ERROR,
+                                             "unknown container state 'weird'")),
+    ],
+)  # fmt: skip
+def test_the_state_table(state, terminated, memory, expected) -> None:
+    status = map_container(state, terminated=terminated, memory_limit=memory)
+    assert (status.state, status.return_code, status.reason) == expected
+
+
+def test_a_sigkill_under_a_memory_limit_is_named_oom() -> None:
+    status = map_container({"Status": "exited", "ExitCode": 137}, terminated=False, memory_limit="64Mi")
+    assert status.reason.startswith("OOMKilled: the trainer was killed (SIGKILL, exit code 137) under its memory limit")
+    assert map_container({"Status": "exited", "OOMKilled": True, "ExitCode": 137}, terminated=False).reason.startswith(
+        "OOMKilled: the trainer exceeded its memory limit"
+    )
+
+
+def test_launch_failures_say_pull_or_refused() -> None:
+    assert launch_failure(125, "Error: initializing source docker://x: pinging container registry")[0] is (
+        JobReturnCode.INFRASTRUCTURE_ERROR
+    )
+    assert launch_failure(125, "Error: invalid device")[0] is JobReturnCode.CONFIG_ERROR
