@@ -22,9 +22,11 @@ from airflow.sdk import DAG, Param, TaskGroup
 
 from flare_airflow.core.backends import load, sweeps
 from flare_airflow.core.config import JobConfig, load_job
+from flare_airflow.core.config.job import HparamRange
+from flare_airflow.core.config.validators import FLOAT_PATTERN
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
+from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
 
 AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
 _PARAM_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -67,14 +69,47 @@ def job_params(job: JobConfig) -> dict[str, Param]:
         ),
     }
     for key, value in job.trainer.hparams.items():
-        params[HPARAM_PREFIX + key] = Param(
-            value,
-            type=_PARAM_TYPES[type(value)],
-            title=key,
-            description=f"Trainer hyper-parameter {key!r} (flare.get_hparams()['{key}']).",
-            section="Trainer hyper-parameters",
-        )
+        params[HPARAM_PREFIX + key] = _hparam_param(key, value, job.trainer.hparam_ranges.get(key))
     return params
+
+
+def _hparam_param(key: str, value: Any, bounds: HparamRange | None) -> Param:
+    """A trigger form field for one hyper-parameter.
+
+    A float gets a text field that keeps what was typed: Airflow 3.3's number field reads ``1e-3``
+    as 13 and ``5e-4`` as 54 (it drops the ``e`` and the sign). The schema allows a number (JSON,
+    the REST API) or a decimal text (:data:`FLOAT_PATTERN`); ``prepare`` parses and checks it.
+    The job's range goes into the schema (numbers) and the description; ``prepare`` enforces it
+    for text too.
+    """
+    about = f"Trainer hyper-parameter {key!r} (flare.get_hparams()['{key}'])"
+    bounds_schema: dict[str, Any] = {}
+    if bounds is not None:
+        if bounds.min is not None:
+            bounds_schema["minimum"] = int(bounds.min) if isinstance(value, int) else bounds.min
+        if bounds.max is not None:
+            bounds_schema["maximum"] = int(bounds.max) if isinstance(value, int) else bounds.max
+        low = "" if bounds.min is None else f"{bounds.min!r} <= "
+        high = "" if bounds.max is None else f" <= {bounds.max!r}"
+        about += f"; allowed: {low}{key}{high}"
+    if isinstance(value, float):
+        return Param(
+            value,
+            type=["number", "string"],
+            pattern=FLOAT_PATTERN,
+            title=key,
+            description=f"{about}. A number as you write it, e.g. 0.001 or 1e-3.",
+            section="Trainer hyper-parameters",
+            **bounds_schema,
+        )
+    return Param(
+        value,
+        type=_PARAM_TYPES[type(value)],
+        title=key,
+        description=f"{about}.",
+        section="Trainer hyper-parameters",
+        **(bounds_schema if not isinstance(value, bool) else {}),
+    )
 
 
 def site_task(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> Any:
@@ -190,7 +225,17 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
         task_id="publish", job=job, aggregate_task_ids=[a.task_id for a in aggregates], doc_md="Final model, metrics."
     )
     aggregates >> publish
-    tasks += [prepare, *aggregates, publish]
+    verdict = RunVerdictOperator(
+        task_id="verdict",
+        job=job,
+        prepare_task_id=prepare.task_id,
+        aggregate_task_ids=[a.task_id for a in aggregates],
+        publish_task_id=publish.task_id,
+        doc_md="The run's state: success only when publish published this run's model (see docs/when-things-fail.md).",
+    )
+    # A teardown that fails the run: Mark run as failed does not skip it and its failure is the run's.
+    publish >> verdict.as_teardown(on_failure_fail_dagrun=True)
+    tasks += [prepare, *aggregates, publish, verdict]
     for task_id, operator in sweeps(job.sites):
         # A teardown: runs when everything else is done, failed runs included, and does not
         # change the run's outcome.

@@ -23,7 +23,7 @@ from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import read_artifact
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import FINISHED_STATES, store_for
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
+from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
 from flare_airflow.operators.site_job import SiteJobLaunchOperator
 
 
@@ -41,6 +41,14 @@ class JobTasks:
     job: Any
     # A site watched by a sensor (watch: sensor): its site task id -> the task that launches its job.
     launches: dict[str, str] = field(default_factory=dict)
+    # The run's verdict (a teardown deciding the run's state), cleared with publish; None in DAGs
+    # built by versions without it.
+    verdict: str | None = None
+
+    @property
+    def finish(self) -> list[str]:
+        """publish and, after it, the verdict: what every resume clears last."""
+        return [self.publish, *([self.verdict] if self.verdict else [])]
 
     def with_launches(self, task_ids: list[str]) -> list[str]:
         """``task_ids`` with, before each sensor-watched site task, its launch task: clearing the
@@ -67,12 +75,14 @@ class JobTasks:
             if isinstance(t, SiteJobLaunchOperator)
             for downstream in t.downstream_task_ids
         }
+        verdicts = [t.task_id for t in dag.tasks if isinstance(t, RunVerdictOperator)]
         return cls(
             prepare=prepares[0].task_id,
             rounds=rounds,
             publish=publishes[0].task_id,
             job=prepares[0].job,
             launches=launches,
+            verdict=verdicts[0] if verdicts else None,
         )
 
 
@@ -145,7 +155,7 @@ def make_plan(dag: Any, run_id: str, from_round: int | None, session: Any) -> Pl
         every = [
             tasks.prepare,
             *(t for a, sites in tasks.rounds for t in (*tasks.with_launches(sites), a)),
-            tasks.publish,
+            *tasks.finish,
         ]
         rounds = len(tasks.rounds)
         return Plan(run_id=run_id, rounds_requested=rounds, from_round=0, clear=every)
@@ -168,8 +178,8 @@ def make_plan(dag: Any, run_id: str, from_round: int | None, session: Any) -> Pl
         )
     kept = {r: sha for r, sha in kept.items() if r < start}
     clear = [t for aggregate, sites in tasks.rounds[start - 1 :] for t in (*tasks.with_launches(sites), aggregate)]
-    clear.append(tasks.publish)
-    done = start == requested + 1 and states.get(tasks.publish) == "success"
+    clear += tasks.finish
+    done = start == requested + 1 and all(states.get(t) == "success" for t in tasks.finish)
     return Plan(run_id=run_id, rounds_requested=requested, from_round=start, clear=clear, kept=kept, nothing_to_do=done)
 
 

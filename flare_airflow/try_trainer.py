@@ -44,7 +44,7 @@ def parse_hparams(job: JobConfig, pairs: Sequence[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             value = raw  # a bare word is a string
         try:
-            hparams[key] = hparam_value(f"--hparam {key}", hparams[key], value)
+            hparams[key] = hparam_value(f"--hparam {key}", hparams[key], value, job.trainer.hparam_ranges.get(key))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return hparams

@@ -156,9 +156,22 @@ class Api:
         self.base, self.token = base, token
 
     def __call__(self, method: str, path: str, **kw: Any) -> Any:
-        r = httpx.request(
-            method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self.token}"}, timeout=30, **kw
-        )
+        # A GET is asked again when a loaded machine keeps the API from answering in time; anything
+        # else is not idempotent and is asked once.
+        tries = 3 if method == "GET" else 1
+        for attempt in range(1, tries + 1):
+            try:
+                r = httpx.request(
+                    method,
+                    f"{self.base}/api/v2{path}",
+                    headers={"Authorization": f"Bearer {self.token}"},
+                    timeout=30,
+                    **kw,
+                )
+                break
+            except httpx.TimeoutException:
+                if attempt == tries:
+                    raise
         assert r.status_code < 400, f"{method} {path}: {r.status_code} {r.text}"
         return r.json() if r.content else None
 

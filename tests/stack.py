@@ -177,9 +177,21 @@ class AirflowStack:
         return str(r.json()["access_token"])
 
     def api(self, method: str, path: str, **kw: Any) -> Any:
-        r = httpx.request(
-            method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"}, timeout=30, **kw
-        )
+        # A GET is asked again when a loaded machine (8 engineers on 2 cores) keeps the API from
+        # answering in time; anything else is not idempotent and is asked once.
+        for attempt in range(3 if method == "GET" else 1):
+            try:
+                r = httpx.request(
+                    method,
+                    f"{self.base}/api/v2{path}",
+                    headers={"Authorization": f"Bearer {self._token}"},
+                    timeout=30,
+                    **kw,
+                )
+                break
+            except httpx.TimeoutException:
+                if attempt == (2 if method == "GET" else 0):
+                    raise
         if r.status_code >= 400:
             raise RuntimeError(f"{method} {path}: {r.status_code} {r.text}")
         return r.json() if r.content else None

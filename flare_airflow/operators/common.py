@@ -74,10 +74,10 @@ def _integer(value: Any, name: str, low: int, high: int, why: str) -> int:
     return value
 
 
-def _hparam(key: str, default: Any, value: Any) -> Any:
-    """A form value for a hyper-parameter: the type of the job's default, finite."""
+def _hparam(job: JobConfig, key: str, default: Any, value: Any) -> Any:
+    """A form value for a hyper-parameter: the type of the job's default, finite, in its range."""
     try:
-        return hparam_value(HPARAM_PREFIX + key, default, value)
+        return hparam_value(HPARAM_PREFIX + key, default, value, job.trainer.hparam_ranges.get(key))
     except ValueError as exc:
         raise RunParamsError(str(exc)) from None
 
@@ -111,7 +111,7 @@ def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
     hparams = dict(job.trainer.hparams)
     for key, default in job.trainer.hparams.items():
         if HPARAM_PREFIX + key in params:
-            hparams[key] = _hparam(key, default, params[HPARAM_PREFIX + key])
+            hparams[key] = _hparam(job, key, default, params[HPARAM_PREFIX + key])
     # The budget is known before the run (the job's own noise and δ): the rounds beyond it are
     # skipped like rounds the form did not ask for, and the run publishes what it trained.
     return RunParams(

@@ -254,12 +254,14 @@ def check_site_task_may_run(context: Context, job: JobConfig, site: str, round_n
     if done:
         task_id, state = sorted(done.items())[0]
         ti: Any = context["ti"]
-        raise AirflowFailException(
+        reason = (
             f"site {site!r} round {round_num} not run: the round's aggregation {task_id} already finished ({state}) "
             f"and was not cleared with this task, so this site's update could never count. Clear {task_id} too, "
             f"with 'Downstream' on and 'Only failed' off, or run `flare-airflow resume {ti.dag_id} "
             f"{run_id_of(context)} --from-round {round_num}`"
         )
+        push_failure(context, reason)  # where the Federated runs page and `flare-airflow run` read it
+        raise AirflowFailException(reason)
 
 
 def produced_sha256(context: Context, task_id: str | None) -> str | None:

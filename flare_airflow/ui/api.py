@@ -16,23 +16,24 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
-from urllib.parse import quote, urlparse
+from urllib.parse import urlparse
 
 import httpx
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.core_api.security import GetUserDep, requires_access_dag
 from airflow.configuration import conf
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flare_airflow.core.errors import FlareAirflowError, ReportError
 from flare_airflow.core.model import read_record
+from flare_airflow.core.page_paths import file_path, segment
 from flare_airflow.core.report import read_metrics
 from flare_airflow.core.store import ModelStore, run_component
 from flare_airflow.operators.common import FAILURE_XCOM_KEY, default_store_uri
 from flare_airflow.ui import page
-from flare_airflow.ui.plugin import PREFIX
 from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view, federated_prefix
 
 CHUNK = 1 << 20
@@ -105,7 +106,7 @@ class AirflowAPI:
         out: dict[str, dict[str, Any]] = {}
         while True:
             body = await self.get(
-                f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}/taskInstances",
+                f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}/taskInstances",
                 limit=100,
                 offset=len(out),
             )
@@ -115,8 +116,8 @@ class AirflowAPI:
 
     async def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
         path = (
-            f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}/taskInstances/"
-            f"{quote(task_id, safe='')}/xcomEntries/{quote(key, safe='')}"
+            f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}/taskInstances/"
+            f"{segment(task_id)}/xcomEntries/{segment(key)}"
         )
         body = await self.get(path, missing_ok=True)
         value = None if body is None else body.get("value")
@@ -182,7 +183,7 @@ def _describe(base: str, dag_id: str, run_id: str, outputs: Mapping[str, Any]) -
             {
                 "name": name,
                 "label": FILES[name][1],
-                "href": f"{base}/api/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}/files/{name}",
+                "href": file_path(dag_id, run_id, name, base),
                 "sha256": sha,
                 "sha256_from": source,
                 "size": size,
@@ -200,11 +201,11 @@ def _read_metrics(path: Any) -> dict[str, Any]:
 
 async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView, list[dict[str, Any]]]:
     async with AirflowAPI(request) as api:
-        run = await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}")
+        run = await api.get(f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}")
         tis = await api.task_instances(dag_id, run_id)
         prefix = federated_prefix(list(tis))
         wanted = [t for t, ti in tis.items() if ti.get("state") in ("success", "failed") or t == prefix + "prepare"]
-        failed = [t for t, ti in tis.items() if ti.get("state") == "failed"]
+        failed = [t for t, ti in tis.items() if ti.get("state") in ("failed", "up_for_retry")]
         values = await asyncio.gather(
             *(api.xcom(dag_id, run_id, t) for t in wanted),
             *(api.xcom(dag_id, run_id, t, key=FAILURE_XCOM_KEY) for t in failed),
@@ -214,8 +215,47 @@ async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView
     outputs = await run_in_threadpool(_outputs, run_id, xcoms.get(prefix + "publish"))
     metrics = await run_in_threadpool(_read_metrics, outputs["metrics"]) if "metrics" in outputs else None
     view = build_run_view(dag_id, run, tis, xcoms, metrics, failures)
-    downloads = await run_in_threadpool(_describe, ui_base() + PREFIX, dag_id, run_id, outputs)
+    downloads = await run_in_threadpool(_describe, ui_base(), dag_id, run_id, outputs)
     return view, downloads
+
+
+# The page's own resources: no inline script or style, so the Content-Security-Policy below can
+# forbid both (an XSS in a reason or an id could not run).
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "frame-ancestors 'self'; base-uri 'none'; form-action 'none'"
+)
+
+
+@app.middleware("http")
+async def security_headers(request: Request, call_next: Any) -> Response:
+    response: Response = await call_next(request)
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers.setdefault("Cache-Control", "no-store")
+    return response
+
+
+@app.exception_handler(StarletteHTTPException)
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Errors as Airflow's API gives them, except an unusable token: 401 with a Bearer challenge
+    (Airflow's ``get_user`` answers 403 "Invalid JWT token", which tells a client to stop trying
+    instead of to log in again)."""
+    status, headers = exc.status_code, dict(exc.headers or {})
+    if status == 403 and exc.detail == "Invalid JWT token":
+        status = 401
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse({"detail": exc.detail}, status_code=status, headers=headers)
+
+
+@app.get("/static/page.css")
+async def stylesheet() -> Response:
+    return Response(page.STYLE, media_type="text/css", headers={"Cache-Control": "max-age=300"})
+
+
+@app.get("/static/page.js")
+async def script() -> Response:
+    return Response(page.SCRIPT, media_type="text/javascript", headers={"Cache-Control": "max-age=300"})
 
 
 @app.get("/", response_class=HTMLResponse)
@@ -224,29 +264,36 @@ async def index(request: Request, user: GetUserDep) -> str:
     async with AirflowAPI(request) as api:
         dags = (await api.get("/dags", tags=FEDERATED_TAG, limit=100, order_by="dag_id"))["dags"]
         runs = await asyncio.gather(
-            *(api.get(f"/dags/{quote(d['dag_id'], safe='')}/dagRuns", limit=1, order_by="-run_after") for d in dags)
+            *(api.get(f"/dags/{segment(d['dag_id'])}/dagRuns", limit=1, order_by="-run_after") for d in dags)
         )
     for dag, found in zip(dags, runs, strict=True):
         dag["runs"] = found["dag_runs"]
-    return page.index_page(ui_base() + PREFIX, dags)
+    return page.index_page(ui_base(), dags)
+
+
+# Each page has two addresses: ids in the path (readable) and ids in the query (what the page
+# links to: a path segment ".." is "the parent directory" to a browser, a query value is not).
 
 
 @app.get("/dags/{dag_id}", response_class=HTMLResponse, dependencies=[read_runs])
+@app.get("/dag", response_class=HTMLResponse, dependencies=[read_runs])
 async def dag_runs(request: Request, dag_id: str) -> str:
     async with AirflowAPI(request) as api:
-        body = await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns", limit=50, order_by="-run_after")
-    return page.dag_page(ui_base() + PREFIX, ui_base(), dag_id, body["dag_runs"])
+        body = await api.get(f"/dags/{segment(dag_id)}/dagRuns", limit=50, order_by="-run_after")
+    return page.dag_page(ui_base(), dag_id, body["dag_runs"])
 
 
 @app.get("/dags/{dag_id}/runs/{run_id}", response_class=HTMLResponse, dependencies=[read_runs])
+@app.get("/run", response_class=HTMLResponse, dependencies=[read_runs])
 async def run_html(request: Request, dag_id: str, run_id: str, fragment: bool = False) -> str:
     view, downloads = await _run_data(request, dag_id, run_id)
     if fragment:
-        return page.run_content(view, ui_base() + PREFIX, ui_base(), downloads)
-    return page.run_page(view, ui_base() + PREFIX, ui_base(), downloads)
+        return page.run_content(view, ui_base(), downloads)
+    return page.run_page(view, ui_base(), downloads)
 
 
 @app.get("/api/dags/{dag_id}/runs/{run_id}", dependencies=[read_runs])
+@app.get("/api/run", dependencies=[read_runs])
 async def run_json(request: Request, dag_id: str, run_id: str) -> JSONResponse:
     """The page's data as JSON: rounds x sites, the per-round rows, the charts' series, downloads."""
     from dataclasses import asdict
@@ -271,12 +318,13 @@ def _chunks(path: Any) -> Iterator[bytes]:
 
 
 @app.get("/api/dags/{dag_id}/runs/{run_id}/files/{name}", dependencies=[read_runs])
+@app.get("/api/file", dependencies=[read_runs])
 async def download(request: Request, dag_id: str, run_id: str, name: str) -> StreamingResponse:
     """One published output of the run, streamed from the store (any scheme the store supports)."""
     if name not in FILES:
         raise HTTPException(404, f"no output {name!r}; one of {', '.join(FILES)}")
     async with AirflowAPI(request) as api:
-        await api.get(f"/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}")
+        await api.get(f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}")
         prefix = federated_prefix(list(await api.task_instances(dag_id, run_id)))
         published = await api.xcom(dag_id, run_id, prefix + "publish")
     outputs = await run_in_threadpool(_outputs, run_id, published)

@@ -6,8 +6,9 @@ import json
 from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
+from flare_airflow.core.page_paths import PREFIX, dag_page_path, run_page_path
 from flare_airflow.ui import svg
 from flare_airflow.ui.view import RunView, charts
 
@@ -21,7 +22,8 @@ th{background:#edf2f7}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .s-success{background:#c6f6d5}.s-failed,.s-upstream_failed{background:#fed7d7}
 .s-skipped{background:#fbd38d40}.s-not-counted{background:#fefcbf}
 .s-running,.s-queued,.s-scheduled,.s-deferred,.s-up_for_retry{background:#bee3f8}
-.cell small{display:block;color:#4a5568}.reason{max-width:280px;overflow-wrap:anywhere}
+.cell small{display:block;color:#4a5568}.reason{max-width:420px;overflow-wrap:anywhere}
+.try{font-weight:600}
 .sha{font-family:monospace;font-size:12px}
 .charts{display:flex;flex-wrap:wrap;gap:12px}
 svg.chart{border:1px solid #e2e8f0;background:#fff}
@@ -32,115 +34,210 @@ svg .line{fill:none;stroke-width:2}svg .reference{stroke:#e53e3e;stroke-dasharra
 svg .empty{font-size:12px;fill:#718096}.muted{color:#718096}
 """
 
-# Replaces #content with a fresh render every few seconds while the run is not finished.
-REFRESH = """<script>
-(function(){var t=setInterval(function(){fetch(location.pathname+'?fragment=1',{credentials:'same-origin'})
-.then(function(r){if(!r.ok)throw r;return r.text()}).then(function(h){
-var c=document.getElementById('content');c.innerHTML=h;
-if(c.querySelector('[data-finished="true"]'))clearInterval(t)}).catch(function(){})},%d)})();
-</script>"""
+# The page's only script (served as /flare/static/page.js: the Content-Security-Policy allows no
+# inline script). It follows links into Airflow's UI and refreshes a running run.
+#
+# Airflow 3.3 shows this page in an iframe sandboxed with "allow-scripts allow-same-origin
+# allow-forms allow-downloads" (airflow/ui: the plugin's external view): no allow-top-navigation
+# and no allow-popups, so a target=_top or target=_blank link does nothing there (Chromium: "Unsafe
+# attempt to initiate navigation"). The frame is same-origin with Airflow's UI, so a link into
+# Airflow is followed by an anchor created in the top document -- a navigation the unsandboxed top
+# document makes itself. Ctrl/Cmd/Shift/middle click open a new tab from there. Outside a frame the
+# links are plain links.
+SCRIPT = """(function () {
+  "use strict";
+  function topDocument() {
+    try {
+      if (window.top !== window && window.top.document && window.top.document.body) return window.top.document;
+    } catch (e) { /* another origin: plain links */ }
+    return null;
+  }
+  function follow(href, newTab) {
+    var doc = topDocument();
+    var a = doc.createElement("a");
+    a.href = href;
+    a.rel = "noopener";
+    if (newTab) a.target = "_blank";
+    doc.body.appendChild(a);
+    a.click();
+    a.remove();
+  }
+  function onClick(ev) {
+    var a = ev.target && ev.target.closest ? ev.target.closest("a[data-airflow]") : null;
+    if (!a || !topDocument() || (ev.type === "auxclick" && ev.button !== 1)) return;
+    ev.preventDefault();
+    follow(a.href, ev.ctrlKey || ev.metaKey || ev.shiftKey || ev.button === 1);
+  }
+  document.addEventListener("click", onClick);
+  document.addEventListener("auxclick", onClick);
+  var content = document.getElementById("content");
+  var every = content ? Number(content.getAttribute("data-refresh-ms")) : 0;
+  if (every > 0) {
+    var timer = setInterval(function () {
+      var url = new URL(window.location.href);
+      url.searchParams.set("fragment", "1");
+      fetch(url, {credentials: "same-origin"}).then(function (r) {
+        if (!r.ok) throw r;
+        return r.text();
+      }).then(function (html) {
+        content.innerHTML = html;
+        if (content.querySelector('[data-finished="true"]')) clearInterval(timer);
+      }).catch(function () {});
+    }, every);
+  }
+})();
+"""
 
 
-def _doc(title: str, body: str) -> str:
+def _doc(ui_base: str, title: str, body: str) -> str:
+    static = f"{ui_base}{PREFIX}/static"
     return (
         f'<!doctype html><html><head><meta charset="utf-8"><title>{escape(title)}</title>'
-        f"<style>{STYLE}</style></head><body>{body}</body></html>"
+        f'<link rel="stylesheet" href="{static}/page.css"><script src="{static}/page.js" defer></script>'
+        f"</head><body>{body}</body></html>"
     )
 
 
 def ui_link(ui_base: str, dag_id: str, run_id: str | None = None, task_id: str | None = None, **query: Any) -> str:
-    """A link into Airflow's own UI (opened in the top window: this page lives in an iframe)."""
+    """A link into Airflow's own UI (followed in the top window by :data:`SCRIPT`).
+
+    Airflow's UI takes ids in the path only; a browser resolves a segment ``..`` (or ``%2E%2E``)
+    whatever the encoding, so a DAG or run id that is exactly ``.`` or ``..`` has no working link
+    there (the page's own links carry ids in the query, see :mod:`flare_airflow.core.page_paths`).
+    """
     url = f"{ui_base}/dags/{quote(dag_id, safe='')}"
     if run_id is not None:
         url += f"/runs/{quote(run_id, safe='')}"
     if task_id is not None:
         url += f"/tasks/{quote(task_id, safe='')}"
     if query:
-        url += "?" + "&".join(f"{k}={quote(str(v), safe='')}" for k, v in query.items())
+        url += "?" + urlencode(query)
     return url
+
+
+def _airflow_a(href: str, text: str, cls: str = "") -> str:
+    """An anchor into Airflow's UI: ``data-airflow`` marks it for :data:`SCRIPT`."""
+    klass = f' class="{cls}"' if cls else ""
+    return f'<a{klass} data-airflow href="{escape(href)}">{escape(text)}</a>'
 
 
 def _state(state: str) -> str:
     return f'<span class="state s-{escape(state.replace(" ", "-"))}">{escape(state)}</span>'
 
 
-def index_page(base: str, dags: Sequence[Mapping[str, Any]]) -> str:
+def index_page(ui_base: str, dags: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for dag in dags:
         dag_id = str(dag["dag_id"])
         runs = dag.get("runs") or []
         last = runs[0] if runs else None
         last_cell = (
-            f'<a href="{base}/dags/{quote(dag_id, safe="")}/runs/{quote(str(last["dag_run_id"]), safe="")}">'
+            f'<a href="{escape(run_page_path(dag_id, str(last["dag_run_id"]), ui_base))}">'
             f"{escape(str(last['dag_run_id']))}</a> {_state(str(last.get('state')))}"
             if last
             else '<span class="muted">no run yet</span>'
         )
         rows.append(
-            f'<tr data-dag="{escape(dag_id)}"><td><a href="{base}/dags/{quote(dag_id, safe="")}">{escape(dag_id)}</a>'
-            f"</td><td>{escape(str(dag.get('description') or ''))}</td><td>{last_cell}</td></tr>"
+            f'<tr data-dag="{escape(dag_id)}"><td><a href="{escape(dag_page_path(dag_id, ui_base))}">'
+            f"{escape(dag_id)}</a></td><td>{escape(str(dag.get('description') or ''))}</td><td>{last_cell}</td></tr>"
         )
     table = (
         "<table><tr><th>DAG</th><th>job</th><th>latest run</th></tr>" + "".join(rows) + "</table>"
         if rows
         else '<p class="muted">No federated DAG (tag <code>federated-learning</code>) that you may read.</p>'
     )
-    return _doc("Federated runs", f"<h1>Federated runs</h1>{table}")
+    return _doc(ui_base, "Federated runs", f"<h1>Federated runs</h1>{table}")
 
 
-def dag_page(base: str, ui_base: str, dag_id: str, runs: Sequence[Mapping[str, Any]]) -> str:
+def dag_page(ui_base: str, dag_id: str, runs: Sequence[Mapping[str, Any]]) -> str:
     rows = [
-        f'<tr data-run="{escape(str(r["dag_run_id"]))}"><td><a href="{base}/dags/{quote(dag_id, safe="")}/runs/'
-        f'{quote(str(r["dag_run_id"]), safe="")}">{escape(str(r["dag_run_id"]))}</a></td>'
+        f'<tr data-run="{escape(str(r["dag_run_id"]))}"><td><a href="'
+        f'{escape(run_page_path(dag_id, str(r["dag_run_id"]), ui_base))}">{escape(str(r["dag_run_id"]))}</a></td>'
         f"<td>{_state(str(r.get('state')))}</td><td>{escape(str(r.get('start_date') or ''))}</td>"
         f"<td>{escape(json.dumps(r.get('conf') or {}, sort_keys=True))}</td></tr>"
         for r in runs
     ]
     body = (
-        f'<p><a href="{base}/">Federated runs</a> / {escape(dag_id)} '
-        f'(<a target="_top" href="{ui_link(ui_base, dag_id)}">in Airflow</a>)</p><h1>{escape(dag_id)}</h1>'
+        f'<p><a href="{ui_base}{PREFIX}/">Federated runs</a> / {escape(dag_id)} '
+        f"({_airflow_a(ui_link(ui_base, dag_id), 'in Airflow', 'airflow')})</p><h1>{escape(dag_id)}</h1>"
         "<table><tr><th>run</th><th>state</th><th>started</th><th>conf</th></tr>" + "".join(rows) + "</table>"
     )
-    return _doc(dag_id, body)
+    return _doc(ui_base, dag_id, body)
+
+
+def _tries(try_number: int) -> str:
+    return f'<small class="try">try {try_number}</small>' if try_number > 1 else ""
+
+
+def _reason(reason: str) -> str:
+    """A task's reason, whole: cut, the part that says what to do is the part that goes."""
+    return f'<small class="reason">{escape(reason)}</small>'
 
 
 def _cell(view: RunView, ui_base: str, site: str, r: int) -> str:
     rnd = next(x for x in view.rounds if x.round == r)
     cell = rnd.sites[site]
-    extra = []
+    extra = [_tries(cell.try_number)]
     if cell.num_samples is not None:
         extra.append(f'<small class="samples">samples {cell.num_samples}</small>')
     if cell.train_loss is not None:
         extra.append(f'<small class="loss">train loss {cell.train_loss:.4f}</small>')
     if cell.reason:
-        extra.append(f'<small class="reason" title="{escape(cell.reason)}">{escape(cell.reason[:80])}</small>')
+        extra.append(_reason(cell.reason))
     link = ui_link(ui_base, view.dag_id, view.run_id, cell.task_id, try_number=cell.try_number or 1)
-    extra.append(f'<small><a class="log" target="_top" href="{escape(link)}">log</a></small>')
+    extra.append(f"<small>{_airflow_a(link, 'log', 'log')}</small>")
     return (
         f'<td class="cell" data-round="{r}" data-site="{escape(site)}" data-state="{escape(cell.state)}">'
         f"{_state(cell.state)}{''.join(extra)}</td>"
     )
 
 
-def run_content(view: RunView, base: str, ui_base: str, downloads: Sequence[Mapping[str, Any]]) -> str:
+def _run_failures(view: RunView, ui_base: str) -> str:
+    """The run's own tasks that failed (prepare, publish, the verdict): state, tries, reason."""
+    if not view.failures:
+        return ""
+    rows = []
+    for f in view.failures:
+        log = ui_link(ui_base, view.dag_id, view.run_id, f.task_id, try_number=f.try_number or 1)
+        rows.append(
+            f'<tr data-task="{escape(f.task_id)}" data-state="{escape(f.state)}"><td>{escape(f.task_id)}</td>'
+            f"<td>{_state(f.state)}{_tries(f.try_number)}</td>"
+            f'<td class="reason">{escape(f.reason or "no reason recorded: see the log")}</td>'
+            f"<td>{_airflow_a(log, 'log', 'log')}</td></tr>"
+        )
+    return (
+        '<h2>Run failures</h2><table class="failures"><tr><th>task</th><th>state</th><th>reason</th><th></th></tr>'
+        f"{''.join(rows)}</table>"
+    )
+
+
+def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, Any]]) -> str:
     """The part of the run page that refreshes."""
     head = "".join(f"<th>{escape(s)}</th>" for s in view.sites)
     body = []
     for rnd in view.rounds:
-        agg_link = ui_link(ui_base, view.dag_id, view.run_id, rnd.aggregate_task_id)
-        valid = "" if rnd.valid is None else f"<small>{rnd.valid}/{len(view.sites)} valid</small>"
+        agg_link = ui_link(ui_base, view.dag_id, view.run_id, rnd.aggregate_task_id, try_number=rnd.try_number or 1)
+        valid = _tries(rnd.try_number)
+        valid += "" if rnd.valid is None else f"<small>{rnd.valid}/{len(view.sites)} valid</small>"
         if rnd.epsilon is not None:
             valid += f'<small class="epsilon">ε {rnd.epsilon:.3f}</small>'
         if rnd.reason:
-            valid += f'<small class="reason" title="{escape(rnd.reason)}">{escape(rnd.reason[:160])}</small>'
+            valid += _reason(rnd.reason)
         body.append(
             f'<tr data-round="{rnd.round}"><th>round {rnd.round}</th>'
             + "".join(_cell(view, ui_base, s, rnd.round) for s in view.sites)
             + f'<td class="cell aggregate" data-round="{rnd.round}" data-state="{escape(rnd.aggregate_state)}">'
-            f'{_state(rnd.aggregate_state)}{valid}<small><a target="_top" href="{escape(agg_link)}">log</a></small>'
-            "</td></tr>"
+            f"{_state(rnd.aggregate_state)}{valid}<small>{_airflow_a(agg_link, 'log', 'log')}</small></td></tr>"
         )
-    table = f'<table class="rounds"><tr><th>round</th>{head}<th>global model (FedAvg)</th></tr>{"".join(body)}</table>'
+    if view.rounds:
+        table = (
+            f'<table class="rounds"><tr><th>round</th>{head}<th>global model (FedAvg)</th></tr>{"".join(body)}</table>'
+        )
+    else:
+        table = (
+            '<p class="muted">This run has no federated rounds: its DAG holds no task '
+            "<code>round_N.global_model</code> (not a flare-airflow job?).</p>"
+        )
     figures = "".join(svg.render(c) for c in charts(view))
     params = "".join(
         f"<tr><th>{escape(k)}</th><td>{escape(v if isinstance(v, str) else json.dumps(v, sort_keys=True))}</td></tr>"
@@ -160,22 +257,20 @@ def run_content(view: RunView, base: str, ui_base: str, downloads: Sequence[Mapp
     return (
         f'<div data-finished="{"true" if view.finished else "false"}" data-state="{escape(view.state)}">'
         f"<p>state {_state(view.state)} · per-round values from {escape(view.rows_from)}"
-        f"{'' if view.finished else ' · refreshing every 5 s'}</p>"
+        f"{'' if view.finished else ' · refreshing every 5 s'}</p>{_run_failures(view, ui_base)}"
         f'<h2>Rounds &times; sites</h2>{table}<h2>Per round</h2><div class="charts">{figures}</div>'
         f"<h2>Parameters</h2><table>{params}</table><h2>Outputs</h2>{files}</div>"
     )
 
 
-def run_page(
-    view: RunView, base: str, ui_base: str, downloads: Sequence[Mapping[str, Any]], refresh_ms: int = 5000
-) -> str:
-    dag_q, run_link = quote(view.dag_id, safe=""), ui_link(ui_base, view.dag_id, view.run_id)
+def run_page(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, Any]], refresh_ms: int = 5000) -> str:
+    run_link = ui_link(ui_base, view.dag_id, view.run_id)
+    refresh = "" if view.finished else f' data-refresh-ms="{int(refresh_ms)}"'
     body = (
-        f'<p><a href="{base}/">Federated runs</a> / <a href="{base}/dags/{dag_q}">{escape(view.dag_id)}</a> / '
-        f'{escape(view.run_id)} (<a target="_top" href="{escape(run_link)}">in Airflow</a>)</p>'
+        f'<p><a href="{ui_base}{PREFIX}/">Federated runs</a> / '
+        f'<a href="{escape(dag_page_path(view.dag_id, ui_base))}">{escape(view.dag_id)}</a> / '
+        f"{escape(view.run_id)} ({_airflow_a(run_link, 'in Airflow', 'airflow')})</p>"
         f"<h1>{escape(view.dag_id)} — {escape(view.run_id)}</h1>"
-        f'<div id="content">{run_content(view, base, ui_base, downloads)}</div>'
+        f'<div id="content"{refresh}>{run_content(view, ui_base, downloads)}</div>'
     )
-    if not view.finished:
-        body += REFRESH % refresh_ms
-    return _doc(f"{view.dag_id} {view.run_id}", body)
+    return _doc(ui_base, f"{view.dag_id} {view.run_id}", body)

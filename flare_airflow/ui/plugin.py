@@ -11,7 +11,7 @@ from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
-PREFIX = "/flare"
+from flare_airflow.core.page_paths import PREFIX
 
 
 class FederatedRunsApp:
@@ -35,5 +35,13 @@ class FlareAirflowPlugin(AirflowPlugin):
             "destination": "nav",
             "category": "browse",
             "url_route": "federated-runs",
-        }
+        },
+        {
+            # A tab on each run's page in Airflow (Airflow fills in the ids). Ids in the query: the
+            # UI encodes them with encodeURIComponent, which leaves a "." that a path would lose.
+            "name": "Federated run",
+            "href": f"{PREFIX}/run?dag_id={{DAG_ID}}&run_id={{RUN_ID}}",
+            "destination": "dag_run",
+            "url_route": "federated-run",
+        },
     ]

@@ -84,7 +84,7 @@ def render(chart: Chart) -> str:
     for i, series in enumerate(chart.series):
         color = PALETTE[i % len(PALETTE)]
         name = escape(series.name)
-        parts.append(f'<g class="series" data-series="{name}" style="stroke:{color};fill:{color}">')
+        parts.append(f'<g class="series" data-series="{name}" stroke="{color}" fill="{color}">')
         if len(series.points) > 1:
             path = " ".join(f"{x(r):.1f},{y(v):.1f}" for r, v in series.points)
             parts.append(f'<polyline points="{path}" class="line"/>')
@@ -95,7 +95,7 @@ def render(chart: Chart) -> str:
             )
         parts.append("</g>")
         parts.append(
-            f'<circle cx="{LEFT + plot_w + 12}" cy="{legend_y}" r="4" style="fill:{color}"/>'
+            f'<circle cx="{LEFT + plot_w + 12}" cy="{legend_y}" r="4" fill="{color}"/>'
             f'<text x="{LEFT + plot_w + 20}" y="{legend_y + 4}" class="legend">{name}</text>'
         )
         legend_y += 16

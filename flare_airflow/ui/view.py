@@ -36,10 +36,25 @@ class SiteCell:
 
 
 @dataclass
+class RunFailure:
+    """A task of the run itself (prepare, publish, the verdict...) that failed or waits to retry."""
+
+    task_id: str
+    state: str
+    try_number: int
+    reason: str | None
+
+
+# States of a run-level task that the page lists with its reason.
+FAILURE_STATES = frozenset({"failed", "upstream_failed", "up_for_retry"})
+
+
+@dataclass
 class RoundView:
     round: int
     aggregate_task_id: str
     aggregate_state: str
+    try_number: int = 0
     sites: dict[str, SiteCell] = field(default_factory=dict)
     valid: int | None = None  # updates counted (from the summary), None while not aggregated
     reason: str | None = None  # why the aggregation failed (its XCom ``failure``), e.g. no quorum
@@ -57,6 +72,7 @@ class RunView:
     min_clients: int | None
     params: dict[str, Any]
     rows_from: str  # "metrics.json" or "xcom"
+    failures: list[RunFailure] = field(default_factory=list)  # the run's own tasks that failed
 
     @property
     def finished(self) -> bool:
@@ -142,6 +158,7 @@ def build_run_view(
             round=r,
             aggregate_task_id=agg_id,
             aggregate_state=str(task_instances.get(agg_id, {}).get("state") or "none"),
+            try_number=int(task_instances.get(agg_id, {}).get("try_number") or 0),
             valid=len(summary["accepted"]) if isinstance(summary.get("accepted"), list) else None,
             reason=failures.get(agg_id),
             epsilon=_epsilon(summary),
@@ -174,6 +191,17 @@ def build_run_view(
     }
     if prepare.get("budget_note"):
         params["privacy budget"] = prepare["budget_note"]
+    in_rounds = re.compile(rf"^{re.escape(prefix)}round_\d+\.")
+    run_failures = [
+        RunFailure(
+            task_id=task_id,
+            state=str(ti.get("state")),
+            try_number=int(ti.get("try_number") or 0),
+            reason=failures.get(task_id),
+        )
+        for task_id, ti in sorted(task_instances.items())
+        if ti.get("state") in FAILURE_STATES and not in_rounds.match(task_id)
+    ]
     return RunView(
         dag_id=dag_id,
         run_id=str(run.get("dag_run_id") or run.get("run_id")),
@@ -184,6 +212,7 @@ def build_run_view(
         min_clients=prepare.get("min_clients") if isinstance(prepare.get("min_clients"), int) else None,
         params=params,
         rows_from=rows_from,
+        failures=run_failures,
     )
 
 

@@ -401,6 +401,34 @@ case(
     value=True,
 )
 case(
+    "hparam-range-unknown-name",
+    "hparam_ranges for a hyper-parameter the job does not have",
+    "hparam_ranges: 'momentum' is not one of the hyper-parameters (lr, epochs)",
+    field="trainer.hparam_ranges.momentum",
+    value={"min": 0.0},
+)
+case(
+    "hparam-range-min-over-max",
+    "hparam_ranges with min above max",
+    "min 1.0 is greater than max 0.001",
+    field="trainer.hparam_ranges.lr",
+    value={"min": 1.0, "max": 0.001},
+)
+case(
+    "hparam-range-excludes-default",
+    "hparam_ranges that exclude the hyper-parameter's own default",
+    "hparam_ranges: the default of 'lr', 0.1, is above the job's maximum 0.01",
+    field="trainer.hparam_ranges.lr",
+    value={"max": 0.01},
+)
+case(
+    "hparam-range-empty",
+    "hparam_ranges entry with neither min nor max",
+    "give min, max or both",
+    field="trainer.hparam_ranges.lr",
+    value={},
+)
+case(
     "hparam-inf",
     "a hyper-parameter .inf",
     "trainer.hparams: hyper-parameter 'lr' is inf: hyper-parameters must be finite",

@@ -144,6 +144,42 @@ case(
     conf={"hp_lr": "9" * 100_000},
 )
 case(
+    "conf-hparam-exponent-mangled",
+    '{"hp_lr": 13} (a number field read the typed 1e-3 as 13) with hparam_ranges lr max 1',
+    "hp_lr=13.0 is above the job's maximum 1.0 (trainer.hparam_ranges)",
+    conf={"hp_lr": 13},
+)
+case(
+    "conf-hparam-text-above-range",
+    '{"hp_lr": "1e39"} (text, as the form keeps it) with hparam_ranges lr max 1',
+    "hp_lr=1e+39 is above the job's maximum 1.0",
+    conf={"hp_lr": "1e39"},
+)
+case(
+    "conf-hparam-below-range",
+    '{"hp_lr": -0.5} with hparam_ranges lr min 0',
+    "hp_lr=-0.5 is below the job's minimum 0.0",
+    conf={"hp_lr": -0.5},
+)
+case(
+    "conf-hparam-int-above-range",
+    '{"hp_epochs": 50} with hparam_ranges epochs max 10',
+    "hp_epochs=50 is above the job's maximum 10",
+    conf={"hp_epochs": 50},
+)
+case(
+    "conf-hparam-text-not-a-number",
+    '{"hp_lr": "1e-3x"} (text that is no number)',
+    "hp_lr must be a finite number like the job's default 0.1, got '1e-3x'",
+    conf={"hp_lr": "1e-3x"},
+)
+case(
+    "conf-hparam-text-infinity",
+    '{"hp_lr": "inf"} (text Python would read as infinity)',
+    "hp_lr must be a finite number like the job's default 0.1, got 'inf'",
+    conf={"hp_lr": "inf"},
+)
+case(
     "warm-start-pointer-not-json",
     "warm start; latest.json is not JSON",
     "latest.json is not valid JSON",
@@ -211,7 +247,11 @@ def job(tmp_path: pathlib.Path) -> Any:
         "min_clients": 1,
         "initial_model": "init.safetensors",
         "store": str(tmp_path / "store"),
-        "trainer": {"script": "train.py", "hparams": {"lr": 0.1, "epochs": 2}},
+        "trainer": {
+            "script": "train.py",
+            "hparams": {"lr": 0.1, "epochs": 2},
+            "hparam_ranges": {"lr": {"min": 0.0, "max": 1.0}, "epochs": {"min": 1, "max": 10}},
+        },
         "sites": {"site-1": {}, "site-2": {}},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
@@ -256,3 +296,14 @@ def test_the_form_defaults_and_declared_dag_params_are_accepted(job: Any) -> Non
     params = run_params(ctx, job)
     assert (params.rounds, params.min_clients, params.warm_start) == (2, 1, False)
     assert params.hparams == {"lr": 1.0, "epochs": 2}
+
+
+@pytest.mark.parametrize(
+    ("typed", "expected"), [("1e-3", 0.001), ("5e-4", 0.0005), (" .5 ", 0.5), (0.25, 0.25), (1, 1.0)]
+)
+def test_a_float_hyper_parameter_keeps_what_was_typed(job: Any, typed: Any, expected: float) -> None:
+    """The form's field for a float is text (a number field reads 1e-3 as 13): prepare parses it."""
+    schema = job_params(job)["hp_lr"].schema
+    assert schema["type"] == ["number", "string"] and schema["maximum"] == 1.0 and "pattern" in schema
+    job_params(job)["hp_lr"].resolve(typed)  # the form's (and the REST API's) schema takes it
+    assert run_params(context(job, {"hp_lr": typed}), job).hparams["lr"] == expected

@@ -29,7 +29,7 @@ def test_demo_runs_every_task_and_reaches_the_accuracy_bar(airflow_home: Airflow
     first = airflow_home.run("flare_digits", demo_dag)
     assert first.returncode == 0, first.log[-5000:]
     assert first.state["state"] == "success"
-    expected = {"prepare", "publish"} | {
+    expected = {"prepare", "publish", "verdict"} | {
         f"round_{r}.{t}" for r in range(1, 6) for t in ("site-1", "site-2", "site-3", "site-4", "global_model")
     }
     assert first.tasks == dict.fromkeys(expected, "success")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 SITES = ["site-1", "site-2", "site-3", "site-4"]
 DAG = "flare_digits"
 ROUNDS = 3
-CENTRAL_TASKS = {"prepare", "publish"} | {f"round_{r}.global_model" for r in range(1, ROUNDS + 1)}
+CENTRAL_TASKS = {"prepare", "publish", "verdict"} | {f"round_{r}.global_model" for r in range(1, ROUNDS + 1)}
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,7 @@ def test_a_two_node_kubernetes_site_in_a_federated_run(
         "round_1.local": "success",
         "round_1.global_model": "success",
         "publish": "success",
+        "verdict": "success",
         "sweep_pods": "success",
     }, result.log[-4000:]
     assert "rank 0 of 2 at fl-k8s-two-nodes-cluster-r1-" in result.log and "gathered [0, 1]" in result.log

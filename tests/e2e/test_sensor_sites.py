@@ -50,7 +50,13 @@ def test_sensor_watched_kubernetes_and_slurm_sites_match_the_process_run_bitwise
         airflow_home.env.clear()
         airflow_home.env.update(saved)
     assert result.returncode == 0, result.log[-6000:]
-    expected = {"prepare": "success", "publish": "success", "sweep_pods": "success", "sweep_slurm_jobs": "success"}
+    expected = {
+        "prepare": "success",
+        "publish": "success",
+        "verdict": "success",
+        "sweep_pods": "success",
+        "sweep_slurm_jobs": "success",
+    }
     for r in range(1, 6):
         state = "success" if r <= 2 else "skipped"
         expected[f"round_{r}.global_model"] = state

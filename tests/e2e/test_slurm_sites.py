@@ -101,6 +101,7 @@ def test_failing_and_bad_slurm_sites_local_and_through_ssh(
         "round_1.site-3": "failed",
         "round_1.global_model": "success",
         "publish": "success",
+        "verdict": "success",
         "sweep_slurm_jobs": "success",
     }, result.log[-4000:]
     assert "site site-2 round 1: SLURM job" in result.log and "submitted through ssh:hpc_login" in result.log

@@ -145,7 +145,7 @@ def test_validate_and_try_trainer(walkthrough) -> None:
 def test_a_run_the_quorum_carries_succeeds_and_names_the_failing_site(walkthrough) -> None:
     out = result(walkthrough, "flare-airflow run flare_my_job --dagfile dag.py", 0)
     states = task_states(out)
-    expected = {"prepare": "success", "publish": "success"}
+    expected = {"prepare": "success", "publish": "success", "verdict": "success"}
     for r in (1, 2, 3):
         expected |= {f"round_{r}.global_model": "success", f"round_{r}.hospital-a": "success"}
         expected |= {f"round_{r}.hospital-b": "success", f"round_{r}.hospital-c": "failed"}

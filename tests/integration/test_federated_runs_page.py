@@ -306,3 +306,69 @@ def test_downloads_stream_the_published_bytes(stack: Stack) -> None:
     assert shas["model"] == record["sha256"]
     assert shas["metrics"] == hashlib.sha256((final / "metrics.json").read_bytes()).hexdigest()
     assert httpx.get(f"{stack.base}/flare/api/dags/{DEMO}/runs/{run}/files/secrets", headers=admin).status_code == 404
+
+
+def test_links_work_inside_airflows_sandboxed_iframe(stack: Stack, browser: Browser) -> None:
+    """Issue 28 #8: Browse -> Federated runs shows the page in an iframe sandboxed without
+    allow-top-navigation and allow-popups; its links into Airflow must still navigate."""
+    assert stack.api.wait(ONE_DOWN, stack.runs[ONE_DOWN]) == "success"
+    page = _page(browser, stack, stack.admin)
+    page.goto(f"{stack.base}/")
+    page.get_by_role("button", name="Browse").click()
+    page.get_by_role("menuitem", name="Federated runs").click()
+    page.wait_for_url("**/plugin/federated-runs")
+    sandbox = page.locator("iframe").get_attribute("sandbox") or ""
+    assert "allow-top-navigation" not in sandbox and "allow-popups" not in sandbox, sandbox  # what we work with
+    frame = page.frame_locator("iframe")
+    frame.locator(f'tr[data-dag="{ONE_DOWN}"] td a').first.click()  # inside the frame: the DAG's runs
+    frame.locator("a.airflow").click()  # "in Airflow"
+    page.wait_for_url(f"{stack.base}/dags/{ONE_DOWN}", timeout=60_000)
+    # Airflow's run page has a "Federated run" tab (the plugin's dag_run view) ...
+    run = stack.runs[ONE_DOWN]
+    page.goto(f"{stack.base}/dags/{ONE_DOWN}/runs/{quote(run, safe='')}")
+    page.get_by_role("tab", name="Federated run").click()
+    frame = page.frame_locator("iframe")
+    frame.locator('td[data-round="1"][data-site="site-4"]').wait_for(timeout=60_000)
+    _shot(page, stack, "run-tab-in-airflow")
+    # ... whose "log" links open the task's log in Airflow, in the top window.
+    frame.locator('td[data-round="1"][data-site="site-4"] a.log').click()
+    page.wait_for_url(lambda url: "/tasks/round_1.site-4" in url and "try_number=1" in url, timeout=60_000)
+    assert page.url.startswith(f"{stack.base}/dags/{ONE_DOWN}/runs/")
+
+
+def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser: Browser) -> None:
+    """Issue 28 #8: a run failing in prepare shows its reason and the verdict's on the page; the
+    model's Asset event leads to the page; HTML has CSP and nosniff; a bad token gets 401."""
+    assert stack.api.wait(NO_QUORUM, stack.runs[NO_QUORUM]) == "failed"
+    bad_run = stack.api.trigger(NO_QUORUM, {"roundz": 2})
+    assert stack.api.wait(NO_QUORUM, bad_run) == "failed"
+    states = stack.api.task_states(NO_QUORUM, bad_run)
+    assert states["prepare"] == "failed" and states["publish"] == "upstream_failed" and states["verdict"] == "failed"
+    page = _page(browser, stack, stack.admin)
+    page.goto(f"{stack.base}/flare/run?dag_id={NO_QUORUM}&run_id={quote(bad_run, safe='')}")
+    _shot(page, stack, "prepare-failed")
+    rows = {
+        el.get_attribute("data-task"): el.locator("td.reason").inner_text()
+        for el in page.locator("table.failures tr[data-task]").all()
+    }
+    assert set(rows) == {"prepare", "publish", "verdict"}, rows
+    assert "unknown run parameter(s) 'roundz' (did you mean 'rounds'?)" in rows["prepare"]
+    assert rows["prepare"].endswith("allowed: rounds, min_clients, warm_start"), rows["prepare"]  # whole
+    assert f"flare-airflow resume {NO_QUORUM} {bad_run}" in rows["verdict"]
+
+    # The published model's Asset event names the run's page.
+    events = stack.api("GET", "/assets/events", params={"source_dag_id": ONE_DOWN})["asset_events"]
+    pages = {e["source_run_id"]: e["extra"].get("federated_run_page") for e in events}
+    assert pages[stack.runs[ONE_DOWN]] == f"/flare/run?dag_id={ONE_DOWN}&run_id={quote(stack.runs[ONE_DOWN])}"
+    page.goto(stack.base + pages[stack.runs[ONE_DOWN]])
+    assert page.locator('table.rounds td[data-site="site-4"]').count() == 2
+
+    admin = {"Authorization": f"Bearer {stack.admin}"}
+    html = httpx.get(f"{stack.base}/flare/dag", params={"dag_id": ONE_DOWN}, headers=admin, timeout=30)
+    assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in html.headers["content-security-policy"]
+    assert html.headers["x-content-type-options"] == "nosniff"
+    script = httpx.get(f"{stack.base}/flare/static/page.js", headers=admin, timeout=30)
+    assert script.headers["content-type"].startswith("text/javascript") and "data-airflow" in script.text
+    bad = httpx.get(f"{stack.base}/flare/", headers={"Authorization": "Bearer not-a-token"}, timeout=30)
+    assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer", (bad.status_code, bad.text)

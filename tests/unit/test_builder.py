@@ -6,7 +6,7 @@ import pytest
 
 from flare_airflow.builder import AGGREGATE_TASK, build_dag
 from flare_airflow.operators.aggregate import AggregateOperator
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator
+from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
 from flare_airflow.operators.site import SiteTrainOperator
 from tests.unit.airflow_layer import make_job
 
@@ -34,6 +34,7 @@ def test_task_ids_and_classes(dag) -> None:
         "round_2.global_model",
         "round_2.site-1",
         "round_2.site-2",
+        "verdict",
     ]
     assert isinstance(dag.task_dict["prepare"], PrepareRunOperator)
     assert isinstance(dag.task_dict["publish"], PublishOperator)
@@ -80,7 +81,8 @@ def test_trigger_form(dag) -> None:
     schema = {key: params.get_param(key).schema for key in params}
     assert schema["rounds"]["maximum"] == 2
     assert schema["min_clients"]["maximum"] == 2
-    assert schema["hp_lr"]["type"] == "number"
+    # A float's field is text (Airflow's number field reads 1e-3 as 13), a number through the REST API.
+    assert schema["hp_lr"]["type"] == ["number", "string"] and "pattern" in schema["hp_lr"]
     assert schema["hp_epochs"]["type"] == "integer"
     assert schema["warm_start"]["type"] == "boolean"
 
@@ -132,7 +134,13 @@ def test_site_queues_send_each_site_to_its_queue_and_keep_the_rest_central(tmp_p
         assert dag.task_dict[f"round_{r}.site-2"].queue == "hospital-b.gpu"
         assert dag.task_dict[f"round_{r}.site-1"].executor == "EdgeExecutor"
     central = [t for t in dag.tasks if not isinstance(t, SiteTrainOperator)]
-    assert {t.task_id for t in central} == {"prepare", "publish", "round_1.global_model", "round_2.global_model"}
+    assert {t.task_id for t in central} == {
+        "prepare",
+        "publish",
+        "verdict",
+        "round_1.global_model",
+        "round_2.global_model",
+    }
     assert {(t.queue, t.executor) for t in central} == {("default", None)}
 
 
@@ -216,13 +224,13 @@ def test_a_site_tasks_process_builds_that_site_and_the_runs_own_tasks_only(tmp_p
     _parsing_for(monkeypatch, "flare_unit", "round_2.site-2")
     t = build_dag(job).task_dict
     assert sorted(t) == ["prepare", "publish", "round_1.global_model", "round_1.site-2", "round_2.global_model",
-                         "round_2.site-2"]  # fmt: skip
+                         "round_2.site-2", "verdict"]  # fmt: skip
     assert t["round_2.site-2"].downstream_task_ids == {"round_2.global_model"}
     assert t["round_2.site-2"].global_task_id == "round_1.global_model"
     # Another DAG's task, or one of this run's own tasks: the whole DAG.
     for dag_id, task_id in (("another_dag", "round_2.site-2"), ("flare_unit", "round_2.global_model")):
         _parsing_for(monkeypatch, dag_id, task_id)
-        assert len(build_dag(job).task_dict) == 2 * 3 + 2 + 2
+        assert len(build_dag(job).task_dict) == 2 * 3 + 2 + 3  # + prepare, publish, verdict
 
 
 def test_a_site_tasks_process_finds_its_site_in_a_task_group_and_behind_a_launch_task(tmp_path, monkeypatch) -> None:
@@ -294,3 +302,14 @@ def test_every_task_records_a_failure_reason_and_the_authors_callbacks_stay(tmp_
     dag = build_dag(job, default_args={"on_failure_callback": page_someone})
     callbacks = {t.task_id: t.on_failure_callback for t in dag.tasks}
     assert callbacks == {task_id: [page_someone, record_failure] for task_id in dag.task_dict}
+
+
+def test_the_verdict_is_a_teardown_that_decides_the_runs_state(dag) -> None:
+    """Issue 28 #7: Airflow counts a skipped leaf as success; the verdict is the only effective
+    leaf, not skipped by 'Mark run as failed', and fails the run when publish did not publish."""
+    verdict = dag.task_dict["verdict"]
+    assert isinstance(verdict, RunVerdictOperator)
+    assert verdict.is_teardown and verdict.on_failure_fail_dagrun
+    assert verdict.upstream_task_ids == {"publish"}
+    assert [t.task_id for t in dag.leaves] == ["verdict"]
+    assert verdict.aggregate_task_ids == ["round_1.global_model", "round_2.global_model"]

@@ -56,6 +56,33 @@ class NvflareCompat(Strict):
     )
 
 
+class HparamRange(Strict):
+    """Bounds of a numeric hyper-parameter: the trigger form shows them and refuses values outside
+    (a typed number), ``prepare`` refuses them whatever the form or the REST API sent."""
+
+    min: float | None = Field(None, description="smallest allowed value (inclusive)")
+    max: float | None = Field(None, description="largest allowed value (inclusive)")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> HparamRange:
+        for name, bound in (("min", self.min), ("max", self.max)):
+            if bound is not None and not math.isfinite(bound):
+                raise ValueError(f"{name} must be a finite number, got {bound!r}")
+        if self.min is None and self.max is None:
+            raise ValueError("give min, max or both, e.g. {min: 0.0, max: 1.0}")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min!r} is greater than max {self.max!r}")
+        return self
+
+    def refusal(self, value: float) -> str | None:
+        """Why ``value`` is outside the range, or None."""
+        if self.min is not None and value < self.min:
+            return f"is below the job's minimum {self.min!r}"
+        if self.max is not None and value > self.max:
+            return f"is above the job's maximum {self.max!r}"
+        return None
+
+
 class TrainerSpec(Strict):
     """The trainer: a script run as an exact argv ``command + [script] + args`` (never a shell)."""
 
@@ -63,6 +90,9 @@ class TrainerSpec(Strict):
     args: list[str] = Field(default_factory=list, description="arguments, passed literally")
     command: list[str] = Field(default_factory=list, description="command prefix; default: this Python")
     hparams: dict[str, Scalar] = Field(default_factory=dict, description="hyper-parameters (UI form fields)")
+    hparam_ranges: dict[str, HparamRange] = Field(
+        default_factory=dict, description="min/max of numeric hyper-parameters, enforced by the form and prepare"
+    )
     launch_timeout: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="seconds for the trainer to call receive(); unlimited by default"
     )
@@ -115,6 +145,20 @@ class TrainerSpec(Strict):
                     f"{short_repr(item)} (the trigger form has one field per hyper-parameter)"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _ranges(self) -> TrainerSpec:
+        for key, bounds in self.hparam_ranges.items():
+            if key not in self.hparams:
+                raise ValueError(
+                    f"hparam_ranges: {key!r} is not one of the hyper-parameters ({', '.join(self.hparams) or 'none'})"
+                )
+            default = self.hparams[key]
+            if isinstance(default, bool) or not isinstance(default, int | float):
+                raise ValueError(f"hparam_ranges: {key!r} has the non-numeric default {short_repr(default)}")
+            if why := bounds.refusal(default):
+                raise ValueError(f"hparam_ranges: the default of {key!r}, {default!r}, {why}")
+        return self
 
 
 class JobConfig(Strict):

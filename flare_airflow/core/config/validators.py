@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -191,11 +191,34 @@ def env_or_secret(env: Mapping[str, Any], secret_env: Mapping[str, Any]) -> None
         raise ValueError(f"{', '.join(both)} set in both env and secret_env; keep one")
 
 
-def hparam_value(name: str, default: Any, value: Any) -> Any:
+# A decimal number as people write it (``0.001``, ``1e-3``, ``-2.5E+4``): what the trigger form's
+# text field for a float hyper-parameter accepts (JSON Schema ``pattern``, ECMA syntax) and what
+# :func:`hparam_value` parses. No ``inf``/``nan``/``1_000``, which Python's float() would take.
+FLOAT_PATTERN = r"^\s*[+-]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][+-]?[0-9]+)?\s*$"
+
+
+class Bounds(Protocol):
+    """A numeric range (``job.HparamRange``): why a value is outside it, or None."""
+
+    def refusal(self, value: float) -> str | None: ...
+
+
+def hparam_value(name: str, default: Any, value: Any, bounds: Bounds | None = None) -> Any:
     """A run's value for a hyper-parameter: the type of the job's ``default``, finite, bounded.
+
+    A float hyper-parameter also takes its number as text (``"1e-3"``): the trigger form keeps it
+    as typed (a number field would read ``1e-3`` as 13). ``bounds``: the job's
+    ``HparamRange`` for it, if any.
 
     Shared by the trigger form's check (``hp_<name>`` in a run's conf) and ``try-trainer --hparam``.
     """
+    if (
+        isinstance(default, float)
+        and isinstance(value, str)
+        and len(value) <= 64
+        and re.fullmatch(FLOAT_PATTERN, value)
+    ):
+        value = float(value.strip())
     if isinstance(default, bool):
         ok = isinstance(value, bool)
         kind = "true or false"
@@ -211,6 +234,8 @@ def hparam_value(name: str, default: Any, value: Any) -> Any:
         kind = "a string"
     if not ok:
         raise ValueError(f"{name} must be {kind} like the job's default {default!r}, got {short_repr(value)}")
+    if bounds is not None and not isinstance(value, bool) and (why := bounds.refusal(value)):
+        raise ValueError(f"{name}={short_repr(value)} {why} (trainer.hparam_ranges)")
     return value
 
 

@@ -4,7 +4,7 @@
               [--pickle SITE]... [--silent SITE]... [--hang SITE]... [--pidfile DIR] [--echo-args FILE]
               [--send-then-fail SITE]... [--send-twice SITE]... [--nan-metric SITE]...
               [--clobber-output-late SITE]... [--diff-all VALUE] [--fill-store SITE]...
-              [--fail-in-round SITE:ROUND]... [--until-file PATH]
+              [--fail-in-round SITE:ROUND]... [--hang-in-round SITE:ROUND]... [--until-file PATH]
 
 Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number. A relative
 ``--echo-args`` file is written in ``FLARE_OUTPUT``'s directory, which a confined trainer may write.
@@ -51,6 +51,8 @@ def main() -> int:
     # --escape SITE:WHAT tries to break out after receive(): outside (its cwd), global (its input
     # global model), store (the store's root), net (a connection out).
     p.add_argument("--escape", action="append", default=[])
+    # --hang-in-round SITE:ROUND: that site's job in that round waits while --until-file does not exist.
+    p.add_argument("--hang-in-round", action="append", default=[])
     p.add_argument("--until-file")
     p.add_argument("--fail-evaluate", action="store_true")
     p.add_argument("--pidfile-dir")
@@ -79,6 +81,11 @@ def main() -> int:
                     fh.write(b"\0" * 65536)
         except OSError as exc:
             print(f"{site}: store filled ({exc.strerror})", flush=True)
+    if f"{site}:{os.environ['FLARE_ROUND']}" in args.hang_in_round:
+        print(f"{site}: waiting for {args.until_file}", flush=True)
+        deadline = time.monotonic() + 600
+        while not os.path.exists(args.until_file) and time.monotonic() < deadline:
+            time.sleep(0.2)
     if f"{site}:{os.environ['FLARE_ROUND']}" in args.fail_in_round and not (
         args.until_file and os.path.exists(args.until_file)
     ):

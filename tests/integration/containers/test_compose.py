@@ -122,7 +122,7 @@ def test_compose_runs_the_demo_and_leaves_nothing(images: dict[str, str], tmp_pa
         tasks = {ti["task_id"]: ti["state"] for ti in body["task_instances"]}
         assert body["total_entries"] == len(tasks)
         sites = ("site-1", "site-2", "site-3", "site-4", "global_model")
-        expected = {"prepare": "success", "publish": "success"}
+        expected = {"prepare": "success", "publish": "success", "verdict": "success"}
         for r in range(1, 6):
             expected |= {f"round_{r}.{s}": "success" if r <= ROUNDS else "skipped" for s in sites}
         assert state == "success", tasks

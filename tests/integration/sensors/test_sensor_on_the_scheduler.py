@@ -172,6 +172,7 @@ def test_a_killed_sensor_worker_re_attaches_to_the_same_pod(
         "round_1.site-2",
         "round_1.global_model",
         "publish",
+        "verdict",
         "sweep_pods",
     }
     assert tries(stack, dag_id, run_id, "round_1.site-1") == ["failed", "success"]

@@ -115,6 +115,7 @@ def test_a_two_node_site_in_a_federated_run(cluster: SlurmCluster, airflow_home:
         "round_1.local": "success",
         "round_1.global_model": "success",
         "publish": "success",
+        "verdict": "success",
         "sweep_slurm_jobs": "success",
     }, result.log[-4000:]
     assert "[hpc r1] rank 0 of 2 at" in result.log and "gathered [0, 1]" in result.log

@@ -118,6 +118,7 @@ def test_deferred_slurm_task_streams_output_and_mark_failed_cancels_the_job(
         "round_1.site-2": "failed",
         "round_1.global_model": "success",
         "publish": "success",
+        "verdict": "success",
         "sweep_slurm_jobs": "success",
     }, (states, triggerer_log[-3000:])
     assert state == "success"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from html import escape
 
 from flare_airflow.core.report import round_row
 from flare_airflow.ui import page, svg
@@ -88,10 +89,40 @@ def test_published_metrics_json_wins_and_charts_have_one_point_per_round() -> No
 def test_an_empty_chart_says_so_and_names_are_escaped() -> None:
     view = build_run_view("d<x>", {"dag_run_id": "r&1", "state": "queued"}, _tis(1, {}), {}, None)
     assert all("no aggregated round" in svg.render(c) for c in charts(view))
-    html = page.run_page(view, "/flare", "", [])
+    html = page.run_page(view, "", [])
     assert "d<x>" not in html and "d&lt;x&gt;" in html
-    assert "setInterval" in html  # a run not finished refreshes itself
-    assert "/dags/d%3Cx%3E/runs/r%261/tasks/round_1.site-1?try_number=1" in html
+    assert 'data-refresh-ms="5000"' in html and "/flare/static/page.js" in html  # a running run refreshes itself
+    assert "<script>" not in html and "style=" not in html  # nothing inline: the CSP forbids it
+    assert 'data-airflow href="/dags/d%3Cx%3E/runs/r%261/tasks/round_1.site-1?try_number=1"' in html
+
+
+def test_run_failures_are_shown_whole_with_their_tries_and_dot_ids_stay_in_place() -> None:
+    """Issue 28 #8: a run failing in prepare shows why (not only upstream_failed cells), whole."""
+    tis = _tis(1, {"round_1.global_model": "upstream_failed"})
+    tis["prepare"] = {"state": "failed", "try_number": 3}
+    tis["publish"] = {"state": "upstream_failed", "try_number": 1}
+    tis["verdict"] = {"state": "failed", "try_number": 1}
+    for t in ("round_1.site-1", "round_1.site-2", "round_1.site-3"):
+        tis[t]["state"] = "upstream_failed"
+    why = "invalid run parameters: unknown run parameter(s) 'hp_lrr' (did you mean 'hp_lr'?); allowed: " + "x" * 300
+    view = build_run_view("..", {"dag_run_id": ".", "state": "failed"}, tis, {}, None, {"prepare": why})
+    assert [(f.task_id, f.state, f.try_number) for f in view.failures] == [
+        ("prepare", "failed", 3),
+        ("publish", "upstream_failed", 1),
+        ("verdict", "failed", 1),
+    ]
+    html = page.run_page(view, "/base", [])
+    assert escape(why) in html and "try 3" in html  # whole, and the retries
+    assert "no reason recorded: see the log" in html  # the verdict left none here
+    # Ids "." and "..": the page's own links carry them in the query, where a browser keeps them.
+    assert 'href="/base/flare/dag?dag_id=..">' in html
+
+
+def test_links_and_segments() -> None:
+    from flare_airflow.core.page_paths import run_page_path, segment
+
+    assert segment("..") == "%2E%2E" and segment("a/b?c#d") == "a%2Fb%3Fc%23d"
+    assert run_page_path("d.1", "manual__2026+00:00") == "/flare/run?dag_id=d.1&run_id=manual__2026%2B00%3A00"
 
 
 def test_the_plugin_module_stays_light_for_task_processes() -> None:
@@ -121,7 +152,7 @@ def test_a_federated_task_group_in_a_dag_of_your_own() -> None:
     assert (
         view.rounds[1].aggregate_state == "failed" and view.rounds[1].reason == failures["digits.round_2.global_model"]
     )
-    assert failures["digits.round_2.global_model"] in page.run_page(view, "/flare", "", [])
+    assert failures["digits.round_2.global_model"] in page.run_page(view, "", [])
 
 
 def test_a_failed_site_shows_the_reason_its_task_left_when_no_round_summary_names_it() -> None:
