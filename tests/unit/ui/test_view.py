@@ -170,6 +170,6 @@ def test_the_privacy_spent_after_each_round_and_the_budget_show_on_the_page() ->
     view = build_run_view("d", {"dag_run_id": "r1", "state": "success", "conf": {}}, _tis(2, {}), xcoms, None)
     assert [rnd.epsilon for rnd in view.rounds] == [1.993, 2.918]
     assert [row["epsilon"] for row in view.rows] == [1.993, 2.918]
-    html = page.run_content(view, "/base", "/ui", [])
+    html = page.run_content(view, "/ui", [])
     assert '<small class="epsilon">ε 2.918</small>' in html
     assert "privacy budget exhausted at round 3" in html
