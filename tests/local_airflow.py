@@ -165,7 +165,8 @@ class Api:
                     method,
                     f"{self.base}/api/v2{path}",
                     headers={"Authorization": f"Bearer {self.token}"},
-                    timeout=30,
+                    # A write is asked once: give it the time a loaded api-server needs.
+                    timeout=30 if method == "GET" else 120,
                     **kw,
                 )
                 break
@@ -178,8 +179,13 @@ class Api:
     def trigger(self, dag_id: str, conf: dict[str, Any], timeout: float = 120) -> str:
         deadline = time.monotonic() + timeout
         while True:
-            r = httpx.get(f"{self.base}/api/v2/dags/{dag_id}", headers={"Authorization": f"Bearer {self.token}"})
-            if r.status_code == 200:
+            try:
+                r = httpx.get(
+                    f"{self.base}/api/v2/dags/{dag_id}", headers={"Authorization": f"Bearer {self.token}"}, timeout=30
+                )
+            except httpx.TimeoutException:  # a loaded api-server: ask again until the deadline
+                r = None
+            if r is not None and r.status_code == 200:
                 break
             assert time.monotonic() < deadline, f"DAG {dag_id} not parsed: {self('GET', '/importErrors')}"
             time.sleep(1)

@@ -185,7 +185,8 @@ class AirflowStack:
                     method,
                     f"{self.base}/api/v2{path}",
                     headers={"Authorization": f"Bearer {self._token}"},
-                    timeout=30,
+                    # A write is asked once: give it the time a loaded api-server needs.
+                    timeout=30 if method == "GET" else 120,
                     **kw,
                 )
                 break
