@@ -77,6 +77,6 @@ def test_the_documented_local_settings_preload_the_provider_and_dags_still_parse
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     result = json.loads(line[len("RESULT ") :])
-    # prepare, publish and each round's site-2 and global_model: only the running site's tasks.
+    # prepare, publish, verdict and each round's site-2 and global_model: only the running site's tasks.
     # Airflow's filesystem registry was built by the preload: a first store use imports no provider.
-    assert result == {"preloaded": True, "store_imports": [], "dags": {"pre": 6}, "errors": {}}
+    assert result == {"preloaded": True, "store_imports": [], "dags": {"pre": 7}, "errors": {}}
