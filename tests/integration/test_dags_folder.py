@@ -17,7 +17,7 @@ def test_every_dag_in_dags_folder_imports() -> None:
     assert bag.import_errors == {}, bag.import_errors
     assert "flare_digits" in bag.dag_ids
     dag = bag.dags["flare_digits"]
-    assert len(dag.tasks) == 2 + 5 * 5
+    assert len(dag.tasks) == 3 + 5 * 5  # prepare, publish, verdict; 5 rounds of 4 sites + FedAvg
     form = dag.params.dump()
     assert form["rounds"] == 5 and form["min_clients"] == 3 and form["warm_start"] is False
     assert {"hp_lr", "hp_local_epochs", "hp_batch_size"} <= set(form)
