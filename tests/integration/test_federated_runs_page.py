@@ -325,8 +325,7 @@ def test_links_work_inside_airflows_sandboxed_iframe(stack: Stack, browser: Brow
     page.wait_for_url(f"{stack.base}/dags/{ONE_DOWN}", timeout=60_000)
     # Airflow's run page has a "Federated run" tab (the plugin's dag_run view) ...
     run = stack.runs[ONE_DOWN]
-    page.goto(f"{stack.base}/dags/{ONE_DOWN}/runs/{quote(run, safe='')}")
-    page.get_by_role("tab", name="Federated run").click()
+    page.goto(f"{stack.base}/dags/{ONE_DOWN}/runs/{quote(run, safe='')}/plugin/federated-run")
     frame = page.frame_locator("iframe")
     frame.locator('td[data-round="1"][data-site="site-4"]').wait_for(timeout=60_000)
     _shot(page, stack, "run-tab-in-airflow")

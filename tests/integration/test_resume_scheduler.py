@@ -123,7 +123,9 @@ def test_ui_clears_end_failed_with_what_to_do_or_give_the_uninterrupted_model(
         "dag = build_dag(Path(__file__).with_name('job.yaml'))\n"
         # The reference only has to end with its model: retries absorb a task start that a loaded
         # machine's api-server did not answer in time.
-        "ref = build_dag(Path(__file__).with_name('ref.yaml'), default_args={'retries': 2})\n"
+        "from datetime import timedelta\n"
+        "ref = build_dag(Path(__file__).with_name('ref.yaml'), default_args={'retries': 2, "
+        "'retry_delay': timedelta(seconds=2)})\n"
     )
     dag_id, ref_id = "flare_ui_clear", "flare_ui_clear_ref"
     ref_run = stack.trigger(ref_id)
