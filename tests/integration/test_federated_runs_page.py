@@ -342,7 +342,7 @@ def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser:
     bad_run = stack.api.trigger(NO_QUORUM, {"roundz": 2})
     assert stack.api.wait(NO_QUORUM, bad_run) == "failed"
     states = stack.api.task_states(NO_QUORUM, bad_run)
-    assert states["prepare"] == "failed" and states["publish"] == "upstream_failed" and states["verdict"] == "failed"
+    assert states["prepare"] == "failed" and states["publish"] == "failed" and states["verdict"] == "failed"
     page = _page(browser, stack, stack.admin)
     page.goto(f"{stack.base}/flare/run?dag_id={NO_QUORUM}&run_id={quote(bad_run, safe='')}")
     _shot(page, stack, "prepare-failed")
