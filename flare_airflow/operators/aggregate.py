@@ -9,11 +9,14 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from flare_airflow.core.config import JobConfig
+from flare_airflow.core.config.privacy import CENTRAL_NOISE_SECRET_VARIABLE
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import MAX_METRICS, FLModel, WritablePath, read_artifact, write_artifact
+from flare_airflow.core.privacy.central import central_noise_key
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import record_path
 from flare_airflow.core.strategies import StepContext, aggregate_from_store
+from flare_airflow.core.strategies.central_dp import with_central_dp
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
     FAILURE_XCOM_KEY,
@@ -30,6 +33,32 @@ from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
+
+
+def central_noise_secret(round_num: int) -> bytes:
+    """The run's central-DP noise secret, resolved on this (the aggregation's) worker from the Airflow
+    variable ``flare_central_noise_secret`` and masked in logs; never in XCom, argv or a log line.
+
+    The server keeps it, so the central noise of (job, run, round) is keyed from it
+    (:func:`~flare_airflow.core.privacy.central.central_noise_key`) and a retried aggregation
+    releases the same model instead of spending the budget twice. Missing, the round fails saying
+    how to create it.
+    """
+    from airflow.sdk import Variable
+    from airflow.sdk.log import mask_secret
+
+    name = CENTRAL_NOISE_SECRET_VARIABLE
+    value = Variable.get(name, default=None)
+    if not value:
+        raise AirflowFailException(
+            f"round {round_num} not aggregated: the job sets privacy.central, whose noise is keyed by the run's "
+            f"secret in the Airflow variable {name!r}, which the aggregation's worker does not have; create it "
+            f"there (airflow variables set {name} <64 random hex digits>, a secrets backend, or "
+            f"AIRFLOW_VAR_{name.upper()}), keep it for the run's lifetime (a retried round must draw the same "
+            "noise), use another value than the sites' flare_noise_secret, then clear this task"
+        )
+    mask_secret(str(value), name)
+    return str(value).encode()
 
 
 class AggregateOperator(BaseOperator):
@@ -118,6 +147,16 @@ class AggregateOperator(BaseOperator):
                 reason = read_failure(path) or "no update: the site task failed before its trainer ran, or never ran"
                 updates.append((site, None, reason))
         strategy = job.aggregator.strategy()
+        central = job.privacy.central
+        if central is not None:
+            key = central_noise_key(central_noise_secret(r), job.job, run_id, r)
+            strategy = with_central_dp(
+                strategy,
+                clip=central.clip,
+                noise_multiplier=central.noise_multiplier,
+                num_sites=len(job.sites),
+                key=key,
+            )
         state, state_out = self._server_state(context, store, run_id) if strategy.stateful else ({}, None)
         try:
             outcome, new_state = aggregate_from_store(

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from flare_airflow.core.config import apply_site_policy, load_site_policy
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
-from flare_airflow.core.privacy.central import check_rule
 from flare_airflow.core.privacy.filters import PrivacyRefused
 from flare_airflow.core.privacy.plan import PrivacyPlan, release
 from tests.bad_inputs.cases import Case, assert_clear
@@ -67,11 +67,6 @@ JOB_CASES = {
         "'dp_sgd'",
         {"filters": [{"type": "dp_sgd"}]},
     ),
-    "privacy-central-not-available": (
-        "privacy.central in this version (its aggregation step is not wired in yet)",
-        "privacy.central (central DP) is not available in this version",
-        {"central": {"clip": 1.0, "noise_multiplier": 1.0}, "delta": 1.0e-5},
-    ),
     "privacy-percentile-out-of-range": (
         "a percentile filter with percentile 150",
         "percentile must be a number from 0 to 100",
@@ -118,15 +113,24 @@ TRAINER_CASES = {
     ),
 }
 
+# Central DP with an aggregator it cannot run with: (bad input, error, the job's aggregator).
+AGGREGATOR_CASES = {
+    "privacy-central-with-robust-rule": (
+        "central DP together with a robust aggregation rule (median)",
+        "privacy.central (central DP) cannot be combined with the robust aggregation rule 'median'",
+        {"name": "median"},
+    ),
+    "privacy-central-with-norm-bound": (
+        "central DP together with aggregator.norm_bound",
+        "aggregator.norm_bound cannot be combined with central DP, which clips every update",
+        {"name": "fedavg", "norm_bound": 5.0},
+    ),
+}
+
 CASES = [
     *(Case(cid, "privacy", bad, err) for cid, (bad, err, _) in JOB_CASES.items()),
     *(Case(cid, "privacy", bad, err) for cid, (bad, err, _, _) in POLICY_CASES.items()),
-    Case(
-        "privacy-central-with-robust-rule",
-        "privacy",
-        "central DP together with a robust aggregation rule (median)",
-        "privacy.central (central DP) cannot be combined with the robust aggregation rule 'median'",
-    ),
+    *(Case(cid, "privacy", bad, err) for cid, (bad, err, _) in AGGREGATOR_CASES.items()),
     *(Case(cid, "privacy", bad, err) for cid, (bad, err) in TRAINER_CASES.items()),
 ]
 BY_ID = {c.id: c for c in CASES}
@@ -152,12 +156,17 @@ def test_bad_privacy_in_the_site_policy(cid: str, tmp_path: pathlib.Path) -> Non
     assert str(path) in str(info.value)
 
 
-def test_central_dp_with_a_robust_rule() -> None:
-    # Checked by the job's validation as soon as an aggregator other than fedavg can be named
-    # (core.config.job: check_rule(aggregator.name)); here through that same check.
-    with pytest.raises(ConfigError) as info:
-        check_rule("median", "privacy.central")
-    assert_clear(BY_ID["privacy-central-with-robust-rule"], str(info.value))
+@pytest.mark.parametrize("cid", list(AGGREGATOR_CASES))
+def test_central_dp_with_an_aggregator_it_cannot_run_with(cid: str, tmp_path: pathlib.Path) -> None:
+    path = build(
+        tmp_path, Bad(field="privacy", value={"central": {"clip": 1.0, "noise_multiplier": 1.0}, "delta": 1e-5})
+    )
+    data = yaml.safe_load(path.read_text())
+    data["aggregator"] = AGGREGATOR_CASES[cid][2]
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    message = validate(path)
+    assert_clear(BY_ID[cid], message)
+    assert "privacy.central" in message and len(message) < MAX_MESSAGE
 
 
 @pytest.mark.parametrize("cid", list(TRAINER_CASES))

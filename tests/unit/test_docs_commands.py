@@ -122,6 +122,11 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         r"^airflow variables set flare_noise_secret ",
         RunBy("tests/e2e/test_privacy.py", "AIRFLOW_VAR_FLARE_NOISE_SECRET"),
     ),
+    # docs/privacy.md: the server's central-DP noise secret; the aggregation's tests set the same variable
+    (
+        r"^airflow variables set flare_central_noise_secret ",
+        RunBy("tests/unit/operators/test_aggregate_central_dp.py", "AIRFLOW_VAR_FLARE_CENTRAL_NOISE_SECRET"),
+    ),
     (r"^python -m flare_airflow\.site_task$", RunBy("tests/unit/site_task/test_runner.py", "flare_airflow.site_task")),
     (r"^flare-airflow import-nvflare\b", RunBy("tests/e2e/test_nvflare_jobs.py", '"import-nvflare", job_dir')),
     (r"^flare-airflow run flare_hello_numpy$", RunBy("tests/e2e/test_nvflare_jobs.py", 'airflow_home.run(f"flare_')),

@@ -294,12 +294,12 @@ class JobConfig(Strict):
             )
         if self.privacy.central is not None:
             check_rule(self.aggregator.name, "privacy.central")
-            # Accounting ε for noise the aggregation does not add would be a false claim.
-            raise ValueError(
-                "privacy.central (central DP) is not available in this version: its aggregation step "
-                "(flare_airflow.core.privacy.central) is not wired into the aggregation task yet; use a gaussian "
-                "filter in privacy.filters (local DP at every site) instead"
-            )
+            if self.aggregator.norm_bound is not None:
+                raise ValueError(
+                    "privacy.central: aggregator.norm_bound cannot be combined with central DP, which clips every "
+                    "update to privacy.central.clip already (its noise is calibrated to that clip); remove "
+                    "aggregator.norm_bound"
+                )
         for site in self.sites:
             self.privacy_plan(site, f"sites.{site}")  # the job's own privacy errors show at parse time
         if not self.initial_model_path().is_file():

@@ -26,6 +26,10 @@ FilterType = Literal["exclude_vars", "clip", "gaussian", "percentile"]
 FILTER_TYPES: tuple[str, ...] = ("exclude_vars", "clip", "gaussian", "percentile")
 # The Airflow variable holding a site's noise secret, resolved on the site's worker.
 NOISE_SECRET_VARIABLE = "flare_noise_secret"  # noqa: S105 - the variable's name, not its value
+# The Airflow variable holding the run's central-DP noise secret, resolved on the aggregation's
+# worker. Another name than the sites': a server holding a site's secret could regenerate and
+# subtract that site's local noise.
+CENTRAL_NOISE_SECRET_VARIABLE = "flare_central_noise_secret"  # noqa: S105 - the variable's name, not its value
 
 
 def _all_filter_types() -> list[FilterType]:
@@ -181,7 +185,7 @@ class JobPrivacy(Strict):
     delta: float | None = Field(None, description="δ of the run's (ε, δ) account")
     max_epsilon: float | None = Field(None, description="end the run before the round whose ε would exceed this")
     central: CentralDP | None = Field(
-        None, description="central DP in the aggregation (refused in this version: not wired into the aggregation)"
+        None, description="central DP in the aggregation: clip each update, noise the sum, divide by the sites"
     )
 
     @field_validator("delta", mode="before")

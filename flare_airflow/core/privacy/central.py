@@ -15,12 +15,16 @@ refused together (:func:`check_rule`).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterable
 
 import numpy as np
 
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.privacy.filters import Params, add_gaussian_in_place, clip_in_place, noise_generator
+
+_KEY_DOMAIN = b"flare-airflow/central-noise/v1"  # apart from the sites' noise keys, whatever the secret
 
 # The aggregation rules whose output is not the sum of the updates.
 ROBUST_RULES = ("median", "trimmed_mean", "krum", "multi_krum")
@@ -34,6 +38,17 @@ def check_rule(rule: str, where: str = "job") -> None:
             "its noise is calibrated to the clipped sum of all updates, and a robust rule releases a selection "
             "of them instead; use aggregator fedavg with central DP, or drop privacy.central"
         )
+
+
+def central_noise_key(secret: bytes, job: str, run_id: str, round_num: int) -> bytes:
+    """The 32-byte key of (job, run, round)'s central noise under the server's ``secret``.
+
+    HMAC-SHA256 as the sites' keys (:func:`~flare_airflow.core.privacy.filters.noise_key`), in its
+    own domain: a retried aggregation draws the same noise (the same release, no second spend), and
+    without the secret nobody can regenerate -- and subtract -- it.
+    """
+    message = b"\0".join([_KEY_DOMAIN, job.encode(), run_id.encode(), str(int(round_num)).encode()])
+    return hmac.new(secret, message, hashlib.sha256).digest()
 
 
 class CentralDP:

@@ -1,0 +1,153 @@
+"""Central differential privacy as a streaming rule: the store engine's verified reads into
+:class:`~flare_airflow.core.privacy.central.CentralDP` (clip each update, noise the sum, divide by
+the job's number of sites).
+
+The rule replaces FedAvg's when the job sets ``privacy.central`` (:func:`with_central_dp`); the
+job's post-aggregation steps (a server optimizer) still run on its release -- post-processing,
+which spends no privacy. Each update is verified exactly as FedAvg's are (the engine's
+:class:`~flare_airflow.core.aggregation.UpdateReader`: size, digests against the site task's pin,
+NaN/inf, names, shapes, dtypes) and folded in one at a time: memory is the float64 sum plus one
+update's difference, never every update.
+
+The quorum (``min_clients``) counts the updates that arrived; the denominator is the number of
+sites in the job, whoever arrived -- a denominator that depended on who arrived would depend on
+the data too (see the module :mod:`flare_airflow.core.privacy.central`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from flare_airflow.core.aggregation import RoundOutcome, round_metrics, update_weight
+from flare_airflow.core.errors import AggregateNotFinite, FlareAirflowError, QuorumNotReached
+from flare_airflow.core.model import ParamsType, tensor_spec
+from flare_airflow.core.privacy.central import CentralDP
+from flare_airflow.core.strategies.base import RuleKind, Strategy
+
+if TYPE_CHECKING:
+    from flare_airflow.core.errors import UpdateRejected
+    from flare_airflow.core.model import ArtifactRecord, Params
+
+
+class CentralDPRound:
+    """One round's accumulator (the engine's streaming interface) around :class:`CentralDP`."""
+
+    def __init__(self, global_params: Params, *, min_clients: int, rule: CentralDPRule) -> None:
+        if min_clients < 1:
+            raise FlareAirflowError(f"min_clients must be >= 1, got {min_clients}")
+        self.expected = tensor_spec(global_params)
+        self.min_clients = min_clients
+        self._dp = CentralDP(
+            global_params,
+            clip=rule.clip,
+            noise_multiplier=rule.noise_multiplier,
+            num_sites=rule.num_sites,
+            key=rule.key,
+        )
+        self.accepted: dict[str, float] = {}
+        self.rejected: dict[str, str] = {}
+        self.site_metrics: dict[str, dict[str, float]] = {}
+        self.num_samples = 0
+        self._metric_sums: dict[str, float] = {}
+        self._metric_weights: dict[str, float] = {}
+
+    def reject(self, site: str, reason: str) -> None:
+        self.rejected[site] = reason
+
+    def add_verified(
+        self,
+        group: Sequence[tuple[str, Params, ArtifactRecord, UpdateRejected | None]],
+        run: object = None,
+    ) -> None:
+        """Clip and sum each verified update of ``group`` in the group's order (sites sorted by the
+        engine, so a retry adds in the same order and gets the same float64 sum). ``run`` (the
+        engine's threads) is not used: one update's clip needs its whole norm first."""
+        for site, params, record, rejected in group:
+            if site in self.accepted or site in self.rejected:
+                raise FlareAirflowError(f"site {site!r} already counted in this round")
+            if rejected is None:
+                # The weight is not used (every site counts once, clipped), but an unusable
+                # num_samples is a bad update here as under FedAvg, and it weights the metrics.
+                _, rejected = update_weight(site, record, {})
+            if rejected is not None:
+                self.rejected[site] = rejected.reason
+                continue
+            self._dp.add(site, params, diff_update=record.params_type is ParamsType.DIFF)
+            samples = record.num_samples if record.num_samples is not None else 1
+            self.accepted[site] = 1.0
+            self.num_samples += samples
+            self.site_metrics[site] = dict(record.metrics)
+            for key, value in record.metrics.items():
+                self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
+                self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
+
+    def result(self) -> RoundOutcome:
+        """The noisy release; raises ``QuorumNotReached`` (every failed site's reason) below ``min_clients``."""
+        if len(self.accepted) < self.min_clients:
+            failed = "; ".join(f"{s}: {r}" for s, r in sorted(self.rejected.items())) or "none reported"
+            raise QuorumNotReached(
+                f"{len(self.accepted)} valid update(s) from {sorted(self.accepted)}, min_clients is "
+                f"{self.min_clients}. Failed sites: {failed}. The global model was not updated."
+            )
+        params = self._dp.result()
+        for name, values in params.items():
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                raise AggregateNotFinite(
+                    f"the central-DP release of sites {sorted(self.accepted)} is unusable: tensor {name!r} is not "
+                    f"finite in {values.dtype} (overflow). The global model was not updated; lower "
+                    "privacy.central.clip or check the global model"
+                )
+        metrics, dropped = round_metrics(self._metric_sums, self._metric_weights)
+        clip = self._dp.clip
+        return RoundOutcome(
+            params=params,
+            accepted=dict(self.accepted),
+            rejected=dict(self.rejected),
+            metrics=metrics,
+            site_metrics=dict(self.site_metrics),
+            num_samples=self.num_samples,
+            metrics_dropped=dropped,
+            clipped={s: clip / norm for s, norm in sorted(self._dp.norms.items()) if norm > clip},
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CentralDPRule:
+    """Central DP's streaming rule for one round: its clip, noise multiplier, the job's number of
+    sites and the round's noise key (:func:`~flare_airflow.core.privacy.central.central_noise_key`)."""
+
+    clip: float
+    noise_multiplier: float
+    num_sites: int
+    key: bytes = dataclasses.field(repr=False)  # never in a log line or an error
+    name = "central_dp"
+    kind = RuleKind.STREAMING
+
+    def quorum_problem(self, n: int) -> str | None:
+        return None if n >= 1 else "central DP needs at least 1 valid update"
+
+    def start(self, global_params: Params, *, min_clients: int, site_weights: Mapping[str, float]) -> CentralDPRound:
+        # Site weights do not apply: a weight would scale one site's contribution beyond the clip.
+        return CentralDPRound(global_params, min_clients=min_clients, rule=self)
+
+
+def with_central_dp(
+    strategy: Strategy, *, clip: float, noise_multiplier: float, num_sites: int, key: bytes
+) -> Strategy:
+    """``strategy`` with central DP as its rule (its post-aggregation steps kept).
+
+    The job's validation refuses central DP with a robust rule or a norm bound
+    (:func:`~flare_airflow.core.privacy.central.check_rule`); this refuses them again for callers
+    that build a strategy themselves.
+    """
+    if strategy.rule.kind is not RuleKind.STREAMING or strategy.norm_bound is not None:
+        raise FlareAirflowError(
+            f"central DP replaces the aggregation rule by a clipped sum: it cannot run with {strategy.rule.name!r}"
+            + (" and a norm bound" if strategy.norm_bound is not None else "")
+        )
+    rule = CentralDPRule(clip=clip, noise_multiplier=noise_multiplier, num_sites=num_sites, key=key)
+    return dataclasses.replace(strategy, rule=rule)
