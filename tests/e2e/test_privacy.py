@@ -1,5 +1,6 @@
 """A run under a privacy budget through real Airflow (`flare-airflow run`): the job's gaussian filter at
-every site, ε after every round, and max_epsilon ending the run cleanly before the round beyond it."""
+every site, ε after every round, and max_epsilon ending the run cleanly before the round beyond it;
+central DP in the aggregation, its release bitwise the pure maths."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from flare_airflow.core.privacy.accountant import epsilon_after
+from flare_airflow.core.privacy.central import central_dp_round, central_noise_key
 from tests.e2e.test_runs import _asset_events
 from tests.harness import AirflowHome, behave_job
 
@@ -57,3 +60,40 @@ def test_max_epsilon_stops_the_run_after_round_11_and_publishes_it(airflow_home:
     assert not np.allclose(final["w"], 11.0, atol=1.0)
     extra = _asset_events(airflow_home, "flare_airflow.private.global_model")[-1]
     assert round(extra["privacy"]["epsilon"], 3) == 7.955 and extra["round"] == 11
+
+
+def test_central_dp_through_a_real_run(airflow_home: AirflowHome) -> None:
+    # 3 sites, site-3 fails: the release is global + (2 clipped updates + noise) / 3, keyed by the
+    # server's secret -- bitwise what the pure maths gives for that run and round. Safe across
+    # processes and CPU kinds: before the noise every value is exact (norm² = 6 of ones, sqrt
+    # correctly rounded), and the noise is PCG64's, drawn on this same machine.
+    job = behave_job(airflow_home.root, "central", sites=3, rounds=1, min_clients=2, args=["--fail", "site-3"])
+    job["evaluate"] = False
+    job["privacy"] = {"central": {"clip": 1.0, "noise_multiplier": 0.5}, "delta": 1.0e-5}
+    dag_file = airflow_home.write_job("central", job)
+    secret = "c3" * 32
+    airflow_home.env["AIRFLOW_VAR_FLARE_CENTRAL_NOISE_SECRET"] = secret
+    try:
+        result = airflow_home.run("flare_central", dag_file)
+    finally:
+        del airflow_home.env["AIRFLOW_VAR_FLARE_CENTRAL_NOISE_SECRET"]
+    tasks = result.tasks
+    assert result.state["state"] == "success", result.log[-4000:] + result.stderr[-2000:]
+    assert (tasks["round_1.site-1"], tasks["round_1.site-2"], tasks["round_1.site-3"]) == (
+        "success",
+        "success",
+        "failed",
+    )
+    assert (tasks["round_1.global_model"], tasks["publish"]) == ("success", "success")
+    assert secret not in result.log
+    published = result.state["published"]
+    glob = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
+    ones = {k: v + np.float32(1) for k, v in glob.items()}  # healthy sites send global + 1
+    key = central_noise_key(secret.encode(), "central", result.state["run_id"], 1)
+    expected = central_dp_round(
+        glob, [("site-1", ones, False), ("site-2", ones, False)], clip=1.0, noise_multiplier=0.5, num_sites=3, key=key
+    )
+    final = load_file(published["final_model"].removeprefix("file://"))
+    assert all(final[k].tobytes() == expected[k].tobytes() for k in glob)
+    report = json.loads(pathlib.Path(published["metrics"].removeprefix("file://")).read_text())
+    assert round(report["rounds"][0]["epsilon"], 3) == round(epsilon_after(0.5, 1, 1e-5), 3)
