@@ -55,7 +55,7 @@ def test_imported_job_runs_and_equals_nvflares_simulator(
     assert (out / name / "custom" / HELLO_CLIENT.name).read_bytes() == HELLO_CLIENT.read_bytes()
 
     result = airflow_home.run(f"flare_{name.replace('-', '_')}", out / f"{name}_dag.py")
-    expected = {"prepare", "publish"} | {
+    expected = {"prepare", "publish", "verdict"} | {
         f"round_{r}.{t}" for r in range(1, ROUNDS + 1) for t in (*SITES, "global_model")
     }
     assert result.tasks == dict.fromkeys(expected, "success"), result.log[-3000:]

@@ -64,6 +64,7 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
         **{f"round_1.{t}": "success" for t in ("site-1", "site-2", "global_model")},
         **{f"round_2.{t}": "skipped" for t in ("site-1", "site-2", "global_model")},
         "publish": "success",
+        "verdict": "success",
     }
     assert "job warm has no successful run yet; starting from initial_model" in moved.log
     moved_final = moved.state["published"]["final_model"]
@@ -150,7 +151,7 @@ def test_a_failure_before_execute_reaches_the_runs_reasons(airflow_home: Airflow
     result = airflow_home.run("flare_clash", airflow_home.write_job("clash", job))
     assert result.returncode == 1
     assert result.tasks == {"prepare": "success", "round_1.site-1": "success", "round_1.global_model": "success",
-                            "publish": "failed"}  # fmt: skip
+                            "publish": "failed", "verdict": "failed"}  # fmt: skip
     reason = "AirflowInactiveAssetInInletOrOutletException: Task has the following inactive assets"
     assert reason in result.state["tasks"]["publish"]["reason"]
     assert f"publish: {reason}" in result.stderr and "another Asset with this name is active" in result.stderr
@@ -176,7 +177,7 @@ def test_task_group_inside_an_authors_dag(airflow_home: AirflowHome) -> None:
     """
     result = airflow_home.run("author_dag", airflow_home.write_job("grouped", job, dag_code))
     assert result.returncode == 0, result.log[-4000:]
-    expected = {"extract", "deploy", "grouped.prepare", "grouped.publish"} | {
+    expected = {"extract", "deploy", "grouped.prepare", "grouped.publish", "grouped.verdict"} | {
         f"grouped.round_{r}.{t}" for r in (1, 2) for t in ("site-1", "site-2", "global_model")
     }
     assert result.tasks == dict.fromkeys(expected, "success")

@@ -81,6 +81,7 @@ def test_robust_rules_survive_a_sign_flipping_site_where_fedavg_collapses(airflo
         for task in (
             "prepare",
             "publish",
+            "verdict",
             *(f"round_{r}.{t}" for r in range(1, ROUNDS + 1) for t in (*SITES, AGGREGATE_TASK)),
         )
     }

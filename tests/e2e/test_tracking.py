@@ -126,7 +126,7 @@ def test_digits_run_is_tracked_in_embedded_mlflow_once_per_round_even_when_rerun
     dag_id = "flare_digits_tracked"
     result = airflow_home.run(dag_id, dag_file)
     assert result.returncode == 0 and result.state["state"] == "success", result.log[-5000:]
-    assert set(result.tasks.values()) == {"success"} and len(result.tasks) == 2 + ROUNDS * 5, result.tasks
+    assert set(result.tasks.values()) == {"success"} and len(result.tasks) == 3 + ROUNDS * 5, result.tasks
     report = result.metrics()
     db = airflow_home.store / "mlflow.db"
     assert db.is_file(), "the embedded store is a SQLite file next to the model store"
