@@ -57,7 +57,7 @@ def test_warm_start_continues_from_the_last_successful_run(airflow_home: Airflow
     # Asset. Its warm start finds no latest.json in the new store and starts from initial_model.
     moved_store = tmp_path / "moved-store"
     (dag_file.parent / "job.yaml").write_text(yaml.safe_dump({**job, "store": str(moved_store)}))
-    moved = airflow_home.run("flare_warm", dag_file, conf={"warm_start": True, "rounds": 1})
+    moved = airflow_home.run("flare_warm", dag_file, conf={"warm_start": True, "rounds": 1}, site_policy=policy)
     assert moved.returncode == 0, moved.stderr[-3000:]
     assert moved.tasks == {
         "prepare": "success",

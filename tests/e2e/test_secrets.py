@@ -59,6 +59,14 @@ def test_a_secret_canary_reaches_the_trainer_and_nothing_else(airflow_home: Airf
     script = tmp_path / "secret_trainer.py"
     script.write_text(TRAINER)
     proof = tmp_path / "proof"
+    launcher_spec = {
+        "process": {
+            "secret_env": {
+                "API_TOKEN": {"conn_id": "flare_canary", "field": "password"},
+                "DB_KEY": {"variable": "flare_canary_key"},
+            }
+        }
+    }
     job = {
         "job": "secrets",
         "rounds": 1,
@@ -66,17 +74,7 @@ def test_a_secret_canary_reaches_the_trainer_and_nothing_else(airflow_home: Airf
         "initial_model": str(tiny_model(airflow_home.root / "secrets-init.safetensors")),
         "trainer": {"script": str(script), "args": [str(proof)], "shutdown_timeout": 2},
         "sites": {
-            "@default": {
-                "retries": 0,
-                "launcher_spec": {
-                    "process": {
-                        "secret_env": {
-                            "API_TOKEN": {"conn_id": "flare_canary", "field": "password"},
-                            "DB_KEY": {"variable": "flare_canary_key"},
-                        }
-                    }
-                },
-            },
+            "@default": {"retries": 0, "launcher_spec": launcher_spec},
             "site-1": {},
             "site-2": {},
         },
@@ -98,7 +96,15 @@ def test_a_secret_canary_reaches_the_trainer_and_nothing_else(airflow_home: Airf
     for scanner in scanners:
         scanner.start()
     try:
-        result = airflow_home.run("flare_secrets", dag_file)
+        # The trainer writes its proof outside its staging directory: the site admin allows it
+        # (the site policy's launcher_spec replaces the job's, so it names the secrets too).
+        policy = {
+            "sites": {
+                s: {"launcher_spec": launcher_spec, "confinement": {"writable": [str(tmp_path)]}}
+                for s in ("site-1", "site-2")
+            }
+        }
+        result = airflow_home.run("flare_secrets", dag_file, site_policy=policy)
     finally:
         stop.set()
         for scanner in scanners:
