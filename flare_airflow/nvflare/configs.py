@@ -99,8 +99,14 @@ def read_config(path: Path) -> ConfigFile:
     except OSError as exc:
         raise NvflareJobError(f"cannot read {path}: {exc.strerror or exc}") from None
     if path.suffix == ".conf":
-        from pyhocon import ConfigFactory  # only HOCON jobs need it
-        from pyhocon.exceptions import ConfigException
+        try:  # only HOCON jobs need it
+            from pyhocon import ConfigFactory
+            from pyhocon.exceptions import ConfigException
+        except ImportError:
+            raise NvflareJobError(
+                f"{path}: reading NVFlare's HOCON (.conf) files needs pyhocon: "
+                "pip install 'flare-airflow[nvflare]' (or pyhocon), then import again"
+            ) from None
 
         try:
             tree = ConfigFactory.parse_string(text)
