@@ -31,9 +31,9 @@ from flare_airflow.core.config.validators import (
 )
 from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
-from flare_airflow.core.privacy.central import check_rule
 from flare_airflow.core.privacy.plan import PrivacyPlan
 from flare_airflow.core.strategies import FEDPROX_MU_HPARAM
+from flare_airflow.core.strategies.central_dp import central_dp_problem
 
 _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
 _HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
@@ -292,14 +292,8 @@ class JobConfig(Strict):
                 f"trainer.script {self.trainer.script!r} does not exist (looked at {self.script_path()}); "
                 "paths are relative to the job file"
             )
-        if self.privacy.central is not None:
-            check_rule(self.aggregator.name, "privacy.central")
-            if self.aggregator.norm_bound is not None:
-                raise ValueError(
-                    "privacy.central: aggregator.norm_bound cannot be combined with central DP, which clips every "
-                    "update to privacy.central.clip already (its noise is calibrated to that clip); remove "
-                    "aggregator.norm_bound"
-                )
+        if self.privacy.central is not None and (problem := central_dp_problem(self.aggregator.strategy())):
+            raise ValueError(problem)
         for site in self.sites:
             self.privacy_plan(site, f"sites.{site}")  # the job's own privacy errors show at parse time
         if not self.initial_model_path().is_file():

@@ -10,7 +10,7 @@ that arrived would depend on the data as well: both break the calibration.
 
 A robust rule (median, trimmed mean, Krum) selects or discards updates by their values, so the
 sum that the noise was calibrated for is not what it releases: central DP and the robust rules are
-refused together (:func:`check_rule`).
+refused together (:func:`flare_airflow.core.strategies.central_dp.central_dp_problem`).
 """
 
 from __future__ import annotations
@@ -25,19 +25,6 @@ from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.privacy.filters import Params, add_gaussian_in_place, clip_in_place, noise_generator
 
 _KEY_DOMAIN = b"flare-airflow/central-noise/v1"  # apart from the sites' noise keys, whatever the secret
-
-# The aggregation rules whose output is not the sum of the updates.
-ROBUST_RULES = ("median", "trimmed_mean", "krum", "multi_krum")
-
-
-def check_rule(rule: str, where: str = "job") -> None:
-    """Refuse central DP together with a robust aggregation rule, saying why."""
-    if rule in ROBUST_RULES:
-        raise ConfigError(
-            f"{where}: privacy.central (central DP) cannot be combined with the robust aggregation rule {rule!r}: "
-            "its noise is calibrated to the clipped sum of all updates, and a robust rule releases a selection "
-            "of them instead; use aggregator fedavg with central DP, or drop privacy.central"
-        )
 
 
 def central_noise_key(secret: bytes, job: str, run_id: str, round_num: int) -> bytes:

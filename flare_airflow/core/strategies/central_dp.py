@@ -135,19 +135,35 @@ class CentralDPRule:
         return CentralDPRound(global_params, min_clients=min_clients, rule=self)
 
 
+def central_dp_problem(strategy: Strategy) -> str | None:
+    """Why central DP cannot replace ``strategy``'s rule, or ``None``.
+
+    A chunked rule (median, trimmed mean, Krum) selects or discards updates by their values, so the
+    sum the noise was calibrated for is not what it releases; a norm bound would scale updates the
+    clip already bounds (and move the engine onto its chunked path).
+    """
+    if strategy.rule.kind is not RuleKind.STREAMING:
+        return (
+            f"privacy.central (central DP) cannot be combined with the robust aggregation rule "
+            f"{strategy.rule.name!r}: its noise is calibrated to the clipped sum of all updates, and a robust rule "
+            "releases a selection of them instead; use aggregator fedavg with central DP, or drop privacy.central"
+        )
+    if strategy.norm_bound is not None:
+        return (
+            "privacy.central: aggregator.norm_bound cannot be combined with central DP, which clips every update "
+            "to privacy.central.clip already (its noise is calibrated to that clip, not to a norm bound); remove "
+            "aggregator.norm_bound"
+        )
+    return None
+
+
 def with_central_dp(
     strategy: Strategy, *, clip: float, noise_multiplier: float, num_sites: int, key: bytes
 ) -> Strategy:
-    """``strategy`` with central DP as its rule (its post-aggregation steps kept).
-
-    The job's validation refuses central DP with a robust rule or a norm bound
-    (:func:`~flare_airflow.core.privacy.central.check_rule`); this refuses them again for callers
-    that build a strategy themselves.
-    """
-    if strategy.rule.kind is not RuleKind.STREAMING or strategy.norm_bound is not None:
-        raise FlareAirflowError(
-            f"central DP replaces the aggregation rule by a clipped sum: it cannot run with {strategy.rule.name!r}"
-            + (" and a norm bound" if strategy.norm_bound is not None else "")
-        )
+    """``strategy`` with central DP as its rule (its post-aggregation steps kept); refused with
+    :func:`central_dp_problem`'s reason (the job's validation gives the same one at parse time)."""
+    problem = central_dp_problem(strategy)
+    if problem is not None:
+        raise FlareAirflowError(problem)
     rule = CentralDPRule(clip=clip, noise_multiplier=noise_multiplier, num_sites=num_sites, key=key)
     return dataclasses.replace(strategy, rule=rule)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from flare_airflow.core.aggregation import FedAvg
+from flare_airflow.core.config.aggregator import AggregatorSpec
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import ArtifactRecord, ParamsType
 from flare_airflow.core.privacy.accountant import (
@@ -18,7 +19,7 @@ from flare_airflow.core.privacy.accountant import (
     noise_multiplier_for,
     rounds_within_budget,
 )
-from flare_airflow.core.privacy.central import CentralDP, central_dp_round, check_rule
+from flare_airflow.core.privacy.central import CentralDP, central_dp_round
 from flare_airflow.core.privacy.filters import (
     FilterStep,
     PrivacyRefused,
@@ -28,6 +29,7 @@ from flare_airflow.core.privacy.filters import (
     noise_key,
 )
 from flare_airflow.core.privacy.plan import PrivacyPlan, release
+from flare_airflow.core.strategies.central_dp import central_dp_problem
 
 DELTA = 1e-5
 KEY = noise_key(b"site secret", "job", "manual__1", 3, "site-1")
@@ -241,7 +243,7 @@ def test_central_dp_clips_each_update_and_divides_the_noisy_sum_by_the_job_sites
 
 
 def test_central_dp_refuses_robust_rules() -> None:
-    for rule in ("median", "trimmed_mean", "krum"):
-        with pytest.raises(ConfigError, match=f"robust aggregation rule '{rule}'"):
-            check_rule(rule)
-    check_rule("fedavg")
+    for rule, params in (("median", {}), ("trimmed_mean", {"beta": 0.2}), ("krum", {"f": 1})):
+        strategy = AggregatorSpec.model_validate({"name": rule, **params}).strategy()
+        assert f"robust aggregation rule '{rule}'" in (central_dp_problem(strategy) or "")
+    assert central_dp_problem(AggregatorSpec.model_validate({"name": "fedavg"}).strategy()) is None
