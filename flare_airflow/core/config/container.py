@@ -14,18 +14,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from flare_airflow.core.config.kubernetes import image_reference
-from flare_airflow.core.config.process import (
-    RESERVED_PROCESS_ENV_PREFIXES,
-    AirflowSecretRef,
-    airflow_secret_references,
-)
+from flare_airflow.core.config.process import AirflowEnvBlock, AirflowSecretRef
 from flare_airflow.core.config.validators import (
     Strict,
     argv,
     env_or_secret,
-    env_values,
     no_nul,
-    secret_env_names,
 )
 from flare_airflow.core.config.volumes import host_directory, mount_directory, path_within
 
@@ -61,7 +55,7 @@ class ContainerVolume(Strict):
         return mount_directory(value, "mount_path")
 
 
-class ContainerLaunchSpec(Strict):
+class ContainerLaunchSpec(AirflowEnvBlock):
     """Site policy for container site jobs: one container per site job and round."""
 
     engine: Literal["podman", "docker"] = Field("podman", description="the container engine's command")
@@ -120,21 +114,6 @@ class ContainerLaunchSpec(Strict):
         if uid in _ROOT_USERS or int(uid) == 0 or (gid and int(gid) == 0):
             raise ValueError(f"user {value!r} is root: container sites run the trainer as a non-root uid:gid")
         return value
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return env_values(value, RESERVED_PROCESS_ENV_PREFIXES)
-
-    @field_validator("secret_env", mode="before")
-    @classmethod
-    def _secret_references(cls, value: Any) -> Any:
-        return airflow_secret_references(value)
-
-    @field_validator("secret_env")
-    @classmethod
-    def _secret_env(cls, value: dict[str, AirflowSecretRef]) -> dict[str, AirflowSecretRef]:
-        return secret_env_names(value, RESERVED_PROCESS_ENV_PREFIXES)
 
     @field_validator("trainer_command", mode="before")
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import posixpath
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -73,7 +73,30 @@ def airflow_secret_references(value: Any) -> Any:
     )
 
 
-class ProcessLaunchSpec(Strict):
+class AirflowEnvBlock(Strict):
+    """The ``env`` / ``secret_env`` checks of the backends whose secrets are Airflow references
+    resolved on the worker (process, SLURM, container sites); each block declares both fields and
+    the variable prefixes its jobs may not set (``reserved_env_prefixes``)."""
+
+    reserved_env_prefixes: ClassVar[tuple[str, ...]] = RESERVED_PROCESS_ENV_PREFIXES
+
+    @field_validator("env", check_fields=False)
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return env_values(value, cls.reserved_env_prefixes)
+
+    @field_validator("secret_env", mode="before", check_fields=False)
+    @classmethod
+    def _secret_references(cls, value: Any) -> Any:
+        return airflow_secret_references(value)
+
+    @field_validator("secret_env", check_fields=False)
+    @classmethod
+    def _secret_env(cls, value: dict[str, AirflowSecretRef]) -> dict[str, AirflowSecretRef]:
+        return secret_env_names(value, cls.reserved_env_prefixes)
+
+
+class ProcessLaunchSpec(AirflowEnvBlock):
     """Site policy for local-process site jobs."""
 
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the trainer")
@@ -83,25 +106,10 @@ class ProcessLaunchSpec(Strict):
     )
     cwd: str | None = Field(None, description="working directory of the trainer")
 
-    @field_validator("secret_env", mode="before")
-    @classmethod
-    def _secret_references(cls, value: Any) -> Any:
-        return airflow_secret_references(value)
-
-    @field_validator("secret_env")
-    @classmethod
-    def _secret_env(cls, value: dict[str, AirflowSecretRef]) -> dict[str, AirflowSecretRef]:
-        return secret_env_names(value, RESERVED_PROCESS_ENV_PREFIXES)
-
     @model_validator(mode="after")
     def _env_or_secret(self) -> ProcessLaunchSpec:
         env_or_secret(self.env, self.secret_env)
         return self
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return env_values(value, RESERVED_PROCESS_ENV_PREFIXES)
 
     @field_validator("cwd")
     @classmethod

@@ -9,21 +9,18 @@ Secrets are Airflow references (``secret_env``), resolved on the worker that sub
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from flare_airflow.core.config.describe import short_repr
-from flare_airflow.core.config.process import AirflowSecretRef, airflow_secret_references
+from flare_airflow.core.config.process import AirflowEnvBlock, AirflowSecretRef
 from flare_airflow.core.config.validators import (
     RESERVED_ENV_PREFIX,
-    Strict,
     argv,
     env_or_secret,
-    env_values,
     no_nul,
     positive_seconds,
-    secret_env_names,
 )
 
 LOCAL_CONNECTION = "local"
@@ -123,8 +120,10 @@ def sbatch_option(item: str) -> str:
     )
 
 
-class SlurmLaunchSpec(Strict):
+class SlurmLaunchSpec(AirflowEnvBlock):
     """Site policy for SLURM site jobs (``launcher_spec.slurm``): one batch job per site job and round."""
+
+    reserved_env_prefixes: ClassVar[tuple[str, ...]] = RESERVED_SLURM_ENV_PREFIXES
 
     connection: str = Field(
         LOCAL_CONNECTION,
@@ -206,21 +205,6 @@ class SlurmLaunchSpec(Strict):
     @classmethod
     def _extra(cls, value: list[str]) -> list[str]:
         return [sbatch_option(item) for item in value]
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return env_values(value, RESERVED_SLURM_ENV_PREFIXES)
-
-    @field_validator("secret_env", mode="before")
-    @classmethod
-    def _secret_references(cls, value: Any) -> Any:
-        return airflow_secret_references(value)
-
-    @field_validator("secret_env")
-    @classmethod
-    def _secret_env(cls, value: dict[str, AirflowSecretRef]) -> dict[str, AirflowSecretRef]:
-        return secret_env_names(value, RESERVED_SLURM_ENV_PREFIXES)
 
     @field_validator("cwd", "output_dir", "trainer_script")
     @classmethod
