@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -154,8 +155,17 @@ class ContainerLauncher(JobLauncherSpec):
                 )
             timeout = job_meta.launch_timeout or ENGINE_TIMEOUT
             try:
+                # podman's conmon, started here, writes an ``oom`` file into its working directory
+                # when the container is OOM-killed (runc, cgroup v1): the worker's temporary directory
+                # takes it, never the worker's own working directory (an Airflow home, a checkout).
                 proc = subprocess.run(
-                    [program, *argv[1:]], env=env, capture_output=True, text=True, timeout=timeout, check=False
+                    [program, *argv[1:]],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    check=False,
+                    cwd=tempfile.gettempdir(),
                 )
             except subprocess.TimeoutExpired:
                 self._remove_quietly(identity)

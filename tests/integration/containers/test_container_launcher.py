@@ -96,7 +96,10 @@ def test_an_image_that_cannot_be_pulled_fails_fast(tmp_path: Path) -> None:
     assert containers_of(job) == []
 
 
-def test_an_oom_killed_trainer_is_named(trainer_image: str, tmp_path: Path) -> None:
+def test_an_oom_killed_trainer_is_named(trainer_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    worker_cwd = tmp_path / "worker-cwd"
+    worker_cwd.mkdir()
+    monkeypatch.chdir(worker_cwd)
     job = site_job(tmp_path, "b = [bytearray(1 << 20) for _ in range(1024)]; print('survived')")
     handle = launcher(trainer_image, resources={"memory": "64Mi"}).launch_job(job)
     assert handle.wait(60) is JobReturnCode.EXECUTION_ERROR
@@ -104,6 +107,7 @@ def test_an_oom_killed_trainer_is_named(trainer_image: str, tmp_path: Path) -> N
     assert handle.reason.startswith("OOMKilled: the trainer"), handle.reason
     assert handle.reason.endswith("raise resource_spec.memory"), handle.reason
     assert containers_of(job) == []
+    assert list(worker_cwd.iterdir()) == []  # nothing of the engine's lands where the worker runs
 
 
 def test_terminate_ends_a_trainer_that_ignores_sigterm(trainer_image: str, tmp_path: Path) -> None:
