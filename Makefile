@@ -90,7 +90,7 @@ unit: $(VENV)/.installed
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/unit tests/bad_inputs
 
 test: setup system-deps lint
-	$(BIN)/pytest -q -p no:cacheprovider tests
+	$(BIN)/pytest -q -p no:cacheprovider --durations=30 tests
 
 bench: setup
 	$(BIN)/python benchmarks/run.py

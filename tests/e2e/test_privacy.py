@@ -18,16 +18,16 @@ from tests.harness import AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 
-EPSILON = {1: 1.993, 10: 7.511, 11: 7.955}  # z = 2, δ = 1e-5: the exact Gaussian-DP account
+EPSILON = {1: 1.993, 2: 2.943}  # z = 2, δ = 1e-5: the exact Gaussian-DP account
 
 
-def test_max_epsilon_stops_the_run_after_round_11_and_publishes_it(airflow_home: AirflowHome) -> None:
-    job = behave_job(airflow_home.root, "private", sites=1, rounds=12, min_clients=1, args=[])
+def test_max_epsilon_stops_the_run_after_round_2_and_publishes_it(airflow_home: AirflowHome) -> None:
+    job = behave_job(airflow_home.root, "private", sites=1, rounds=3, min_clients=1, args=[])
     job["evaluate"] = False
     job["privacy"] = {
         "filters": [{"type": "gaussian", "clip": 1.0, "noise_multiplier": 2.0}],
         "delta": 1.0e-5,
-        "max_epsilon": 8,
+        "max_epsilon": 3.5,
         "public_metrics": ["train_loss"],
     }
     dag_file = airflow_home.write_job("private", job)
@@ -41,25 +41,25 @@ def test_max_epsilon_stops_the_run_after_round_11_and_publishes_it(airflow_home:
     assert result.state["state"] == "success"
     tasks = result.tasks
     assert tasks["prepare"] == "success" and tasks["publish"] == "success"
-    for r in range(1, 12):
+    for r in range(1, 3):
         assert (tasks[f"round_{r}.site-1"], tasks[f"round_{r}.global_model"]) == ("success", "success"), r
-    assert (tasks["round_12.site-1"], tasks["round_12.global_model"]) == ("skipped", "skipped")
-    assert "privacy budget exhausted at round 12" in result.log
+    assert (tasks["round_3.site-1"], tasks["round_3.global_model"]) == ("skipped", "skipped")
+    assert "privacy budget exhausted at round 3" in result.log
 
     published = result.state["published"]
-    assert published["round"] == 11
+    assert published["round"] == 2
     report = json.loads(pathlib.Path(published["metrics"].removeprefix("file://")).read_text())
-    assert report["rounds_completed"] == 11
+    assert report["rounds_completed"] == 2
     epsilons = [row["epsilon"] for row in report["rounds"]]
     assert [round(epsilons[r - 1], 3) for r in EPSILON] == list(EPSILON.values())
     assert epsilons == sorted(epsilons)
-    assert round(report["privacy"]["epsilon"], 3) == 7.955
-    assert report["privacy"]["note"].startswith("privacy budget exhausted at round 12: its ε would be 8.385")
-    # The site's update was clipped to 1 and noised (sd 2 per element): the model is not global + 11.
+    assert round(report["privacy"]["epsilon"], 3) == 2.943
+    assert report["privacy"]["note"].startswith("privacy budget exhausted at round 3: its ε would be 3.709")
+    # The site's update was clipped to 1 and noised (sd 2 per element): the model is not global + 2.
     final = load_file(published["final_model"].removeprefix("file://"))
-    assert not np.allclose(final["w"], 11.0, atol=1.0)
+    assert not np.allclose(final["w"], 2.0, atol=1.0)
     extra = _asset_events(airflow_home, "flare_airflow.private.global_model")[-1]
-    assert round(extra["privacy"]["epsilon"], 3) == 7.955 and extra["round"] == 11
+    assert round(extra["privacy"]["epsilon"], 3) == 2.943 and extra["round"] == 2
 
 
 def test_central_dp_through_a_real_run(airflow_home: AirflowHome) -> None:

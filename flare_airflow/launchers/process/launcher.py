@@ -52,6 +52,42 @@ from flare_airflow.launchers.trainer import output_prefix
 
 _TAIL_LINES = 20
 _TAIL_CHARS = 300
+_SCRATCH_KINDS = ("flare-sandbox-", "flare-handshake-")
+
+
+def scratch_prefix(kind: str) -> str:
+    """A scratch entry's name starts with its launcher's PID, so a later launch on this host can
+    tell the entries of a launcher that died by SIGKILL (which cleans up nothing) from live ones."""
+    return f"{kind}{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_scratch(tmp: str | None = None) -> list[Path]:
+    """Remove the temporary directory's scratch entries (sandbox directories, handshake files) of
+    launchers that are no longer running; returns what was removed. A live PID -- the launcher, or
+    an unrelated process that reused its number -- keeps its entries: never remove what may be in use."""
+    removed: list[Path] = []
+    root = Path(tmp or tempfile.gettempdir())
+    for kind in _SCRATCH_KINDS:
+        for entry in root.glob(f"{kind}*-*"):
+            pid = entry.name[len(kind) :].split("-", 1)[0]
+            if not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
 
 
 class ProcessJobHandle(JobHandleSpec):
@@ -269,12 +305,13 @@ class ProcessLauncher(JobLauncherSpec):
         mark = new_tree_mark()
         extra = {**job_meta.env, TREE_MARK_ENV: mark}
         sandbox_dir: Path | None = None
+        sweep_scratch()
         if sandbox is not None:
             # The handshake goes where the launcher sees it: the trainer's /tmp is its own.
-            sandbox_dir = Path(tempfile.mkdtemp(prefix="flare-sandbox-"))
+            sandbox_dir = Path(tempfile.mkdtemp(prefix=scratch_prefix("flare-sandbox-")))
             handshake = sandbox_dir / "handshake"
         elif job_meta.launch_timeout is not None:
-            fd, name = tempfile.mkstemp(prefix="flare-handshake-")
+            fd, name = tempfile.mkstemp(prefix=scratch_prefix("flare-handshake-"))
             os.close(fd)
             handshake = Path(name)
             handshake.unlink()

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 
@@ -23,6 +24,7 @@ import pytest
 
 from flare_airflow.core.spec import JobReturnCode as RC
 from flare_airflow.launchers.process import ProcessLauncher
+from flare_airflow.launchers.process.launcher import sweep_scratch
 from flare_airflow.site_task.runner import run_site
 from flare_airflow.site_task.spec import SPEC_ENV, SiteRun
 
@@ -232,6 +234,12 @@ def test_kill_9_of_the_site_runner_leaves_nothing_running(site, wait, kill_on_ex
     proc.wait(10)
     assert wait(lambda: not _marked(site.mark), 5), f"left running after kill -9: {_marked(site.mark)}"
     assert not (staging / "graceful").exists(), "kill -9 gives no grace: the namespace is SIGKILLed"
+    # The killed runner cleaned up nothing; the next launch on this host removes its scratch.
+    scratch = pathlib.Path(tempfile.gettempdir())
+    left = list(scratch.glob(f"flare-sandbox-{proc.pid}-*"))
+    assert len(left) == 1, left
+    assert left[0] in sweep_scratch()
+    assert not left[0].exists()
 
 
 def test_the_digits_update_is_bitwise_identical_confined_or_not(site, tmp_path) -> None:

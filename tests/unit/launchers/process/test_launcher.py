@@ -4,6 +4,7 @@ reasons (flare_airflow.launchers.process.launcher)."""
 from __future__ import annotations
 
 import json
+import os
 
 from flare_airflow.launchers.process import ProcessLauncher
 from tests.unit.launchers.process.jobs import PY, RC, site_job
@@ -89,3 +90,24 @@ def test_a_failure_reason_quotes_the_last_output_line_with_secrets_hidden(lines)
     handle.hide(["s3cr3t"])
     assert handle.wait(timeout=30) is RC.EXECUTION_ERROR
     assert handle.reason == "exit code 2; its last output: key ***"
+
+
+def test_sweep_removes_only_the_scratch_of_launchers_that_are_gone(tmp_path) -> None:
+    import subprocess
+
+    from flare_airflow.launchers.process.launcher import sweep_scratch
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead_dir = tmp_path / f"flare-sandbox-{gone.pid}-abc"
+    dead_dir.mkdir()
+    (dead_dir / "handshake").write_text("")
+    dead_file = tmp_path / f"flare-handshake-{gone.pid}-xyz"
+    dead_file.write_text("")
+    live = tmp_path / f"flare-sandbox-{os.getpid()}-def"
+    live.mkdir()
+    unrelated = tmp_path / "flare-sandbox-oldstyle"
+    unrelated.mkdir()
+    assert sorted(sweep_scratch(str(tmp_path))) == sorted([dead_dir, dead_file])
+    assert not dead_dir.exists() and not dead_file.exists()
+    assert live.is_dir() and unrelated.is_dir()
