@@ -78,8 +78,8 @@ airflow: setup
 	$(BIN)/python -m flare_airflow.ui.local --port $(AIRFLOW_PORT)
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check flare_airflow tests dags examples benchmarks docker
-	$(BIN)/ruff format --check flare_airflow tests dags examples benchmarks docker
+	$(BIN)/ruff check flare_airflow flare_airflow_testing tests dags examples benchmarks docker
+	$(BIN)/ruff format --check flare_airflow flare_airflow_testing tests dags examples benchmarks docker
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -1,6 +1,6 @@
 """Sites at the sites: what Edge workers and an object store cost, side by side in one run.
 
-1. **Per-round overhead of Edge workers.** One real deployment (tests/edge_sites.py: PostgreSQL,
+1. **Per-round overhead of Edge workers.** One real deployment (flare_airflow_testing/edge_sites.py: PostgreSQL,
    api-server, scheduler with ``LocalExecutor,EdgeExecutor``, dag-processor, triggerer, one
    ``airflow edge worker`` per site on this machine) and two DAGs of the same job -- 2 process
    sites, the no-op trainer, ``evaluate: false``, the same local store -- one run by the central
@@ -69,9 +69,9 @@ def _timed(stack: Any, dag_id: str, rounds: int) -> float:
 
 
 def rounds_table(reps: int, root: Path) -> Table:
-    from tests.edge_sites import EdgeWorker, central_env
-    from tests.s3_server import S3Server
-    from tests.stack import AirflowStack, Postgres, start_triggerer
+    from flare_airflow_testing.edge_sites import EdgeWorker, central_env
+    from flare_airflow_testing.s3_server import S3Server
+    from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
 
     init = write_init_model(root / "init.safetensors")
     s3 = S3Server()
@@ -140,7 +140,7 @@ def exchange_table(reps: int, root: Path) -> Table:
     from flare_airflow.core.model import FLModel, read_artifact, write_artifact
     from flare_airflow.core.store import ModelStore
     from flare_airflow.operators.staging import _download, upload_result
-    from tests.s3_server import S3Server
+    from flare_airflow_testing.s3_server import S3Server
 
     s3 = S3Server()
     os.environ["AIRFLOW_CONN_BENCH_STORE"] = s3.connection()

@@ -1,6 +1,6 @@
 """Kubernetes API cost of one site job: how many requests the Airflow side makes, against a real control plane.
 
-A real kube-apiserver / scheduler / controller-manager (v1.20.2, ``tests.k8s_harness.control_plane``)
+A real kube-apiserver / scheduler / controller-manager (v1.20.2, ``flare_airflow_testing.k8s.control_plane``)
 with the LOCAL NODE AGENT test harness playing the kubelet (it runs each pod's command as a local
 process). Four ways of running one pod-per-job task, each for a job of ~10 s and of ~60 s:
 
@@ -45,7 +45,7 @@ from bench_common import BenchmarkFailed, Table, log
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-if str(REPO) not in sys.path:  # tests.k8s_harness and flare_airflow from this checkout
+if str(REPO) not in sys.path:  # flare_airflow_testing.k8s and flare_airflow from this checkout
     sys.path.insert(0, str(REPO))
 
 TRAINER = BENCH_DIR / "sleep_trainer.py"
@@ -261,7 +261,7 @@ def run_case(case: Case, namespace: str, kubeconfig: Path, root: Path) -> CaseRe
 
 
 def _category(ev: dict[str, Any]) -> str:
-    from tests.k8s_harness.audit import describe
+    from flare_airflow_testing.k8s.audit import describe
 
     what = describe(ev)
     if (ev.get("objectRef") or {}).get("resource") == "events":
@@ -280,7 +280,7 @@ def _query(ev: dict[str, Any], key: str) -> str:
 
 def _start_control_plane(base: Path) -> Any:
     """A fresh control plane; retried once (another session may take a port between pick and bind)."""
-    from tests.k8s_harness.control_plane import ControlPlane, ControlPlaneError
+    from flare_airflow_testing.k8s.control_plane import ControlPlane, ControlPlaneError
 
     for attempt in (1, 2):
         cp = ControlPlane(base / f"control-plane-{attempt}")
@@ -323,9 +323,9 @@ def _quiet_loggers() -> None:
 def _measure(base: Path, durations: tuple[int, ...]) -> tuple[dict[str, CaseResult], list[str], float]:
     from kubernetes import client as k8s
 
-    from tests.k8s_harness.audit import ADMIN_USER, AuditLog
-    from tests.k8s_harness.kube import wait_for
-    from tests.k8s_harness.node_agent import NodeAgent
+    from flare_airflow_testing.k8s.audit import ADMIN_USER, AuditLog
+    from flare_airflow_testing.k8s.kube import wait_for
+    from flare_airflow_testing.k8s.node_agent import NodeAgent
 
     t0 = time.monotonic()
     cp = _start_control_plane(base)
@@ -479,7 +479,7 @@ def _table(
         "Counted from the kube-apiserver's audit log (one entry per request: a watch or a followed log "
         "stream is one request however long it stays open), filtered to the case's own namespace and to "
         "client users: what the API server, scheduler, controller-manager and node agent (the kubelet's "
-        "part) ask is not counted. Real control plane v1.20.2 (`tests/k8s_harness`), the LOCAL NODE AGENT "
+        "part) ask is not counted. Real control plane v1.20.2 (`flare_airflow_testing/k8s`), the LOCAL NODE AGENT "
         f"test harness as the node; {versions}. Ours runs `benchmarks/sleep_trainer.py` (Client API: "
         "receive, sleep N s, send) with the site's defaults (`poll_interval` 2 s, pending/startup "
         "timeouts 300/120 s); stock runs `python -c 'time.sleep(N)'` with `get_logs=True`, "

@@ -96,11 +96,11 @@ def _tail(path: Path, lines: int = 25) -> str:
 def ensure_nvflare_venv() -> NvflareEnv:
     """Create NVFlare's virtual environment on first use (a one-time ~35 s), reuse it afterwards.
 
-    The environment is the one the tests use too (:mod:`tests.side_venvs`, one builder for both).
+    The environment is the one the tests use too (:mod:`flare_airflow_testing.side_venvs`, one builder for both).
     """
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from tests.side_venvs import SideVenvError, nvflare_venv
+    from flare_airflow_testing.side_venvs import SideVenvError, nvflare_venv
 
     try:
         side, versions = nvflare_venv(log=lambda message: log(f"[nvflare] {message}"))

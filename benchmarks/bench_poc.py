@@ -1,6 +1,6 @@
 """Under the real scheduler: flare-airflow's real deployment side by side with NVIDIA FLARE's POC mode.
 
-* **ours** -- ``tests.stack``: a private PostgreSQL, api-server, scheduler (LocalExecutor) and
+* **ours** -- ``flare_airflow_testing.stack``: a private PostgreSQL, api-server, scheduler (LocalExecutor) and
   dag-processor, started once (untimed) with the jobs' DAG files already in the dags folder; the
   benchmark waits until every DAG is serialised and unpaused, then triggers each run through the
   REST API (``POST /api/v2/dags/{id}/dagRuns``, what the UI's trigger button sends) and polls the
@@ -73,7 +73,7 @@ SETTINGS: tuple[tuple[str, str, str, str], ...] = (
         "(a changed file is still picked up when the dags folder is listed)",
     ),
 )
-# Both deployments: Airflow's defaults for these two (tests/stack.py sets 1 s and 5 s for its tests).
+# Both deployments: Airflow's defaults for these two (flare_airflow_testing/stack.py sets 1 s and 5 s for its tests).
 COMMON = {"AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "5", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "300"}
 VARIANTS = ("ours-default", "ours-tuned")
 SYSTEMS = (*VARIANTS, "nvflare")
@@ -473,7 +473,7 @@ def idle_cores(stacks: dict[str, Any], poc: Poc, seconds: float = 15.0) -> dict[
 
 def start_stacks(root: Path, store: Path) -> tuple[dict[str, Any], list[Any]]:
     sys.path.insert(0, str(REPO))
-    from tests.stack import AirflowStack, Postgres
+    from flare_airflow_testing.stack import AirflowStack, Postgres
 
     stacks: dict[str, Any] = {}
     owned: list[Any] = []
@@ -500,7 +500,7 @@ def start_stacks(root: Path, store: Path) -> tuple[dict[str, Any], list[Any]]:
 
 
 def stop_owned(owned: list[Any]) -> None:
-    from tests.stack import AirflowStack
+    from flare_airflow_testing.stack import AirflowStack
 
     for thing in reversed(owned):
         with contextlib.suppress(Exception):
@@ -694,9 +694,9 @@ def tables(
         "process re-parses the DAG file without importing the builder, operators and numpy (docs/scale.md)",
     )
     settings.notes.append(
-        "Both: tests/stack.py's deployment (private PostgreSQL with fsync off, api-server, scheduler with the "
-        "LocalExecutor, dag-processor, each in its own session), running side by side during the whole benchmark "
-        "next to NVFlare's POC system."
+        "Both: flare_airflow_testing/stack.py's deployment (private PostgreSQL with fsync off, api-server, "
+        "scheduler with the LocalExecutor, dag-processor, each in its own session), running side by side during "
+        "the whole benchmark next to NVFlare's POC system."
     )
     return [per_round, whole, r2r, profile_table(runs, cases), settings, checks]
 

@@ -1,6 +1,6 @@
 """Rounds a run does not ask for: a run of R of a job's M rounds against a job of exactly R rounds.
 
-Under Airflow's real scheduler (``tests.stack``: a private PostgreSQL, api-server, scheduler with
+Under Airflow's real scheduler (``flare_airflow_testing.stack``: a private PostgreSQL, api-server, scheduler with
 the LocalExecutor, dag-processor), two DAGs of the same job shape -- 2 process sites, the no-op
 trainer, ``evaluate: false`` -- one with M rounds triggered with ``{"rounds": R}``, one with exactly R
 rounds. Runs alternate; each is timed from the trigger to the run's end, and the task instances of
@@ -66,7 +66,7 @@ def run(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Tab
     import tempfile
 
     sys.path.insert(0, str(REPO))
-    from tests.stack import AirflowStack, Postgres
+    from flare_airflow_testing.stack import AirflowStack, Postgres
 
     root = Path(tempfile.mkdtemp(prefix="flare-bench-rounds-", dir=tmp_base))
     init = write_init_model(root / "init.safetensors")

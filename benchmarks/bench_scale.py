@@ -9,7 +9,7 @@ Two parts, both with the no-op trainer (``noop_trainer.py``) and ``evaluate: fal
    --local``, of the dag-processor and of every task's start-up (the Task SDK re-parses the DAG file in
    each task process), and the same parse as a site task's process makes it (Airflow's parsing context
    naming the task). The serialized DAG's bytes and serialize time per task.
-2. **One round with the real scheduler.** ``tests.stack``: a private PostgreSQL, api-server, scheduler
+2. **One round with the real scheduler.** ``flare_airflow_testing.stack``: a private PostgreSQL, api-server, scheduler
    (LocalExecutor, ``core.parallelism`` = 16, see docs/scale.md) and dag-processor, with docs/scale.md's
    ``airflow_local_settings.py`` (the provider preloaded); the full set also runs 256 sites on a stack
    without it. One DAG file at a time is put in the dags folder; the benchmark waits until the
@@ -633,7 +633,7 @@ def stack_part(
     preload: bool = True,
 ) -> tuple[list[StackRun], dict[str, Any]]:
     sys.path.insert(0, str(REPO))
-    from tests.stack import AirflowStack, Postgres
+    from flare_airflow_testing.stack import AirflowStack, Postgres
 
     init = write_init_model(root / "init.safetensors")
     info: dict[str, Any] = {}
@@ -838,7 +838,7 @@ def stack_tables(runs: list[StackRun], info: dict[str, Any], ours_cpu: float, ou
     for section, key, what in LIMITS:
         config.add(f"`{section}.{key}`", limits.get(f"{section}.{key}", "?"), what)
     config.notes.append(
-        f"Set by the benchmark (tests/stack.py): `core.parallelism` = {PARALLELISM}, "
+        f"Set by the benchmark (flare_airflow_testing/stack.py): `core.parallelism` = {PARALLELISM}, "
         "`scheduler.scheduler_heartbeat_sec` = 1, `dag_processor.refresh_interval` = 5, LocalExecutor, PostgreSQL "
         "(fsync off); the 'provider preloaded' stacks also have docs/scale.md's `airflow_local_settings.py`. "
         "Everything else is Airflow's default. The binding Airflow limit on concurrency is the smaller of "

@@ -71,7 +71,7 @@ def tracking_seconds(home: Path, dag_id: str, run_id: str) -> list[float]:
 
 def run(*, reps: int, keep: bool, tmp_base: str | None) -> list[Table]:
     sys.path.insert(0, str(REPO))
-    from tests.harness import BIN, AirflowHome
+    from flare_airflow_testing.harness import BIN, AirflowHome
 
     root = Path(tempfile.mkdtemp(prefix="flare-bench-tracking-", dir=tmp_base))
     home = AirflowHome(root)

@@ -10,7 +10,7 @@
    memory, next to numpy's own streaming bandwidth on the same bytes, and a per-stage breakdown.
 3. **k8s** -- the Kubernetes API requests of one site job (ours deferrable and sync, the stock
    KubernetesPodOperator sync and deferrable; jobs of 10 s and 60 s) against a real control plane
-   (tests/k8s_harness), all cases at once in separate namespaces (~1.5 min).
+   (flare_airflow_testing/k8s), all cases at once in separate namespaces (~1.5 min).
 5. **nvflare** -- side by side with NVIDIA FLARE 2.9.0 (installed on first use into its own venv,
    /var/tmp/flare-airflow-bench/nvflare-venv): the same jobs end to end (hello-numpy-style 2 sites x 1
    and x 3 rounds, digits 4 x 5) through ``flare-airflow run`` and NVFlare's simulator, and FedAvg on

@@ -10,12 +10,12 @@
 #
 # State lives in $FLARE_K8S_RUN_DIR (default /tmp/flare-k8s-run). No node runs pods until the local
 # node agent (a test harness) is started:
-#   .venv/bin/python -m tests.k8s_harness.node_agent --kubeconfig "$FLARE_K8S_RUN_DIR/kubeconfig-node.yaml"
-# The implementation is tests/k8s_harness/control_plane.py (standard library only).
+#   .venv/bin/python -m flare_airflow_testing.k8s.node_agent --kubeconfig "$FLARE_K8S_RUN_DIR/kubeconfig-node.yaml"
+# The implementation is flare_airflow_testing/k8s/control_plane.py (standard library only).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${PYTHON:-}" ]; then
     if [ -x "$REPO/.venv/bin/python" ]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
 fi
 cd "$REPO"
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" -m tests.k8s_harness.control_plane "$@"
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" -m flare_airflow_testing.k8s.control_plane "$@"

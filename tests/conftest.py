@@ -1,20 +1,20 @@
-"""Shared fixtures. The Airflow harness lives in tests/harness.py."""
+"""Shared fixtures. The Airflow harness lives in flare_airflow_testing/harness.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.harness import AirflowHome
-
-# NVIDIA FLARE's and PyTorch's side environments and the jobs NVFlare exports at test time.
-from tests.integration.nvflare.fixtures import nvflare_exports, nvflare_side, torch_side  # noqa: F401
+from flare_airflow_testing.harness import AirflowHome
 
 # The Kubernetes control plane and LOCAL NODE AGENT fixtures, shared by integration and e2e tests
 # (session-scoped: one control plane per test session).
-from tests.k8s_harness.fixtures import audit, control_plane, core, namespace, node_agent  # noqa: F401
+from flare_airflow_testing.k8s.fixtures import audit, control_plane, core, namespace, node_agent  # noqa: F401
 
 # The real single-node SLURM cluster (munged, slurmctld, slurmd, fake GPUs), session-scoped.
-from tests.slurm_harness.fixtures import slurm, slurm_cluster, sshd  # noqa: F401
+from flare_airflow_testing.slurm.fixtures import slurm, slurm_cluster, sshd  # noqa: F401
+
+# NVIDIA FLARE's and PyTorch's side environments and the jobs NVFlare exports at test time.
+from tests.integration.nvflare.fixtures import nvflare_exports, nvflare_side, torch_side  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +27,6 @@ def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> AirflowHome:
 def trainer_image() -> str:
     """The site trainer image of this tree, built once per session when missing (docker/images.py
     caches it by content, so a warm machine builds nothing). Container-site tests share it."""
-    from tests.containers import trainer_image as build
+    from flare_airflow_testing.containers import trainer_image as build
 
     return build()

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 import yaml
 
-from tests.containers import engine
-from tests.harness import REPO, AirflowHome
+from flare_airflow_testing.containers import engine
+from flare_airflow_testing.harness import REPO, AirflowHome
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 from safetensors.numpy import load_file
 
-from tests.harness import REPO, AirflowHome
+from flare_airflow_testing.harness import REPO, AirflowHome
 
 pytestmark = pytest.mark.e2e
 

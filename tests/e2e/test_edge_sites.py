@@ -3,9 +3,9 @@
 Real components: api-server, scheduler (LocalExecutor + EdgeExecutor), dag-processor and triggerer
 on PostgreSQL; one ``airflow edge worker --queues site-N`` per site, each with its own Airflow
 home, DAGs copy, site policy and store credentials and no database; moto's S3 server (an emulator,
-see tests/s3_server.py) with signatures enforced. The central side runs in a network namespace,
+see flare_airflow_testing/s3_server.py) with signatures enforced. The central side runs in a network namespace,
 each worker in one of its own that reaches only the central side's API and S3 ports
-(tests/netns.py). Follows docs/deploy-across-sites.md.
+(flare_airflow_testing/netns.py). Follows docs/deploy-across-sites.md.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.edge_sites import EdgeDeployment
-from tests.harness import REPO, AirflowHome
+from flare_airflow_testing.edge_sites import EdgeDeployment
+from flare_airflow_testing.harness import REPO, AirflowHome
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.harness import AirflowHome, behave_job
+from flare_airflow_testing.harness import AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import yaml
 from kubernetes import client as k8s
 from safetensors.numpy import load_file
 
-from tests.harness import REPO, AirflowHome, tiny_model
+from flare_airflow_testing.harness import REPO, AirflowHome, tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.harness import BIN, AirflowHome
+from flare_airflow_testing.harness import BIN, AirflowHome
 from tests.integration.nvflare.fixtures import HELLO_CLIENT, ROUNDS
 
 pytestmark = pytest.mark.e2e

@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 
 from flare_airflow.core.privacy.accountant import epsilon_after
 from flare_airflow.core.privacy.central import central_dp_round, central_noise_key
+from flare_airflow_testing.harness import AirflowHome, behave_job
 from tests.e2e.test_runs import _asset_events
-from tests.harness import AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from tests.harness import BIN, AirflowHome, RunResult, behave_job
+from flare_airflow_testing.harness import BIN, AirflowHome, RunResult, behave_job
 
 pytestmark = pytest.mark.e2e
 

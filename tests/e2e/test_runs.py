@@ -13,7 +13,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from tests.harness import BIN, AirflowHome, behave_job
+from flare_airflow_testing.harness import BIN, AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 

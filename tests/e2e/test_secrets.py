@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.harness import AirflowHome, tiny_model
+from flare_airflow_testing.harness import AirflowHome, tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -12,10 +12,10 @@ import shutil
 import pytest
 import yaml
 
+from flare_airflow_testing.harness import AirflowHome
+from flare_airflow_testing.slurm.cluster import SlurmCluster
 from tests.e2e.test_kubernetes_sites import k8s_block
 from tests.e2e.test_slurm_sites import digits_job, slurm_block
-from tests.harness import AirflowHome
-from tests.slurm_harness.cluster import SlurmCluster
 
 pytestmark = pytest.mark.e2e
 SITES = ("site-1", "site-2", "site-3", "site-4")

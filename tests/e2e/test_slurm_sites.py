@@ -12,10 +12,10 @@ import sys
 import pytest
 import yaml
 
+from flare_airflow_testing.harness import REPO, AirflowHome, behave_job, tiny_model
+from flare_airflow_testing.slurm.cluster import SlurmCluster
+from flare_airflow_testing.slurm.sshd import Sshd
 from tests.e2e.test_kubernetes_sites import k8s_block
-from tests.harness import REPO, AirflowHome, behave_job, tiny_model
-from tests.slurm_harness.cluster import SlurmCluster
-from tests.slurm_harness.sshd import Sshd
 
 pytestmark = pytest.mark.e2e
 

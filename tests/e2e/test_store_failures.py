@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import AirflowHome, behave_job
+from flare_airflow_testing.harness import AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 

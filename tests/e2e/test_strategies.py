@@ -20,7 +20,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from flare_airflow.builder import AGGREGATE_TASK
-from tests.harness import REPO, TRAINERS, AirflowHome
+from flare_airflow_testing.harness import REPO, TRAINERS, AirflowHome
 
 pytestmark = pytest.mark.e2e
 

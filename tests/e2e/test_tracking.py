@@ -27,7 +27,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from flare_airflow.core.tracking import run_key
-from tests.harness import BIN, REPO, AirflowHome, behave_job
+from flare_airflow_testing.harness import BIN, REPO, AirflowHome, behave_job
 
 pytestmark = pytest.mark.e2e
 

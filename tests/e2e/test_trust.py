@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from flare_airflow.core.model import all_finite, read_artifact, read_record
-from tests.harness import AirflowHome, RunResult, behave_job
+from flare_airflow_testing.harness import AirflowHome, RunResult, behave_job
 
 pytestmark = pytest.mark.e2e
 

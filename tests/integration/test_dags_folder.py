@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.harness import REPO, AirflowHome
+from flare_airflow_testing.harness import REPO, AirflowHome
 
 
 def test_every_dag_in_dags_folder_imports() -> None:

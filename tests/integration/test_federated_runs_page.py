@@ -24,8 +24,8 @@ import pytest
 import yaml
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from tests.harness import behave_job
-from tests.local_airflow import REPO, Api, LocalAirflow, process_tree, started
+from flare_airflow_testing.harness import behave_job
+from flare_airflow_testing.local_airflow import REPO, Api, LocalAirflow, process_tree, started
 
 CHROMIUM = "/usr/bin/chromium"
 PASSWORDS = {"admin": "admin-pw-for-test", "outsider": "outsider-pw-for-test"}

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import yaml
 
-from tests.harness import tiny_model
-from tests.stack import BIN, AirflowStack, Postgres
+from flare_airflow_testing.harness import tiny_model
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres
 
 TRAINERS = pathlib.Path(__file__).parent / "trainers"
 

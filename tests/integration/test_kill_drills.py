@@ -29,8 +29,8 @@ from safetensors.numpy import load_file
 
 from flare_airflow.builder import AGGREGATE_TASK
 from flare_airflow.core.model import read_record
-from tests.harness import TRAINERS, tiny_model
-from tests.stack import BIN, AirflowStack, Postgres, alive, kill9, parent_of, site_processes, wait_gone
+from flare_airflow_testing.harness import TRAINERS, tiny_model
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres, alive, kill9, parent_of, site_processes, wait_gone
 
 JOB = "killdrill"
 DAG = f"flare_{JOB}"

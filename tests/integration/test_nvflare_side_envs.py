@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.nvflare import client as stand_in
-from tests.side_venvs import SideVenv
+from flare_airflow_testing.side_venvs import SideVenv
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

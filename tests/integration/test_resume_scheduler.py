@@ -12,8 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.harness import behave_job
-from tests.stack import BIN, AirflowStack, Postgres
+from flare_airflow_testing.harness import behave_job
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres
 
 SITES = ("site-1", "site-2", "site-3")
 

@@ -94,7 +94,7 @@ def test_validate_shows_what_a_multi_node_site_job_takes_of_its_pool(tmp_path: p
     import yaml
 
     from flare_airflow.cli import main
-    from tests.harness import tiny_model
+    from flare_airflow_testing.harness import tiny_model
 
     tiny_model(tmp_path / "init.safetensors")
     k8s = {"image": "registry.example/t:1", "nodes": 2}

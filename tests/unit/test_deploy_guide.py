@@ -1,4 +1,4 @@
-"""docs/deploy-across-sites.md still has every block the Edge e2e test follows (tests/deploy_guide.py),
+"""docs/deploy-across-sites.md still has every block the Edge e2e test follows (flare_airflow_testing/deploy_guide.py),
 checked without servers so that a doc edit that breaks the e2e test fails here first."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from tests import deploy_guide as guide
+from flare_airflow_testing import deploy_guide as guide
 
 
 def test_the_guide_gives_the_job_central_config_worker_env_policy_and_command() -> None:

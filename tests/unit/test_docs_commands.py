@@ -48,8 +48,8 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^flare-airflow resume\b", RunBy("tests/e2e/test_resume.py", '"resume", dag_id, run_id')),
     (r"^flare-airflow pools sync\b", RunBy("tests/integration/test_gpu_pools.py", '"pools", "sync"')),
     (r"^airflow (db migrate|dags (trigger|unpause|reserialize))\b", WALKTHROUGH),
-    # `flare-airflow run` is `airflow dags test` in-process; every e2e test runs it (tests/harness.py)
-    (r"^airflow dags test$", RunBy("tests/harness.py", '"flare-airflow"), "run"')),
+    # `flare-airflow run` is `airflow dags test` in-process; every e2e test runs it (flare_airflow_testing/harness.py)
+    (r"^airflow dags test$", RunBy("flare_airflow_testing/harness.py", '"flare-airflow"), "run"')),
     (
         r"^airflow standalone$",
         NotRun(
@@ -57,7 +57,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
             "components and is tested (tests/integration/test_make_airflow.py)"
         ),
     ),
-    (r"^airflow edge worker\b", RunBy("tests/deploy_guide.py", "(airflow edge worker [^`]+)")),
+    (r"^airflow edge worker\b", RunBy("flare_airflow_testing/deploy_guide.py", "(airflow edge worker [^`]+)")),
     (
         r"^mlflow ui\b",
         NotRun(
@@ -94,7 +94,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         r"^kubectl\b",
         NotRun(
             "no kubectl binary here: the Kubernetes tests drive the real API server with the Python client "
-            "(tests/k8s_harness); these are a site admin's cluster commands"
+            "(flare_airflow_testing/k8s); these are a site admin's cluster commands"
         ),
     ),
     (
@@ -113,7 +113,10 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     ),
     (r"^airflow plugins$", WALKTHROUGH),
     # a site worker's settings: the Edge tier's workers are started with exactly these variables
-    (r"^(AIRFLOW\w*|FLARE_SITE_CONFIG)=", RunBy("tests/deploy_guide.py", 'block("A site\'s worker", "bash")')),
+    (
+        r"^(AIRFLOW\w*|FLARE_SITE_CONFIG)=",
+        RunBy("flare_airflow_testing/deploy_guide.py", 'block("A site\'s worker", "bash")'),
+    ),
     (r"^python -m tests\.bad_inputs\.table$", RunBy("tests/bad_inputs/test_table.py", "render(all_cases())")),
     (r"^export FLARE_K8S_ALLOWED_HOST_PATHS=", RunBy("tests/bad_inputs/test_kubernetes.py", "ALLOWED_HOST_PATHS_ENV")),
     (r"^export NAME='value'$", NotRun("the shape of a variable a site admin sets, not a command")),
@@ -135,7 +138,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         RunBy("tests/unit/core/test_nvflare_client.py", '"-m", "flare_airflow.core.nvflare.run"'),
     ),
     (r"^python -m compileall$", NotRun("for builders of their own images; ours compile with uv --compile-bytecode")),
-    (r"^make images$", RunBy("tests/containers.py", '"docker" / "images.py"')),
+    (r"^make images$", RunBy("flare_airflow_testing/containers.py", '"docker" / "images.py"')),
     # the entrypoints of docker/compose.yaml's Airflow services, which that test brings up
     (
         r"^airflow (db check-migrations|<component>)$",

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.containers import build_images
+from flare_airflow_testing.containers import build_images
 
 
 @pytest.fixture(scope="session")

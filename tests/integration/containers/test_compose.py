@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from tests.containers import engine
-from tests.stack import free_port
+from flare_airflow_testing.containers import engine
+from flare_airflow_testing.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"

@@ -21,7 +21,7 @@ from flare_airflow.core.config import ContainerLaunchSpec, ResourceSpec
 from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState, SiteJob
 from flare_airflow.launchers.container import ContainerLauncher
 from flare_airflow.launchers.errors import LaunchError
-from tests.containers import engine
+from flare_airflow_testing.containers import engine
 
 
 def site_job(tmp_path: Path, code: str, *, site: str = "site-1", shutdown: float = 10.0) -> SiteJob:

@@ -12,7 +12,7 @@ import numpy as np
 
 from flare_airflow.core.aggregation import validate_update
 from flare_airflow.core.model import FLModel, read_artifact, tensor_spec, write_artifact
-from tests.containers import engine, openblas_env
+from flare_airflow_testing.containers import engine, openblas_env
 
 ROOT = Path(__file__).resolve().parents[3]
 INITIAL_MODEL = ROOT / "examples" / "digits" / "initial_model.safetensors"

@@ -27,11 +27,11 @@ from flare_airflow.core.model import read_record
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.pod import SitePodOperator
 from flare_airflow.operators.run import SweepPodsOperator
-from tests.harness import tiny_model
+from flare_airflow_testing.harness import tiny_model
+from flare_airflow_testing.k8s.kube import wait_for
+from flare_airflow_testing.k8s.node_agent import NodeAgent
+from flare_airflow_testing.stack import AirflowStack, Postgres, alive, kill9, start_triggerer
 from tests.integration.k8s.test_site_pod_operator import RUN_ID, TRAINER, context_for, make_op, pods, run_deferred
-from tests.k8s_harness.kube import wait_for
-from tests.k8s_harness.node_agent import NodeAgent
-from tests.stack import AirflowStack, Postgres, alive, kill9, start_triggerer
 
 
 def abandoned_try(op: SitePodOperator, context: dict[str, Any], core: k8s.CoreV1Api, namespace: str) -> str:

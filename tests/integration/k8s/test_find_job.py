@@ -12,9 +12,9 @@ from kubernetes import client as k8s
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import ModelStore
+from flare_airflow_testing.k8s.control_plane import ControlPlane
+from flare_airflow_testing.k8s.node_agent import NodeAgent
 from tests.integration.k8s.test_kubernetes_launcher import GLOBAL, JOB, RUN, Sites, wait_running
-from tests.k8s_harness.control_plane import ControlPlane
-from tests.k8s_harness.node_agent import NodeAgent
 
 
 @pytest.fixture

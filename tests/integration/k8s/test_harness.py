@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 from kubernetes import client as k8s
 
-from tests.k8s_harness.audit import ADMIN_USER, NODE_AGENT_USER, AuditLog, format_summary
-from tests.k8s_harness.control_plane import ControlPlane
-from tests.k8s_harness.kube import (
+from flare_airflow_testing.k8s.audit import ADMIN_USER, NODE_AGENT_USER, AuditLog, format_summary
+from flare_airflow_testing.k8s.control_plane import ControlPlane
+from flare_airflow_testing.k8s.kube import (
     container_state,
     create_local_volume,
     delete_and_wait,
@@ -33,7 +33,7 @@ from tests.k8s_harness.kube import (
     wait_for_phase,
     wait_for_waiting_reason,
 )
-from tests.k8s_harness.node_agent import NodeAgent
+from flare_airflow_testing.k8s.node_agent import NodeAgent
 
 PY = sys.executable
 
@@ -399,7 +399,7 @@ LEAKY_TEST = """
 import subprocess
 import sys
 
-from tests.k8s_harness.kube import python_pod, wait_for_phase
+from flare_airflow_testing.k8s.kube import python_pod, wait_for_phase
 
 
 def test_leaves_a_pod_behind(core, namespace):
@@ -422,7 +422,7 @@ def test_namespace_fixture_fails_a_test_that_leaves_a_pod(tmp_path: pathlib.Path
             "-p",
             "no:cacheprovider",
             "-p",
-            "tests.k8s_harness.fixtures",
+            "flare_airflow_testing.k8s.fixtures",
             "--rootdir",
             str(tmp_path),
             "--basetemp",

@@ -27,10 +27,10 @@ from flare_airflow.core.spec import JobReturnCode, JobState, SiteJob
 from flare_airflow.core.store import ModelStore
 from flare_airflow.launchers.kubernetes import KubernetesJobHandle, KubernetesLauncher, trainer_argv
 from flare_airflow.site_task.spec import SiteRun
-from tests.k8s_harness.audit import AuditLog, format_summary
-from tests.k8s_harness.control_plane import ControlPlane
-from tests.k8s_harness.kube import pod_dict, wait_for
-from tests.k8s_harness.node_agent import NodeAgent
+from flare_airflow_testing.k8s.audit import AuditLog, format_summary
+from flare_airflow_testing.k8s.control_plane import ControlPlane
+from flare_airflow_testing.k8s.kube import pod_dict, wait_for
+from flare_airflow_testing.k8s.node_agent import NodeAgent
 
 RC = JobReturnCode
 TRAINERS = pathlib.Path(__file__).resolve().parents[1] / "trainers"

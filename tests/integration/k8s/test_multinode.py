@@ -29,11 +29,11 @@ from flare_airflow.launchers.kubernetes import NODE_RANK_LABEL, KubernetesJobHan
 from flare_airflow.operators.pod import SitePodOperator
 from flare_airflow.operators.run import SweepPodsOperator
 from flare_airflow.operators.site import SiteJobFailed
-from tests.harness import REPO
+from flare_airflow_testing.harness import REPO
+from flare_airflow_testing.k8s.kube import pod_dict, wait_for
+from flare_airflow_testing.k8s.node_agent import NodeAgent
 from tests.integration.k8s.test_kubernetes_launcher import GLOBAL, JOB, RC, RUN, Sites, alive, pid_of, sites, store
 from tests.integration.k8s.test_site_pod_operator import RUN_ID, context_for, make_op, run_deferred
-from tests.k8s_harness.kube import pod_dict, wait_for
-from tests.k8s_harness.node_agent import NodeAgent
 
 __all__ = ["sites", "store"]  # fixtures
 

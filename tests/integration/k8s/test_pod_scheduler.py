@@ -16,9 +16,9 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from tests.harness import tiny_model
-from tests.k8s_harness.audit import AuditLog, describe
-from tests.stack import AirflowStack, Postgres, start_triggerer
+from flare_airflow_testing.harness import tiny_model
+from flare_airflow_testing.k8s.audit import AuditLog, describe
+from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
 
 TRAINER = pathlib.Path(__file__).parents[1] / "trainers" / "k8s_trainer.py"
 

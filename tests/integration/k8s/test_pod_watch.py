@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from flare_airflow.triggers import pod_state
+from flare_airflow_testing.k8s.audit import AuditLog, describe
 from tests.integration.k8s.test_site_pod_operator import context_for, make_op, pods, run_deferred
-from tests.k8s_harness.audit import AuditLog, describe
 
 
 def _trigger_requests(audit: AuditLog, namespace: str, since: int) -> list[str]:

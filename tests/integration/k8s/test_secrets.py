@@ -24,8 +24,8 @@ import pytest
 from kubernetes import client as k8s
 
 from flare_airflow.launchers.kubernetes import pod_to_dict
+from flare_airflow_testing.k8s.kube import wait_for
 from tests.integration.k8s.test_site_pod_operator import context_for, make_op, run_deferred
-from tests.k8s_harness.kube import wait_for
 
 SECRET, KEY, VARIABLE = "fl-canary", "token", "FL_CANARY"
 

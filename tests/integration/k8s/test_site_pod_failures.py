@@ -14,9 +14,9 @@ from kubernetes import client as k8s
 
 from flare_airflow.operators.site import SiteJobFailed
 from flare_airflow.triggers.pod_state import PodStateTrigger
+from flare_airflow_testing.k8s.audit import summarize
+from flare_airflow_testing.k8s.kube import wait_for
 from tests.integration.k8s.test_site_pod_operator import context_for, make_op, pods
-from tests.k8s_harness.audit import summarize
-from tests.k8s_harness.kube import wait_for
 
 INJECTED = "injected: the watch broke"
 

@@ -23,9 +23,9 @@ from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.pod import SitePodOperator
 from flare_airflow.operators.site import SiteJobFailed
-from tests.harness import tiny_model
-from tests.k8s_harness.audit import summarize
-from tests.k8s_harness.kube import python_pod, wait_for
+from flare_airflow_testing.harness import tiny_model
+from flare_airflow_testing.k8s.audit import summarize
+from flare_airflow_testing.k8s.kube import python_pod, wait_for
 
 TRAINER = pathlib.Path(__file__).parents[1] / "trainers" / "k8s_trainer.py"
 RUN_ID = "manual__2026-11-30T00:00:00+00:00"

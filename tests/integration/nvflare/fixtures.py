@@ -1,6 +1,6 @@
 """Session fixtures: NVFlare's and PyTorch's side environments, and jobs NVFlare itself exported and ran.
 
-Built once per machine (tests/side_venvs.py caches them under /var/tmp/flare-airflow-bench) and
+Built once per machine (flare_airflow_testing/side_venvs.py caches them under /var/tmp/flare-airflow-bench) and
 once per session here; a side environment that cannot be built fails the test, never skips it.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.side_venvs import SideVenv, nvflare_venv, torch_venv
+from flare_airflow_testing.side_venvs import SideVenv, nvflare_venv, torch_venv
 
 HERE = pathlib.Path(__file__).resolve().parent
 HELLO_CLIENT = HERE / "hello_numpy_client.py"

@@ -1,6 +1,6 @@
 """Export NVFlare 2.9 jobs with NVFlare's own Job API and recipes, and run some in its simulator.
 
-Runs in NVFlare's side environment (tests/side_venvs.py), never the project's:
+Runs in NVFlare's side environment (flare_airflow_testing/side_venvs.py), never the project's:
 
     python make_jobs.py OUT_DIR SCRIPT [--simulate]
 

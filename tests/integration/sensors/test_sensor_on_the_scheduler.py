@@ -22,13 +22,13 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from tests.harness import tiny_model
+from flare_airflow_testing.harness import tiny_model
+from flare_airflow_testing.k8s.audit import AuditLog
+from flare_airflow_testing.k8s.kube import wait_for
+from flare_airflow_testing.k8s.node_agent import NodeAgent
+from flare_airflow_testing.slurm.cluster import SlurmCluster
+from flare_airflow_testing.stack import AirflowStack, Postgres, alive, kill9
 from tests.integration.k8s.test_site_pod_operator import TRAINER, pods
-from tests.k8s_harness.audit import AuditLog
-from tests.k8s_harness.kube import wait_for
-from tests.k8s_harness.node_agent import NodeAgent
-from tests.slurm_harness.cluster import SlurmCluster
-from tests.stack import AirflowStack, Postgres, alive, kill9
 
 MARKING_DAG = '''
 import os

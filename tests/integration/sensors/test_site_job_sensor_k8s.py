@@ -25,8 +25,8 @@ from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.site_job import SiteJobLaunchOperator
 from flare_airflow.sensors.site_job import SiteJobSensor
 from flare_airflow.site_task.checks import read_failure
+from flare_airflow_testing.k8s.kube import wait_for
 from tests.integration.k8s.test_site_pod_operator import RUN_ID, make_op, pods
-from tests.k8s_harness.kube import wait_for
 
 
 class Run:

@@ -19,11 +19,11 @@ from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.site_job import SiteJobLaunchOperator
 from flare_airflow.sensors.site_job import SiteJobSensor
-from tests.harness import tiny_model
+from flare_airflow_testing.harness import tiny_model
+from flare_airflow_testing.k8s.kube import wait_for
+from flare_airflow_testing.slurm.cluster import SlurmCluster
 from tests.integration.k8s.test_site_pod_operator import RUN_ID, TRAINER
 from tests.integration.sensors.test_site_job_sensor_k8s import Run
-from tests.k8s_harness.kube import wait_for
-from tests.slurm_harness.cluster import SlurmCluster
 
 
 @pytest.fixture

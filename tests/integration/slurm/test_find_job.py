@@ -11,8 +11,8 @@ from flare_airflow.core.config import ResourceSpec, SlurmLaunchSpec
 from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState
 from flare_airflow.launchers.slurm import CommandResult, LocalCommands, SlurmLauncher, find_jobs, job_name
 from flare_airflow.launchers.slurm.commands import COMMAND_TIMEOUT
+from flare_airflow_testing.slurm.cluster import SlurmCluster
 from tests.integration.slurm.test_slurm_launcher import commands, site_job
-from tests.slurm_harness.cluster import SlurmCluster
 
 
 def launcher(slurm: SlurmCluster, tmp_path: Path, try_number: int = 1, lines: list[str] | None = None) -> SlurmLauncher:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tests.slurm_harness.cluster import GPUS, SlurmCluster
+from flare_airflow_testing.slurm.cluster import GPUS, SlurmCluster
 
 
 def test_node_has_the_fake_gpus(slurm: SlurmCluster) -> None:

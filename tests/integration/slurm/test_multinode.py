@@ -17,8 +17,8 @@ from flare_airflow.core.config import SlurmLaunchSpec
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode, SiteJob
 from flare_airflow.launchers.slurm import LocalCommands, SlurmLauncher
-from tests.harness import AirflowHome, tiny_model
-from tests.slurm_harness.cluster import SlurmCluster
+from flare_airflow_testing.harness import AirflowHome, tiny_model
+from flare_airflow_testing.slurm.cluster import SlurmCluster
 
 TRAINER = Path(__file__).parents[1] / "trainers" / "rendezvous_trainer.py"
 

@@ -20,7 +20,7 @@ from flare_airflow.launchers.slurm import (
     list_jobs,
     site_job_prefix,
 )
-from tests.slurm_harness.cluster import GPUS, SlurmCluster
+from flare_airflow_testing.slurm.cluster import GPUS, SlurmCluster
 
 
 def site_job(argv: list[str], site: str = "site-1", round_num: int = 1, **env: str) -> SiteJob:

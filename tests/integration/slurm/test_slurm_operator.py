@@ -15,7 +15,7 @@ from flare_airflow.core.spec import SiteJob
 from flare_airflow.launchers.slurm import LocalCommands, SlurmLauncher
 from flare_airflow.operators.slurm import SiteSlurmOperator, SweepSlurmJobsOperator
 from flare_airflow.site_task.spec import SiteRun
-from tests.slurm_harness.cluster import SlurmCluster
+from flare_airflow_testing.slurm.cluster import SlurmCluster
 from tests.unit.airflow_layer import make_job
 
 RUN_ID = "manual__drill"

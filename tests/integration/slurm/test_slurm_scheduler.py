@@ -13,9 +13,9 @@ import time
 import pytest
 import yaml
 
-from tests.harness import tiny_model
-from tests.slurm_harness.cluster import SlurmCluster
-from tests.stack import AirflowStack, Postgres, start_triggerer
+from flare_airflow_testing.harness import tiny_model
+from flare_airflow_testing.slurm.cluster import SlurmCluster
+from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
 
 SECRET = "s3cr3t-Token-4711"
 TRAINER = """

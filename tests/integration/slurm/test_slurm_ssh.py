@@ -13,8 +13,8 @@ from flare_airflow.core.config import SlurmLaunchSpec
 from flare_airflow.core.spec import JobReturnCode, JobState, SiteJob
 from flare_airflow.hooks.slurm import SshCommands, slurm_commands
 from flare_airflow.launchers.slurm import SlurmCommandError, SlurmLauncher
-from tests.slurm_harness.cluster import SlurmCluster
-from tests.slurm_harness.sshd import Sshd
+from flare_airflow_testing.slurm.cluster import SlurmCluster
+from flare_airflow_testing.slurm.sshd import Sshd
 
 CONN = "hpc_login"
 

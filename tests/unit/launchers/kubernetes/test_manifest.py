@@ -22,7 +22,7 @@ from flare_airflow.launchers.kubernetes import (
     trainer_argv,
 )
 from flare_airflow.launchers.process import LaunchError
-from tests.k8s_harness.node_agent import expand_vars
+from flare_airflow_testing.k8s.node_agent import expand_vars
 from tests.unit.launchers.kubernetes.pods import (
     SCHEMA_VERSION,
     SPECS,

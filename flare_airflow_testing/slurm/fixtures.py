@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.slurm_harness.cluster import SlurmCluster
-from tests.slurm_harness.sshd import Sshd
+from flare_airflow_testing.slurm.cluster import SlurmCluster
+from flare_airflow_testing.slurm.sshd import Sshd
 
 
 @pytest.fixture(scope="session")

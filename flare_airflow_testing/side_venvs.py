@@ -8,7 +8,7 @@ package list. A file lock keeps two concurrent users (pytest sessions, a benchma
 building one environment at once. When an environment cannot be built the caller gets
 :class:`SideVenvError` carrying pip's last lines: never a silent skip.
 
-Benchmarks import this module as ``tests.side_venvs`` (the repository root on ``sys.path``).
+Benchmarks import this module as ``flare_airflow_testing.side_venvs`` (the repository root on ``sys.path``).
 """
 
 from __future__ import annotations

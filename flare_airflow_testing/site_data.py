@@ -1,6 +1,6 @@
 """Start a site's worker with the site's data on a disk only it sees (run inside the site's namespaces).
 
-    python tests/site_data.py DIR SITE TRAINER [TRAINER ARGS...] -- WORKER ARGV...
+    python flare_airflow_testing/site_data.py DIR SITE TRAINER [TRAINER ARGS...] -- WORKER ARGV...
 
 Mounts a fresh tmpfs (mode 0700) at DIR -- in the mount namespace that ``ip netns exec`` gave this
 process, whose mounts do not propagate back -- writes SITE's training shard there with the

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tests.k8s_harness.control_plane import CONTROL_PLANE_USERS, USERS
+from flare_airflow_testing.k8s.control_plane import CONTROL_PLANE_USERS, USERS
 
 NODE_AGENT_USER = USERS["node"][0]
 ADMIN_USER = USERS["admin"][0]

@@ -1,7 +1,7 @@
 """LOCAL NODE AGENT — a test harness that plays the kubelet for one simulated Node.
 
 Not a kubelet and not part of flare_airflow: it exists so tests can run real pods against a real
-control plane (:mod:`tests.k8s_harness.control_plane`) on a machine without a container runtime.
+control plane (:mod:`flare_airflow_testing.k8s.control_plane`) on a machine without a container runtime.
 Everything goes through the real Kubernetes API with the ``kubernetes`` Python client:
 
 * **Node**: registers ``node_name`` with InternalIP 127.0.0.1, the kubelet port (the HTTPS port this
@@ -66,7 +66,7 @@ Not simulated: exec/attach/port-forward, probes, securityContext (processes run 
 user), image pulls, cgroups other than the memory check.
 
 Use :class:`NodeAgent` (``start()`` / ``stop()``, background threads) from a fixture, or
-``python -m tests.k8s_harness.node_agent --kubeconfig …`` in a terminal.
+``python -m flare_airflow_testing.k8s.node_agent --kubeconfig …`` in a terminal.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """A real Kubernetes control plane on loopback, for tests: etcd + kube-apiserver + kube-scheduler +
 kube-controller-manager (v1.20.2 built from Debian's source package by ``k8s/build-control-plane.sh``).
 
-There is no kubelet and no container runtime: :mod:`tests.k8s_harness.node_agent` plays the node.
+There is no kubelet and no container runtime: :mod:`flare_airflow_testing.k8s.node_agent` plays the node.
 
 Everything lives under one private run directory (certs, tokens, kubeconfigs, etcd data, logs, the
 audit log, ``state.json``). Every process runs in its own session (process group) and
 :meth:`ControlPlane.stop` kills those groups, so nothing is left running. Usable from a pytest
 fixture (``ControlPlane(run_dir).start()`` / ``.stop()``) and from the shell through
-``k8s/control-plane.sh start|stop|env`` (``python -m tests.k8s_harness.control_plane``).
+``k8s/control-plane.sh start|stop|env`` (``python -m flare_airflow_testing.k8s.control_plane``).
 
 Only the standard library is imported here (kubeconfigs are written as JSON, which is YAML), so the
 shell entry point works with any Python 3.11.

@@ -1,9 +1,9 @@
 """Sites at the sites, for the tests: the central Airflow with the Edge executor, one Edge worker per
-site, and an S3 store (tests/s3_server.py), set up as docs/deploy-across-sites.md says.
+site, and an S3 store (flare_airflow_testing/s3_server.py), set up as docs/deploy-across-sites.md says.
 
 Central: api-server (with the Edge worker API), scheduler (``LocalExecutor,EdgeExecutor``: the
 central tasks on the first, the site tasks on the Edge workers), dag-processor and triggerer on
-PostgreSQL (tests/stack.py). A site: ``airflow edge worker --queues <site>`` with an Airflow home,
+PostgreSQL (flare_airflow_testing/stack.py). A site: ``airflow edge worker --queues <site>`` with an Airflow home,
 DAGs folder and site policy of its own, and no database: it reaches the central side only through
 the API server's URL and the shared JWT secret, and the store only through its own connection.
 """
@@ -23,11 +23,11 @@ from typing import Any
 
 import yaml
 
-from tests import deploy_guide as guide
-from tests.harness import REPO
-from tests.netns import Namespaces
-from tests.s3_server import S3Server
-from tests.stack import BIN, AirflowStack, Postgres, start_triggerer
+from flare_airflow_testing import deploy_guide as guide
+from flare_airflow_testing.harness import REPO
+from flare_airflow_testing.netns import Namespaces
+from flare_airflow_testing.s3_server import S3Server
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres, start_triggerer
 
 STORE = "s3://flare/store"
 CENTRAL_CONN = "flare_store"  # the job's store_conn_id: the central side's credentials
@@ -85,7 +85,7 @@ class EdgeWorker:
         self.prefix = list(prefix or [])
         self.central = central
         # ``private_data`` (inside its namespaces only): the site's shard of the demo data on a
-        # tmpfs that only this worker's mount namespace has (tests/site_data.py); its policy
+        # tmpfs that only this worker's mount namespace has (flare_airflow_testing/site_data.py); its policy
         # points the trainer there.
         self.private_data = private_data
         self.site = site
@@ -138,7 +138,14 @@ class EdgeWorker:
         if self.private_data:
             job = yaml.safe_load((self.root / "dags" / "digits.yaml").read_text())
             trainer = [str(self.root / "examples" / "digits" / "trainer.py"), *job["trainer"]["args"]]
-            wrapper = [sys.executable, str(REPO / "tests" / "site_data.py"), str(self.data), self.site, *trainer, "--"]
+            wrapper = [
+                sys.executable,
+                str(pathlib.Path(__file__).with_name("site_data.py")),
+                str(self.data),
+                self.site,
+                *trainer,
+                "--",
+            ]
             cmd = [*wrapper, *cmd]
         self.proc = subprocess.Popen(
             [*self.prefix, *cmd],
@@ -188,7 +195,7 @@ def _session(sid: int) -> list[int]:
 
 
 def _free_port() -> int:
-    from tests.stack import free_port
+    from flare_airflow_testing.stack import free_port
 
     return free_port()
 
@@ -198,7 +205,7 @@ class EdgeDeployment:
 
     def __init__(self, root: pathlib.Path, sites: list[str], rounds: int, *, isolated: bool = False) -> None:
         """``isolated``: the central side in a network namespace, each site's worker in one of its
-        own that reaches only the central side's API and S3 endpoint (tests/netns.py)."""
+        own that reaches only the central side's API and S3 endpoint (flare_airflow_testing/netns.py)."""
         self.ns = Namespaces(sites) if isolated else None
         central = Namespaces.prefix(self.ns.central) if self.ns else None
         host = self.ns.central_addr if self.ns else "127.0.0.1"

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client as k8s
 
-from tests.k8s_harness.audit import AuditLog
-from tests.k8s_harness.control_plane import ControlPlane
-from tests.k8s_harness.kube import wait_for
-from tests.k8s_harness.node_agent import NodeAgent
+from flare_airflow_testing.k8s.audit import AuditLog
+from flare_airflow_testing.k8s.control_plane import ControlPlane
+from flare_airflow_testing.k8s.kube import wait_for
+from flare_airflow_testing.k8s.node_agent import NodeAgent
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""docs/deploy-across-sites.md, read as the Edge e2e test (tests/edge_sites.py) uses it.
+"""docs/deploy-across-sites.md, read as the Edge e2e test (flare_airflow_testing/edge_sites.py) uses it.
 
 The guide's blocks -- the job's keys, the central side's ``airflow.cfg`` lines, a site worker's
 environment, its policy and the command that starts it -- are taken from the page and used as
@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from tests.harness import REPO
+from flare_airflow_testing.harness import REPO
 
 GUIDE = REPO / "docs" / "deploy-across-sites.md"
 CENTRAL_URL = "https://airflow.example.org"

@@ -22,7 +22,8 @@ from safetensors.numpy import save_file
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
-TRAINERS = pathlib.Path(__file__).parent / "e2e" / "trainers"
+# The e2e tier's trainer scripts, read as files (this package never imports the tests).
+TRAINERS = REPO / "tests" / "e2e" / "trainers"
 
 
 @dataclass
