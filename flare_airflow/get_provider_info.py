@@ -30,6 +30,7 @@ def get_provider_info() -> dict[str, Any]:
                     "flare_airflow.operators.site_job",
                     "flare_airflow.operators.aggregate",
                     "flare_airflow.operators.run",
+                    "flare_airflow.operators.nvflare_native",
                 ],
             }
         ],
@@ -40,7 +41,15 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {
                 "integration-name": "Federated learning",
-                "python-modules": ["flare_airflow.triggers.pod_state", "flare_airflow.triggers.slurm_state"],
+                "python-modules": [
+                    "flare_airflow.triggers.pod_state",
+                    "flare_airflow.triggers.slurm_state",
+                    "flare_airflow.triggers.flare_job",
+                ],
             }
+        ],
+        "hooks": [{"integration-name": "Federated learning", "python-modules": ["flare_airflow.hooks.flare_admin"]}],
+        "connection-types": [
+            {"connection-type": "nvflare", "hook-class-name": "flare_airflow.hooks.flare_admin.FlareAdminHook"}
         ],
     }
