@@ -20,7 +20,9 @@
    under Airflow's real scheduler vs NVFlare's POC mode (server + client processes, admin API),
    Airflow defaults and tuned settings side by side, into ``benchmarks/results/nvflare_poc.md``;
    ``--only nvflare-shim``: the NVFlare Client API stand-in's per-round cost next to the native
-   Client API on the digits model, ~1 min, into ``benchmarks/results/nvflare_shim.md``).
+   Client API on the digits model, ~1 min, into ``benchmarks/results/nvflare_shim.md``;
+   ``--only nvflare-native``: native mode (FlareJobOperator on a FLARE POC system) per job next to
+   ``nvflare job submit`` + ``wait`` + ``download``, ~4 min, into ``benchmarks/results/nvflare_native.md``).
 7. **edge** -- sites on Edge workers vs the central LocalExecutor (per-round cost), and model
    exchange through an S3 endpoint (moto, an emulator) vs the local store (~4 min;
    ``benchmarks/results/edge.md``).
@@ -53,6 +55,7 @@ import bench_edge
 import bench_fedavg
 import bench_k8s_api
 import bench_nvflare
+import bench_nvflare_native
 import bench_nvflare_shim
 import bench_poc
 import bench_privacy
@@ -74,6 +77,7 @@ OWN_OUTPUTS = {
     "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
     "nvflare-e2e": BENCH_DIR / "results" / "nvflare_e2e.md",
     "nvflare-poc": BENCH_DIR / "results" / "nvflare_poc.md",
+    "nvflare-native": BENCH_DIR / "results" / "nvflare_native.md",
     "nvflare-shim": BENCH_DIR / "results" / "nvflare_shim.md",
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
@@ -100,6 +104,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "nvflare-aggregation",
             "nvflare-e2e",
             "nvflare-poc",
+            "nvflare-native",
             "nvflare-shim",
             "rounds",
             "edge",
@@ -203,6 +208,10 @@ def main(argv: list[str]) -> int:
             log("[poc] under the real scheduler vs NVIDIA FLARE 2.9.0's POC mode (its own venv) ...")
             tables = bench_poc.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Under the real scheduler: side by side with NVIDIA FLARE 2.9.0's POC mode", tables))
+        if args.only == "nvflare-native":
+            log("[nvflare-native] native mode's added latency per job vs NVFlare's CLI (one POC system) ...")
+            tables = bench_nvflare_native.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("NVFlare-native mode: added latency per job next to NVFlare's CLI", tables))
     except BenchmarkFailed as exc:
         print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
         return 1

@@ -15,8 +15,11 @@ Reads what NVFlare's Job API, its recipes and hand-written jobs put in a job fol
 
 It writes ``OUT/<job>.yaml``, ``OUT/<job>_dag.py`` and ``OUT/<job>/`` (the client app's
 ``custom/`` folder with the script, and ``initial_model.safetensors``). What it cannot carry over
-(another workflow such as Scaffold or Cyclic, a custom executor, a filter, an unknown component)
-is refused, every one named with its file and line and what to do; nothing is written then.
+(another workflow such as Scaffold or Cyclic, a custom executor, a filter without an equivalent,
+an unknown component) is refused, every one named with its file and line and what to do; nothing
+is written then. The clients' result filters that have an equivalent (``ExcludeVars``,
+``PercentilePrivacy``) are site policy here: they go to ``OUT/<job>.site-policy.yaml`` for the
+sites' admins, not into the job.
 Components whose work flare-airflow does another way (NVFlare's pipes and launchers, model
 selectors, tracking receivers) are carried over as notes, never silently.
 """
@@ -33,8 +36,11 @@ from typing import Any
 
 import numpy as np
 import yaml
+from pydantic import ValidationError
 
 from flare_airflow.core.config import load_job
+from flare_airflow.core.config.policy import SitePolicy
+from flare_airflow.core.config.privacy import Percentile
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.nvflare.state_check import check_file
 from flare_airflow.nvflare.configs import Component, ConfigFile, NvflareJobError, Where, find_config, read_config
@@ -124,6 +130,7 @@ class ImportResult:
     job_dir: Path
     job: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    site_policy: Path | None = None  # the NVFlare filters as each site's privacy filters (site policy)
 
 
 @dataclass
@@ -291,14 +298,14 @@ def _executor_trainer(
     return _Trainer(_custom_relative(script), script_args, EXCHANGE_FORMATS[exchange], transfer, where)
 
 
-def _read_client(cfg: ConfigFile, reading: _Reading) -> _Trainer | None:
+def _read_client(cfg: ConfigFile, reading: _Reading) -> tuple[_Trainer | None, list[dict[str, Any]]]:
     components = {c.id: c for c in cfg.components("components")}
     used: set[str] = set()
     trainer: _Trainer | None = None
     executors = cfg.data.get("executors") or []
     if not isinstance(executors, list) or not executors:
         reading.refuse(cfg.path, "executors", "the client config has no executor", "add a Client API executor")
-        return None
+        return None, []
     for index, entry in enumerate(executors):
         raw = entry.get("executor") if isinstance(entry, Mapping) else None
         executor = cfg.component(raw, f"executors[{index}].executor")
@@ -321,28 +328,92 @@ def _read_client(cfg: ConfigFile, reading: _Reading) -> _Trainer | None:
             )
             continue
         trainer = _executor_trainer(executor, components, used, reading)
-    _filters(cfg, reading)
+    filters = _filters(cfg, reading, client=True)
     for cid, component in components.items():
         if cid not in used:  # the launcher was carried over (or refused) with its executor
             _known_or_refused(component, reading)
-    return trainer
+    return trainer, filters
 
 
-def _filters(cfg: ConfigFile, reading: _Reading) -> None:
+def _exclude_vars(f: Component, reading: _Reading) -> dict[str, Any] | None:
+    value = f.args.get("exclude_vars")
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return {"type": "exclude_vars", "names": list(value)}
+    if isinstance(value, str) and value:
+        # NVFlare searches the regex anywhere in a name (re.search); ours must match the whole name.
+        return {"type": "exclude_vars", "regex": f".*(?:{value}).*"}
+    reading.refuse(
+        f.where,
+        f"filter {f.path} exclude_vars={value!r}",
+        "NVFlare leaves the update unchanged without names or a regex",
+        "give a list of tensor names or a regex, or remove the filter",
+    )
+    return None
+
+
+def _percentile(f: Component, reading: _Reading) -> dict[str, Any] | None:
+    spec = {"type": "percentile", "percentile": f.args.get("percentile", 10), "gamma": f.args.get("gamma", 0.01)}
+    try:
+        Percentile.model_validate(spec)
+    except ValidationError as exc:
+        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        reading.refuse(
+            f.where,
+            f"filter {f.path}",
+            f"its arguments are out of range ({problems})",
+            "fix them, then the importer puts it in the site's policy",
+        )
+        return None
+    return spec
+
+
+# NVFlare filters that become the site's privacy filters (site policy in flare-airflow).
+MAPPED_FILTERS = {"ExcludeVars": _exclude_vars, "PercentilePrivacy": _percentile}
+REFUSED_FILTERS = {
+    "SVTPrivacy": "the sparse vector technique is not implemented (and its noise is not accounted)",
+    "StatisticsPrivacyFilter": "federated statistics jobs are not carried over",
+    "ConvertWeights": "updates travel as safetensors tensors; there is no format to convert",
+    "DXOBlocker": "flare-airflow has no per-data-kind blocking",
+}
+SITE_FILTER_TODO = (
+    "remove it from the job and configure the equivalent filter in the site's policy "
+    "(docs/privacy.md: exclude_vars, clip, gaussian, percentile)"
+)
+
+
+def _filters(cfg: ConfigFile, reading: _Reading, *, client: bool) -> list[dict[str, Any]]:
+    """The client's result filters as privacy filters of its sites; anything else refused by name.
+
+    A client's ``task_result_filters`` change what leaves the site: flare-airflow's site filters
+    do the same, chosen by the site's policy and applied in the site task (a trainer cannot skip
+    them). Filters on what a site receives, and the server's filters, have no equivalent.
+    """
+    mapped: list[dict[str, Any]] = []
     for key in ("task_data_filters", "task_result_filters"):
         for index, group in enumerate(cfg.data.get(key) or []):
             raws = group.get("filters", []) if isinstance(group, Mapping) else []
+            tasks = group.get("tasks", ["*"]) if isinstance(group, Mapping) else ["*"]
             for raw in raws:
                 f = cfg.component(raw, f"{key}[{index}].filters")
-                reading.refuse(
-                    f.where,
-                    f"filter {f.path} ({key})",
-                    "NVFlare filters are not carried over: flare-airflow applies filters by each site's policy, "
-                    "in the site task, so that a trainer cannot skip them",
-                    "remove it from the job and configure the equivalent filter in the site's policy or the "
-                    "job's privacy.filters (docs/privacy.md: exclude_vars, clip, gaussian, and percentile, "
-                    "NVFlare's PercentilePrivacy)",
-                )
+                convert = MAPPED_FILTERS.get(f.class_name)
+                if not client or key != "task_result_filters":
+                    side = "the server's" if not client else "a filter on what the site receives"
+                    reading.refuse(
+                        f.where,
+                        f"filter {f.path} ({key})",
+                        f"{side} filters have no equivalent: flare-airflow filters each update as it leaves its site",
+                        SITE_FILTER_TODO,
+                    )
+                elif convert is None:
+                    why = REFUSED_FILTERS.get(f.class_name, "flare-airflow has no such filter")
+                    reading.refuse(f.where, f"filter {f.path} ({key})", why, SITE_FILTER_TODO)
+                else:
+                    spec = convert(f, reading)
+                    if spec is not None:
+                        if not set(tasks) & {"*", "train"}:
+                            reading.note(f.where, f.path, f"NVFlare applies it to tasks {tasks}; ours to every update")
+                        mapped.append(spec)
+    return mapped
 
 
 def _known_or_refused(component: Component, reading: _Reading) -> None:
@@ -445,7 +516,7 @@ def _read_server(cfg: ConfigFile, reading: _Reading, *, have_initial_model: bool
             server.initial = _initial_model(component, reading, have_initial_model=have_initial_model)
         elif key == "aggregator_id":
             _aggregator(component, server, reading)
-    _filters(cfg, reading)
+    _filters(cfg, reading, client=False)
     for cid, component in components.items():
         if cid not in used:
             _known_or_refused(component, reading)
@@ -555,8 +626,12 @@ def import_job(
         _app_config(job_dir, server_app, "config_fed_server"), reading, have_initial_model=initial_model is not None
     )
     trainers: dict[str, _Trainer | None] = {}
+    site_filters: dict[str, list[dict[str, Any]]] = {}
     for app in client_apps:
-        trainers[app] = _read_client(_app_config(job_dir, app, "config_fed_client"), reading)
+        trainers[app], filters = _read_client(_app_config(job_dir, app, "config_fed_client"), reading)
+        for site in client_apps[app]:
+            if filters:
+                site_filters[site] = filters
     found = {app: t for app, t in trainers.items() if t is not None}
     first_app = next(iter(found), None)
     if first_app is not None:
@@ -603,6 +678,7 @@ def import_job(
     job_file = out_dir / f"{job_name}.yaml"
     dag_file = out_dir / f"{job_name}_dag.py"
     files_dir = out_dir / job_name
+    policy_file = out_dir / f"{job_name}.site-policy.yaml" if site_filters else None
     if not force and (job_file.exists() or files_dir.exists()):
         raise NvflareJobError(f"{job_file} or {files_dir} exists; pass --force to replace them")
     sites_block = _site_blocks(meta, site_names)
@@ -651,9 +727,18 @@ def import_job(
                 f"(from {meta.path}: check its resource_spec / launcher_spec)"
             ) from None
         (staging / job_name).unlink()
+        if policy_file is not None:
+            _write_site_policy(staging / "site-policy.yaml", job_dir, site_filters)
         if force:
             shutil.rmtree(files_dir, ignore_errors=True)
         staged_job.rename(job_file)
+        if policy_file is not None:
+            (staging / "site-policy.yaml").rename(policy_file)
+            reading.notes.append(
+                f"{policy_file}: NVFlare's client filters are site policy in flare-airflow (each site's admin "
+                "chooses them; the site task applies them, so a trainer cannot skip them): the job carries none -- "
+                "give each site's admin its privacy block to merge into the site's policy (FLARE_SITE_CONFIG)"
+            )
         staging.rename(files_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -663,7 +748,20 @@ def import_job(
         "from flare_airflow.builder import build_dag\n\n"
         f"dag = build_dag(Path(__file__).with_name({job_file.name!r}))\n"
     )
-    return ImportResult(job_file, dag_file, files_dir, job, reading.notes)
+    return ImportResult(job_file, dag_file, files_dir, job, reading.notes, policy_file)
+
+
+def _write_site_policy(path: Path, job_dir: Path, site_filters: Mapping[str, list[dict[str, Any]]]) -> None:
+    """The sites' privacy filters as a site-policy snippet, validated as a site policy file."""
+    policy = {"sites": {site: {"privacy": {"filters": filters}} for site, filters in site_filters.items()}}
+    SitePolicy.model_validate(policy)
+    header = (
+        f"# The task result filters of the NVFlare job {job_dir}, as flare-airflow site policy\n"
+        "# (written by `flare-airflow import-nvflare`). Filters are each site's admin's choice in\n"
+        "# flare-airflow: merge a site's privacy block into that site's policy file (FLARE_SITE_CONFIG,\n"
+        "# docs/privacy.md), where public_metrics also lists the metrics allowed to leave.\n"
+    )
+    path.write_text(header + yaml.safe_dump(policy, sort_keys=False))
 
 
 def describe(result: ImportResult) -> str:
@@ -673,5 +771,7 @@ def describe(result: ImportResult) -> str:
         f"wrote {result.job_dir}/ (the client app's custom/ folder and initial_model.safetensors)",
         f"run it with: flare-airflow run flare_{result.job['job'].replace('-', '_')}",
     ]
+    if result.site_policy is not None:
+        lines.insert(3, f"wrote {result.site_policy} (the job's NVFlare filters as the sites' privacy policy)")
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)

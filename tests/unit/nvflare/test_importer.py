@@ -221,3 +221,97 @@ def test_sites_with_different_client_scripts_are_refused(tmp_path) -> None:
     (job / "meta.json").write_text(json.dumps(meta, indent=2))
     with pytest.raises(NvflareJobError, match=r"client app 'app_site-2'.*differ from app 'app_site-1'"):
         import_job(job, tmp_path / "out")
+
+
+FILTERS = """task_result_filters = [
+    {
+      tasks = ["train"]
+      filters = [
+        {
+          path = "nvflare.app_common.filters.exclude_vars.ExcludeVars"
+          args { exclude_vars = ["head.weight", "head.bias"] }
+        }
+        { path = "nvflare.app_common.filters.exclude_vars.ExcludeVars", args { exclude_vars = "bn[0-9]" } }
+        {
+          path = "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy"
+          args { percentile = 20, gamma = 0.05 }
+        }
+      ]
+    }
+  ]"""
+
+
+def test_client_result_filters_become_the_sites_privacy_policy(tmp_path, capsys) -> None:
+    """ExcludeVars and PercentilePrivacy carry over -- as site policy, which the job cannot carry."""
+    import re
+
+    from flare_airflow.core.config.policy import SitePolicy
+
+    job_dir = write_job(tmp_path, client=CLIENT_CONF.replace("task_result_filters = []", FILTERS))
+    out = tmp_path / "out"
+    assert main(["import-nvflare", str(job_dir), "--out", str(out), "--sites", "site-1,site-2"]) == 0
+    printed = capsys.readouterr().out
+    policy_file = out / "sag-np.site-policy.yaml"
+    assert f"wrote {policy_file}" in printed and "site policy in flare-airflow" in printed
+    policy = SitePolicy.model_validate(yaml.safe_load(policy_file.read_text()))
+    assert sorted(policy.sites) == ["site-1", "site-2"]
+    filters = [f.model_dump(exclude_none=True) for f in policy.entry("site-1").privacy.filters]
+    assert filters == [
+        {"type": "exclude_vars", "names": ["head.weight", "head.bias"]},
+        {"type": "exclude_vars", "names": [], "regex": ".*(?:bn[0-9]).*"},
+        {"type": "percentile", "percentile": 20.0, "gamma": 0.05},
+    ]
+    # NVFlare's ExcludeVars searches its regex anywhere in a name: so does the mapped full match.
+    regex = filters[1]["regex"]
+    for name in ("layer.bn1.weight", "bn2", "fc.weight"):
+        assert bool(re.fullmatch(regex, name)) == bool(re.search("bn[0-9]", name))
+    job = yaml.safe_load((out / "sag-np.yaml").read_text())
+    assert "privacy" not in job and all("privacy" not in s for s in job["sites"].values())
+
+
+@pytest.mark.parametrize(
+    ("filters", "needle", "why"),
+    [
+        (
+            'task_result_filters = [{ tasks = ["train"], filters = [{ path = '
+            '"nvflare.app_common.filters.svt_privacy.SVTPrivacy", args { epsilon = 0.1 } }] }]',
+            "SVTPrivacy",
+            "sparse vector technique",
+        ),
+        (
+            'task_data_filters = [{ tasks = ["train"], filters = [{ path = '
+            '"nvflare.app_common.filters.exclude_vars.ExcludeVars", args { exclude_vars = ["a"] } }] }]',
+            "ExcludeVars",
+            "what the site receives",
+        ),
+        (
+            'task_result_filters = [{ tasks = ["train"], filters = [{ path = '
+            '"nvflare.app_common.filters.percentile_privacy.PercentilePrivacy", args { percentile = 150 } }] }]',
+            "PercentilePrivacy",
+            "out of range",
+        ),
+    ],
+    ids=["svt", "data-filter", "percentile-range"],
+)
+def test_filters_without_an_equivalent_are_refused_by_name_file_and_line(tmp_path, filters, needle, why) -> None:
+    key = filters.split(" = ", 1)[0]
+    job_dir = write_job(tmp_path, client=CLIENT_CONF.replace(f"{key} = []", filters))
+    with pytest.raises(NvflareJobError) as refused:
+        import_job(job_dir, tmp_path / "out", sites=["site-1", "site-2"])
+    refusal = str(refused.value).splitlines()[1].strip()
+    file, line = refusal.split(": ", 1)[0].rsplit(":", 1)
+    assert file == str(job_dir / "app" / "config" / "config_fed_client.conf")
+    assert needle in pathlib.Path(file).read_text().splitlines()[int(line) - 1], refusal
+    assert why in refusal and "site's policy" in refusal
+    assert not (tmp_path / "out").exists()
+
+
+def test_server_filters_are_refused(tmp_path) -> None:
+    server = SERVER_CONF.replace(
+        "task_result_filters = []",
+        'task_result_filters = [{ tasks = ["train"], filters = [{ path = '
+        '"nvflare.app_common.filters.percentile_privacy.PercentilePrivacy", args {} }] }]',
+    )
+    job_dir = write_job(tmp_path, server=server)
+    with pytest.raises(NvflareJobError, match=r"config_fed_server\.conf:\d+: filter .*PercentilePrivacy.*the server's"):
+        import_job(job_dir, tmp_path / "out", sites=["site-1", "site-2"])
