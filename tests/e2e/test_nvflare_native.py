@@ -20,7 +20,6 @@ import json
 import shutil
 import sqlite3
 import subprocess
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,14 +47,23 @@ ROUNDS = 2
 STEP_PER_ROUND = (1 * 1 + 3 * 3) / 4  # hello_numpy_client.py: site-1 adds 1 (weight 1), site-2 adds 3 (weight 3)
 
 
+DOC = Path(__file__).resolve().parents[2] / "docs" / "coming-from-nvflare.md"
+
+
 def conn_json(side: SideVenv, kit: Path) -> str:
-    return json.dumps(
-        {
-            "conn_type": "nvflare",
-            "login": "admin@nvidia.com",
-            "extra": {"startup_kit": str(kit), "python": str(side.python)},
-        }
-    )
+    """docs/coming-from-nvflare.md's connection line, its paths replaced by the POC's kit and NVFlare's python."""
+    line = next(x for x in DOC.read_text().splitlines() if x.startswith("export AIRFLOW_CONN_FLARE_ADMIN_DEFAULT="))
+    conn = json.loads(line.split("=", 1)[1].strip("'"))
+    conn["extra"].update(startup_kit=str(kit), python=str(side.python))
+    return json.dumps(conn)
+
+
+def documented_dag(job_folder: str) -> str:
+    """docs/coming-from-nvflare.md's native-mode DAG, as written, with the POC's job folder and connection."""
+    text = DOC.read_text().split("## Native mode", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"jobs/hello-numpy"' in code and '"flare_admin_default"' in code
+    return code.replace('"jobs/hello-numpy"', repr(job_folder)).replace('"flare_admin_default"', repr(CONN))
 
 
 @pytest.fixture(scope="module")
@@ -119,23 +127,7 @@ def test_completes_publishes_and_a_retry_finds_the_same_job(
     folder = airflow_home.dags / "native"
     folder.mkdir()
     dag_file = folder / "native_dag.py"
-    dag_file.write_text(
-        textwrap.dedent(
-            f"""
-            from airflow.sdk import DAG
-            from flare_airflow.operators.nvflare_native import FlareJobOperator
-
-            with DAG("flare_native_hello", schedule=None):
-                FlareJobOperator(
-                    task_id="publish",
-                    job_folder={poc["jobs"]["hello-numpy"]!r},
-                    flare_conn_id={CONN!r},
-                    expected_clients=["site-1", "site-2"],
-                    poll_interval=0.5,
-                )
-            """
-        )
-    )
+    dag_file.write_text(documented_dag(poc["jobs"]["hello-numpy"]))
     env = {f"AIRFLOW_CONN_{CONN.upper()}": poc["conn"]}
     result = airflow_home.run("flare_native_hello", dag_file, env=env)
     assert result.tasks == {"publish": "success"}, result.log[-4000:]

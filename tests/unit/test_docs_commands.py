@@ -132,6 +132,17 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     ),
     (r"^python -m flare_airflow\.site_task$", RunBy("tests/unit/site_task/test_runner.py", "flare_airflow.site_task")),
     (r"^flare-airflow import-nvflare\b", RunBy("tests/e2e/test_nvflare_jobs.py", '"import-nvflare", job_dir')),
+    # docs/coming-from-nvflare.md, native mode: the e2e test runs against a FLARE POC with this very
+    # connection line (its paths replaced by the POC's kit and the side environment's interpreter)
+    (
+        r"^export AIRFLOW_CONN_FLARE_ADMIN_DEFAULT=",
+        RunBy("tests/e2e/test_nvflare_native.py", "export AIRFLOW_CONN_FLARE_ADMIN_DEFAULT="),
+    ),
+    (r"^pip install nvflare==2\.9\.0$", RunBy("tests/side_venvs.py", 'NVFLARE_VERSION = "2.9.0"')),
+    (
+        r"^python benchmarks/run\.py --only nvflare-native$",
+        NotRun("measurements on a quiet machine: run by hand, report in benchmarks/results/nvflare_native.md"),
+    ),
     (r"^flare-airflow run flare_hello_numpy$", RunBy("tests/e2e/test_nvflare_jobs.py", 'airflow_home.run(f"flare_')),
     (
         r"^python -m flare_airflow\.core\.nvflare\.run\b",
