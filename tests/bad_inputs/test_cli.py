@@ -290,6 +290,19 @@ case(
     ["import-nvflare", "{dir}/nv", "--out", "{dir}/out", "--sites", "site-1,site-2"],
     {**NV_JOB, "nv/app/config/config_fed_server.json": NV_SERVER.replace("fedavg.FedAvg", "scaffold.Scaffold")},
 )
+case(
+    "import-nvflare-svt-filter",
+    "flare-airflow import-nvflare; a site's result filter is NVFlare's SVTPrivacy",
+    "config_fed_client.json:4: filter nvflare.app_common.filters.svt_privacy.SVTPrivacy (task_result_filters): "
+    "the sparse vector technique is not implemented",
+    ["import-nvflare", "{dir}/nv", "--out", "{dir}/out", "--sites", "site-1,site-2"],
+    {
+        **NV_JOB,
+        "nv/app/config/config_fed_client.json": NV_CLIENT.removesuffix("}")
+        + ',\n "task_result_filters": [{"tasks": ["train"], "filters": [\n'
+        '  {"path": "nvflare.app_common.filters.svt_privacy.SVTPrivacy", "args": {"epsilon": 0.1}}]}]}',
+    },
+)
 
 
 def _nan_model() -> bytes:
