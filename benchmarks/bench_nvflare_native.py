@@ -169,7 +169,7 @@ def run(*, reps: int, keep: bool = False, tmp_base: str | None = None) -> list[T
         f"**{median(ratios):.2f}** ({spread(ratios)})",
     )
     table.notes.append(
-        f"Added latency of native mode per job: {native - cli:+.2f} s (median of the difference of medians); "
+        f"Added latency of native mode per job: {native - cli:+.2f} s (difference of the medians); "
         f"{reps} repetitions, the two ways alternating, order rotated; both poll every {POLL:.0f} s. "
         f"POC start (untimed): {start_s:.0f} s; no FLARE process left after `nvflare poc stop`. "
         "Each CLI command and each bridge call logs in anew (NVFlare interpreter start + import + TLS login)."

@@ -64,6 +64,12 @@ def classify(exc: BaseException, startup_kit: str) -> BridgeError:
     """NVFlare's exception as one of our kinds, with what to do."""
     name = type(exc).__name__
     text = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else name
+    if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "nvflare":
+        return BridgeError(
+            "credential",
+            f"{sys.executable} has no nvflare ({text}): set the Airflow connection's extra 'python' to the "
+            "interpreter of an environment with nvflare >= 2.9 installed",
+        )
     if name in ("InvalidCertChain", "AuthenticationError", "AuthorizationError", "SSLError", "CertificateError"):
         return BridgeError(
             "credential",
