@@ -1,6 +1,6 @@
 """NVFlare-native mode's added latency per job, next to NVFlare's own CLI, on one FLARE deployment.
 
-One NVFlare 2.9 POC system (server + 2 clients, tests/nvflare_poc.py) runs NVFlare's hello-numpy
+One NVFlare 2.9 POC system (server + 2 clients, flare_airflow_testing/nvflare_poc.py) runs NVFlare's hello-numpy
 export (``NumpyFedAvgRecipe``, 2 rounds) again and again, two ways alternating (order rotated):
 
 * **nvflare CLI** -- what an operator types: ``nvflare job submit -j JOB``, ``nvflare job wait
@@ -36,7 +36,7 @@ import numpy as np
 from bench_common import BenchmarkFailed, Table, log, median, rotate, spread
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.* (the POC harness and NVFlare's side environment)
+sys.path.insert(0, str(REPO))  # flare_airflow_testing (the POC harness, NVFlare's side environment)
 
 HELLO_DIR = REPO / "tests" / "integration" / "nvflare"
 POLL = 1.0
@@ -106,8 +106,8 @@ def run_native(job: str, store: Path, rep: int) -> float:
 
 
 def run(*, reps: int, keep: bool = False, tmp_base: str | None = None) -> list[Table]:
-    from tests.nvflare_poc import Poc
-    from tests.side_venvs import nvflare_venv
+    from flare_airflow_testing.nvflare_poc import Poc
+    from flare_airflow_testing.side_venvs import nvflare_venv
 
     side, versions = nvflare_venv(log=log)
     with tempfile.TemporaryDirectory(prefix="bench-nvflare-native-", dir=tmp_base) as tmp:

@@ -1,5 +1,5 @@
 """NVFlare-native mode against a real FLARE deployment: NVFlare 2.9's POC system (a server and two
-clients as separate processes, tests/nvflare_poc.py), started once for this module.
+clients as separate processes, flare_airflow_testing/nvflare_poc.py), started once for this module.
 
 * a DAG with one :class:`FlareJobOperator` runs NVFlare's own hello-numpy export through
   ``flare-airflow run`` (Airflow's ``dags test``, the trigger run inline): the task succeeds, the
@@ -34,9 +34,9 @@ from flare_airflow.nvflare_native.admin import BRIDGE, FlareAdmin
 from flare_airflow.nvflare_native.errors import FlareCredentialError
 from flare_airflow.operators.nvflare_native import FlareJobOperator
 from flare_airflow.triggers.flare_job import FlareJobTrigger
-from tests.harness import AirflowHome
-from tests.nvflare_poc import Poc, pids_mentioning
-from tests.side_venvs import SideVenv
+from flare_airflow_testing.harness import AirflowHome
+from flare_airflow_testing.nvflare_poc import Poc, pids_mentioning
+from flare_airflow_testing.side_venvs import SideVenv
 
 pytestmark = pytest.mark.e2e
 

@@ -138,7 +138,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         r"^export AIRFLOW_CONN_FLARE_ADMIN_DEFAULT=",
         RunBy("tests/e2e/test_nvflare_native.py", "export AIRFLOW_CONN_FLARE_ADMIN_DEFAULT="),
     ),
-    (r"^pip install nvflare==2\.9\.0$", RunBy("tests/side_venvs.py", 'NVFLARE_VERSION = "2.9.0"')),
+    (r"^pip install nvflare==2\.9\.0$", RunBy("flare_airflow_testing/side_venvs.py", 'NVFLARE_VERSION = "2.9.0"')),
     (
         r"^python benchmarks/run\.py --only nvflare-native$",
         NotRun("measurements on a quiet machine: run by hand, report in benchmarks/results/nvflare_native.md"),

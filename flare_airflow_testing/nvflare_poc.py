@@ -1,5 +1,5 @@
 """A real NVIDIA FLARE deployment for tests: NVFlare's POC mode (a server and clients as separate
-processes) in NVFlare's side environment (tests/side_venvs.py).
+processes) in NVFlare's side environment (flare_airflow_testing/side_venvs.py).
 
 ``nvflare poc prepare -n N`` provisions a project; its server ports are NVFlare's fixed defaults
 (8002/8003), which another POC on the machine would share, so the project file is rewritten with
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.side_venvs import SideVenv, tail
+from flare_airflow_testing.side_venvs import SideVenv, tail
 
 
 class PocError(RuntimeError):
