@@ -180,10 +180,12 @@ def run(reps: int = 3, keep: bool = False, tmp_base: str | None = None) -> list[
         base = median(times["process site"])
         table = Table(
             "One site job of the digits trainer (1 round, 10 local epochs): launch to accepted end",
-            ["site", "median s", "spread s", "x process"],
+            ["site", "engine calls", "median s", "spread s", "x process"],
         )
+        calls = {"container site (podman": "2", "container site, before": "5"}
         for name, values in times.items():
-            table.add(name, f"{median(values):.2f}", spread(values), f"{median(values) / base:.2f}")
+            engine_calls = next((n for prefix, n in calls.items() if name.startswith(prefix)), "-")
+            table.add(name, engine_calls, f"{median(values):.2f}", spread(values), f"{median(values) / base:.2f}")
         same = len(set().union(*digests.values())) == 1
         table.notes.append(
             f"{reps} repetitions per case, alternating. The update is {'bitwise the same' if same else 'NOT the same'} "
