@@ -45,12 +45,16 @@ def test_import_linter_contracts_are_kept() -> None:
 
 def test_the_wheel_ships_the_provider_only() -> None:
     """The test machinery (flare_airflow_testing), tests and benchmarks stay out of the distribution."""
-    import tomllib
-
-    from setuptools import find_packages
-
-    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    packages = find_packages(str(REPO), include=find["include"])
+    # setuptools' own package finder, in a fresh interpreter: setuptools refuses to import once
+    # another test has loaded the standard library's distutils.
+    probe = (
+        "import json, sys, tomllib; from setuptools import find_packages; "
+        "find = tomllib.load(open('pyproject.toml', 'rb'))['tool']['setuptools']['packages']['find']; "
+        "print(json.dumps(find_packages('.', include=find['include'])))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    packages = json.loads(result.stdout)
     assert "flare_airflow" in packages and "flare_airflow.core" in packages
     assert not [p for p in packages if not (p == "flare_airflow" or p.startswith("flare_airflow."))], packages
 
