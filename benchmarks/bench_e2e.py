@@ -178,7 +178,7 @@ def _states_from_db(home: Path, dag_id: str) -> tuple[str, str, dict[str, str]]:
 # before/after comparison (see bench_nvflare).
 LEGACY_RUN = """
 import json, subprocess, sys, time
-from flare_airflow.cli import run_state
+from flare_airflow.cli.dag_runs import run_state
 dag_id, log_path = sys.argv[1], sys.argv[2]
 started = time.monotonic()
 with open(log_path, "w") as log:

@@ -30,7 +30,9 @@
    scheduler (PostgreSQL, LocalExecutor): what the rounds a run does not ask for cost (~4 min;
    ``benchmarks/results/skipped_rounds.md``).
 9. **containers** -- one digits site job on a container site (rootful podman, the trainer image)
-   next to a process site, through their launchers (~1 min; ``benchmarks/results/containers.md``).
+   next to a process site and a pod site (real kube-apiserver, LOCAL NODE AGENT), and the container
+   launcher's engine calls before they were cut, through their launchers (~2 min;
+   ``benchmarks/results/containers.md``).
 
 The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details
 (``--only k8s``: to ``benchmarks/results/k8s_api.md``, ``--only fedavg``: ``fedavg.md``, and so on,
@@ -187,7 +189,7 @@ def main(argv: list[str]) -> int:
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Experiment tracking's cost per round", tables))
         if args.only in (None, "containers"):
-            log("[containers] one site job: container site (podman) vs process site ...")
+            log("[containers] one site job: container site (podman) vs process site vs pod site ...")
             tables = bench_containers.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("9. Container sites: one site job next to a process site", tables))
         if args.only == "nvflare-aggregation":

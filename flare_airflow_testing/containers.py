@@ -6,10 +6,14 @@ another). A build that fails fails the tests that need the images: nothing is sk
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,3 +50,49 @@ def openblas_env() -> list[str]:
 def trainer_image() -> str:
     """The trainer image's tag for this tree (built, cached by content, when missing)."""
     return build_images("trainer")["trainer"]
+
+
+@contextlib.contextmanager
+def docker_api(run_dir: Path, timeout: float = 60.0) -> Iterator[dict[str, str]]:
+    """podman's Docker-compatible API on a private socket (``podman system service``), for the
+    docker CLI on a machine without a Docker engine; yields the environment that points the CLI at
+    it (``DOCKER_HOST``). The service ends with the block."""
+    if shutil.which("docker") is None:
+        raise RuntimeError("the docker CLI is not installed: docker sites cannot be tested here")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    socket = run_dir / "podman.sock"
+    env = {"DOCKER_HOST": f"unix://{socket}"}
+    with open(run_dir / "service.log", "ab") as log:
+        service = subprocess.Popen(
+            [engine(), "system", "service", "--time=0", f"unix://{socket}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its whole group ends with it
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            probe = subprocess.run(
+                ["docker", "version", "--format", "{{.Server.Version}}"],
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if probe.returncode == 0:
+                break
+            if service.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"podman's Docker API did not answer at {socket}: {probe.stderr.strip()}; "
+                    f"see {run_dir / 'service.log'}"
+                )
+            time.sleep(0.1)
+        yield env
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(service.pid, signal.SIGTERM)
+        try:
+            service.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(service.pid, signal.SIGKILL)
+            service.wait()

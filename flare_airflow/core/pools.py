@@ -5,7 +5,7 @@ One pool per site (or site + GPU class) whose slots are the site's GPUs; a site 
 that a deferred job keeps its GPUs. Airflow only logs a warning when a pool is missing or smaller
 than a task's ``pool_slots`` and then waits forever, so two checks come first: job validation
 refuses a request larger than the site's declared GPUs, and :func:`problems` compares the plan
-with the live pools (read and written by :mod:`flare_airflow.airflow_pools`). Pure: no Airflow here.
+with the live pools (read and written by :mod:`flare_airflow.hooks.pools`). Pure: no Airflow here.
 """
 
 from __future__ import annotations

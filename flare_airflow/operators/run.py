@@ -12,7 +12,6 @@ from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowFailException
 
-from flare_airflow.airflow_pools import live_pools_from_api
 from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig, load_initial_model
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
@@ -21,6 +20,7 @@ from flare_airflow.core.page_paths import run_page_path
 from flare_airflow.core.pools import PoolError, blocking, problems, required_pools
 from flare_airflow.core.report import format_table, round_row
 from flare_airflow.core.store import ModelStore
+from flare_airflow.hooks.pools import live_pools_from_api
 from flare_airflow.operators.common import (
     RunParamsError,
     failure_to_xcom,

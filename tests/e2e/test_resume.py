@@ -32,7 +32,7 @@ UI_CLEAR = textwrap.dedent(
     from airflow.serialization.serialized_objects import DagSerialization
     from airflow.utils.cli import get_bagged_dag
     from sqlalchemy import select
-    from flare_airflow import resume
+    from flare_airflow.cli import resume
 
     dag_id, run_id, dagfile, downstream, only_failed = sys.argv[1:6]
     dag = get_bagged_dag(None, dag_id, dagfile)
@@ -56,7 +56,7 @@ def _job(home: AirflowHome, name: str, marker: pathlib.Path) -> pathlib.Path:
 
 def _run_states(home: AirflowHome, dag_id: str, run_id: str) -> dict[str, dict[str, object]]:
     code = (
-        "import json, sys; from flare_airflow.cli import run_state; "
+        "import json, sys; from flare_airflow.cli.dag_runs import run_state; "
         "print(json.dumps(run_state(sys.argv[1], sys.argv[2])))"
     )
     out = subprocess.run(

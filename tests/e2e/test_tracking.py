@@ -41,7 +41,7 @@ CLEAR = textwrap.dedent(
     from airflow import settings
     from airflow.serialization.serialized_objects import DagSerialization
     from airflow.utils.cli import get_bagged_dag
-    from flare_airflow import resume
+    from flare_airflow.cli import resume
 
     dag_id, run_id, dagfile, *task_ids = sys.argv[1:]
     dag = get_bagged_dag(None, dag_id, dagfile)

@@ -200,7 +200,7 @@ def test_a_sensor_needs_exactly_one_source_of_the_identity(tmp_path) -> None:
 def test_resume_clears_a_sensor_watched_site_with_its_launch(tmp_path) -> None:
     """flare-airflow resume clears site tasks: for watch: sensor, the launch too, or the cleared
     sensor would only watch the same finished job again."""
-    from flare_airflow.resume import JobTasks
+    from flare_airflow.cli.resume import JobTasks
 
     job = make_job(tmp_path, sites={"site-1": {**K8S_SITE, "watch": "sensor"}, "site-2": {}})
     tasks = JobTasks.of(build_dag(job))

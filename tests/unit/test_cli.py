@@ -14,7 +14,7 @@ import pytest
 
 SCRIPT = """
 import os, subprocess, sys
-from flare_airflow.cli import _output_to
+from flare_airflow.cli.dag_runs import _output_to
 print("before", flush=True)
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 try:
@@ -53,7 +53,7 @@ def test_output_is_restored_when_the_body_raises(tmp_path: pathlib.Path) -> None
 
 
 def test_the_default_log_is_private_and_unpredictable(tmp_path: pathlib.Path, monkeypatch) -> None:
-    from flare_airflow.cli import open_log
+    from flare_airflow.cli.dag_runs import open_log
 
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
     fds = [open_log(None, "flare_demo") for _ in range(2)]
@@ -69,7 +69,7 @@ def test_the_default_log_is_private_and_unpredictable(tmp_path: pathlib.Path, mo
 
 
 def test_a_symlink_planted_at_the_log_path_is_not_followed(tmp_path: pathlib.Path) -> None:
-    from flare_airflow.cli import CLIError, open_log
+    from flare_airflow.cli.dag_runs import CLIError, open_log
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -81,7 +81,7 @@ def test_a_symlink_planted_at_the_log_path_is_not_followed(tmp_path: pathlib.Pat
 
 
 def test_a_dag_file_import_error_is_reduced_to_the_exception_and_its_message() -> None:
-    from flare_airflow.cli import exception_text
+    from flare_airflow.cli.dag_runs import exception_text
 
     trace = (
         'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    build_dag(...)\n'

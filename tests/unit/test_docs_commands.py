@@ -150,6 +150,8 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     ),
     (r"^python -m compileall$", NotRun("for builders of their own images; ours compile with uv --compile-bytecode")),
     (r"^make images$", RunBy("flare_airflow_testing/containers.py", '"docker" / "images.py"')),
+    # docker sites against podman's Docker-compatible API: the container tests' docker_env fixture
+    (r"^podman system service --time=0 unix://", RunBy("flare_airflow_testing/containers.py", '"system", "service"')),
     # the entrypoints of docker/compose.yaml's Airflow services, which that test brings up
     (
         r"^airflow (db check-migrations|<component>)$",

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from flare_airflow.dag_runs import write_task_logs
+from flare_airflow.cli.dag_runs import write_task_logs
 
 LOG = """\
 2026 [info] parsing

@@ -69,16 +69,25 @@ def run_command(
     gpu_devices: Sequence[str] = (),
     secrets: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
+    cidfile: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """``(argv, env)``: the detached ``run`` of this site job, and the engine's environment that
-    holds every variable's value (the worker's own ``environ`` plus the job's and the secrets)."""
+    """``(argv, env)``: the attached ``run`` of this site job, and the engine's environment that
+    holds every variable's value (the worker's own ``environ`` plus the job's and the secrets).
+
+    Attached: the engine's ``run`` itself returns the trainer's exit code and streams its output,
+    so a job needs no ``wait``, ``inspect`` or ``logs`` call of its own. ``cidfile``: where the
+    engine writes the container's id once it created it (the launch knows then that the image was
+    there). Signals to the ``run`` process are not passed on: only ``terminate`` (``stop``, with the
+    job's shutdown timeout) ends the container."""
     if spec.image is None:
         raise LaunchError(f"{job.label}: a container site needs launcher_spec.container.image")
     environ = dict(os.environ if environ is None else environ)
     values = {k: v for k, v in environ.items() if k.startswith(PASSED_ON_PREFIXES)}
     values.update(job.env)
     values.update(secrets or {})
-    argv = [spec.engine, "run", "--detach", "--name", container_name(identity)]
+    argv = [spec.engine, "run", "--sig-proxy=false", "--name", container_name(identity)]
+    if cidfile:
+        argv += ["--cidfile", cidfile]
     for key, value in labels(identity).items():
         argv += ["--label", f"{key}={value}"]
     argv += [

@@ -1,9 +1,13 @@
 """:class:`ContainerLauncher` / :class:`ContainerJobHandle`: the launcher spec on podman or docker.
 
-Every engine call is an argv list (never a shell string) with a timeout. A handle reads the
-container's state with ``inspect`` through :func:`~flare_airflow.launchers.container.state.map_container`;
-when the job has ended it keeps the container's log and exit state, then removes the container,
-so nothing of a site job stays on the host once its end was seen. ``terminate`` stops (SIGTERM,
+Every engine call is an argv list (never a shell string) with a timeout. A launch runs the
+engine's ``run`` attached, in the background: its exit is the trainer's exit code and its output
+the trainer's log, so a successful job costs two engine calls (``run``, ``rm``); only a job that
+failed is inspected once, to tell an OOM kill or an engine error from a plain exit code
+(:func:`~flare_airflow.launchers.container.state.map_container`). A handle found again by its labels
+(another process launched it) reads the container with ``wait`` / ``inspect`` / ``logs``. Once the
+end was seen the log and exit state are kept and the container is removed, so nothing of a site job
+stays on the host. ``terminate`` stops (SIGTERM,
 then SIGKILL after the shutdown timeout) and removes. A launch whose worker died leaves its
 container running: the next try finds it by its labels (:meth:`ContainerLauncher.terminate_earlier_tries`),
 a sensor by :meth:`ContainerLauncher.find_job`, the run's teardown by :meth:`ContainerLauncher.sweep`.
@@ -18,8 +22,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 from flare_airflow.core.spec import (
     JobHandleSpec,
@@ -32,8 +39,8 @@ from flare_airflow.core.spec import (
     SiteJob,
 )
 from flare_airflow.launchers.container.command import run_command, staging_dir
-from flare_airflow.launchers.container.naming import LABEL_PREFIX, run_filters, site_job_filters
-from flare_airflow.launchers.container.state import launch_failure, map_container
+from flare_airflow.launchers.container.naming import LABEL_PREFIX, container_name, run_filters, site_job_filters
+from flare_airflow.launchers.container.state import launch_failure, map_container, never_started
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.gpus import GpuAllocationError, GpuAllocator, GpuLease
 
@@ -42,6 +49,11 @@ if TYPE_CHECKING:
 
 ENGINE_TIMEOUT = 120.0  # s: one engine call (a pull of a large image is bounded by the launch timeout)
 _HIDDEN = "***"
+# s between looks at the cidfile while the engine creates the container: a local file check, no
+# engine call; an image pull or a container creation takes hundreds of ms.
+_CREATED_CHECK = 0.02
+# What ``run`` exits with when the engine, not the trainer, failed (docker and podman agree).
+_ENGINE_EXIT_CODES = (125, 126, 127)
 
 
 class ContainerEngineError(RuntimeError):
@@ -129,15 +141,22 @@ class ContainerLauncher(JobLauncherSpec):
     # ------------------------------------------------------------------ the launcher spec
 
     def launch_job(self, job_meta: SiteJob, fl_ctx: Mapping[str, Any] | None = None) -> ContainerJobHandle:
-        """Start the site job's container, detached; ``fl_ctx``: ``try_number``, ``secrets`` (name ->
-        value: in the container's environment, never in the argv)."""
+        """Start the site job's container and return once the engine created it; ``fl_ctx``:
+        ``try_number``, ``secrets`` (name -> value: in the container's environment, never in the argv)."""
         ctx = dict(fl_ctx or {})
         identity = JobIdentity.of(job_meta, int(ctx.get("try_number") or self.try_number))
         secrets = dict(ctx.get("secrets") or {})
         self.hidden += [v for v in secrets.values() if v]
         lease = self._gpus(job_meta)
+        output: IO[bytes] | None = None
         try:
             self._writable_staging(job_meta)
+            # podman's conmon, started by ``run``, writes an ``oom`` file into its working directory
+            # when the container is OOM-killed (runc, cgroup v1): the worker's temporary directory
+            # takes it (and the cidfile), never the worker's own working directory.
+            workdir = Path(tempfile.gettempdir())
+            cidfile = workdir / f"flare-{container_name(identity)}.cid"
+            cidfile.unlink(missing_ok=True)  # the engine refuses to overwrite one
             argv, env = run_command(
                 self.spec,
                 self.resources,
@@ -146,6 +165,7 @@ class ContainerLauncher(JobLauncherSpec):
                 gpu_devices=[self.spec.gpu_devices[i] for i in lease.devices] if lease else (),
                 secrets=secrets,
                 environ=self.environ,
+                cidfile=str(cidfile),
             )
             program = shutil.which(argv[0], path=self.environ.get("PATH"))
             if program is None:
@@ -153,35 +173,55 @@ class ContainerLauncher(JobLauncherSpec):
                     f"{identity.label}: the container engine {argv[0]!r} is not installed on this worker; "
                     "install podman or docker, or set launcher_spec.container.engine"
                 )
-            timeout = job_meta.launch_timeout or ENGINE_TIMEOUT
-            try:
-                # podman's conmon, started here, writes an ``oom`` file into its working directory
-                # when the container is OOM-killed (runc, cgroup v1): the worker's temporary directory
-                # takes it, never the worker's own working directory (an Airflow home, a checkout).
-                proc = subprocess.run(
-                    [program, *argv[1:]],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                    check=False,
-                    cwd=tempfile.gettempdir(),
-                )
-            except subprocess.TimeoutExpired:
+            output = tempfile.TemporaryFile()  # noqa: SIM115 - the handle owns it until the job ended
+            proc = subprocess.Popen(
+                [program, *argv[1:]],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd=workdir,
+            )
+            container_id = self._created(proc, cidfile, identity, output, job_meta.launch_timeout or ENGINE_TIMEOUT)
+        except BaseException:
+            if output is not None:
+                output.close()
+            if lease is not None:
+                lease.release()
+            raise
+        return ContainerJobHandle(
+            self, job_meta, identity, container_id, lease=lease, attached=AttachedRun(proc, output, cidfile)
+        )
+
+    def _created(
+        self, proc: subprocess.Popen[bytes], cidfile: Path, identity: JobIdentity, output: IO[bytes], timeout: float
+    ) -> str:
+        """The container's id once the engine wrote it; :class:`LaunchError` when ``run`` ended
+        without creating a container (the image could not be had, the engine refused) or took longer
+        than ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                container_id = cidfile.read_text().strip()
+                if container_id:
+                    return container_id
+            code = proc.poll()
+            if code is not None and not (cidfile.exists() and cidfile.read_text().strip()):
+                cidfile.unlink(missing_ok=True)
+                self._remove_quietly(identity)  # a container created but not started
+                output.seek(0)
+                rc, reason = launch_failure(code, self.mask(output.read().decode(errors="replace")))
+                raise LaunchError(f"{identity.label}: {reason}", rc)
+            if code is None and time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                cidfile.unlink(missing_ok=True)
                 self._remove_quietly(identity)
                 raise LaunchError(
                     f"{identity.label}: the container did not start within {timeout:g}s (launch_timeout)",
                     JobReturnCode.INFRASTRUCTURE_ERROR,
-                ) from None
-            if proc.returncode != 0:
-                self._remove_quietly(identity)  # a container created but not started
-                rc, reason = launch_failure(proc.returncode, self.mask(proc.stderr))
-                raise LaunchError(f"{identity.label}: {reason}", rc)
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        return ContainerJobHandle(self, job_meta, identity, proc.stdout.strip(), lease=lease)
+                )
+            time.sleep(_CREATED_CHECK)
 
     def _gpus(self, job: SiteJob) -> GpuLease | None:
         wanted = self.resources.num_of_gpus if self.resources is not None else 0
@@ -235,8 +275,26 @@ def _name(container: Mapping[str, Any]) -> str:
     return str(names[0] if isinstance(names, list) and names else names or container.get("Id", "?"))
 
 
+@dataclass
+class AttachedRun:
+    """The engine's attached ``run`` of a container this process launched: its exit is the
+    trainer's, its output (stdout and stderr) the trainer's log."""
+
+    proc: subprocess.Popen[bytes]
+    output: IO[bytes]
+    cidfile: Path
+
+    def text(self) -> str:
+        self.output.seek(0)
+        return self.output.read().decode(errors="replace")
+
+    def close(self) -> None:
+        self.output.close()
+        self.cidfile.unlink(missing_ok=True)
+
+
 class ContainerJobHandle(JobHandleSpec):
-    """Handle of one site job's container."""
+    """Handle of one site job's container (``attached``: the ``run`` this process started)."""
 
     def __init__(
         self,
@@ -246,12 +304,14 @@ class ContainerJobHandle(JobHandleSpec):
         container_id: str,
         *,
         lease: GpuLease | None = None,
+        attached: AttachedRun | None = None,
     ) -> None:
         self.launcher = launcher
         self.job = job
         self.identity = identity
         self.container_id = container_id
         self.lease = lease
+        self.attached = attached
         self._status = JobStatus(JobState.STARTING, JobReturnCode.UNKNOWN, "", done=False)
         self._final: JobStatus | None = None
         self._logs: str | None = None
@@ -272,22 +332,57 @@ class ContainerJobHandle(JobHandleSpec):
         loaded = json.loads(out)
         return loaded if isinstance(loaded, dict) else None
 
+    def _memory_limit(self) -> str | None:
+        resources = self.launcher.resources
+        return resources.memory if resources is not None else None
+
     def poll(self) -> JobReturnCode:
         with self._lock:
             if self._final is not None:
                 return self._final.return_code
-            resources = self.launcher.resources
-            memory = resources.memory if resources is not None else None
-            status = map_container(self._inspect(), terminated=self._terminated, memory_limit=memory)
+            if self.attached is not None:
+                code = self.attached.proc.poll()
+                if code is None:
+                    self._status = JobStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False)
+                    return JobReturnCode.UNKNOWN
+                return self._attached_ended(code)
+            status = map_container(self._inspect(), terminated=self._terminated, memory_limit=self._memory_limit())
             self._status = status
             if status.done:
                 self._finish(status)
             return status.return_code
 
+    def _attached_ended(self, code: int) -> JobReturnCode:
+        """The attached ``run`` returned ``code``: 0 is the trainer's success; anything else is
+        inspected once (an OOM kill, an engine error, a ``run`` that was killed itself)."""
+        if code == 0:
+            state: Mapping[str, Any] | None = {"Status": "exited", "ExitCode": 0}
+        else:
+            state = self._inspect()
+            if state is not None and not map_container(state, terminated=self._terminated).done:
+                # ``run`` itself ended (killed) while the container runs on: watch it through the engine.
+                self._drop_attached()
+                self._status = map_container(state, terminated=self._terminated)
+                return self._status.return_code
+        if code in _ENGINE_EXIT_CODES and never_started(state):
+            rc, reason = launch_failure(code, self.launcher.mask(self.attached.text() if self.attached else ""))
+            status = JobStatus(JobState.FAILED, rc, reason, done=True)
+        else:
+            status = map_container(state, terminated=self._terminated, memory_limit=self._memory_limit())
+        self._status = status
+        self._finish(status)
+        return status.return_code
+
+    def _drop_attached(self) -> None:
+        if self.attached is not None:
+            self.attached.close()
+            self.attached = None
+
     def _finish(self, status: JobStatus) -> None:
         """The job ended: keep its log and state, remove the container, free its GPUs."""
         self._final = status
         self._logs = self._read_logs()
+        self._drop_attached()
         if self.launcher.sink is not None:
             prefix = f"[{self.identity.site} r{self.identity.round}] "
             for line in self._logs.splitlines():
@@ -298,17 +393,23 @@ class ContainerJobHandle(JobHandleSpec):
             self.lease.release()
 
     def _read_logs(self) -> str:
+        if self.attached is not None:
+            return self.launcher.mask(self.attached.text())
         try:
             return self.launcher.mask(self.launcher.engine("logs", self.container_id))
         except ContainerEngineError as exc:
             return f"(the container's log could not be read: {exc})"
 
     def wait(self, timeout: float | None = None) -> JobReturnCode:
-        """Block in the engine's own ``wait`` until the container exits (or ``timeout`` passes:
-        ``UNKNOWN``), then read its final state."""
+        """Block until the container exits (or ``timeout`` passes: ``UNKNOWN``), then read its final
+        state: on the attached ``run``, or in the engine's own ``wait``."""
         if self._final is None:
-            with contextlib.suppress(ContainerEngineError):
-                self.launcher.engine("wait", self.container_id, timeout=timeout)
+            if self.attached is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.attached.proc.wait(timeout)
+            else:
+                with contextlib.suppress(ContainerEngineError):
+                    self.launcher.engine("wait", self.container_id, timeout=timeout)
         return self.poll()
 
     def terminate(self) -> None:
@@ -321,7 +422,15 @@ class ContainerJobHandle(JobHandleSpec):
                 self.launcher.engine(
                     "stop", "--time", str(max(0, int(timeout))), self.container_id, timeout=timeout + 60
                 )
+            if self.attached is not None:
+                # The stopped container's ``run`` returns at once; its output is then complete.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.attached.proc.wait(ENGINE_TIMEOUT)
             self._logs = self._read_logs()
+            if self.attached is not None and self.attached.proc.poll() is None:
+                self.attached.proc.kill()
+                self.attached.proc.wait()
+            self._drop_attached()
             with contextlib.suppress(ContainerEngineError):
                 self.launcher.engine("rm", "--force", self.container_id)
             self._final = JobStatus(JobState.TERMINATED, JobReturnCode.ABORTED, "terminated", done=True)

@@ -12,6 +12,7 @@ exited after our terminate()             terminated   ABORTED                ter
 exited N (128 < N < 160: signal N-128)   per the core exit-code table (``map_exit``)
 exited with an engine ``Error``          failed       INFRASTRUCTURE_ERROR   the engine's error
 removed / unknown status                 failed       INFRASTRUCTURE_ERROR   never success
+``run`` exited 125-127, never started    failed       per :func:`launch_failure`
 =======================================  ===========  =====================  ==============================
 
 An image that cannot be pulled never gets a state: ``run`` fails at once (exit 125) and the
@@ -99,3 +100,12 @@ def launch_failure(returncode: int, stderr: str) -> tuple[JobReturnCode, str]:
     if any(text in detail.lower() for text in _PULL_FAILURE_TEXT):
         return JobReturnCode.INFRASTRUCTURE_ERROR, f"the image could not be pulled: {detail}"
     return JobReturnCode.CONFIG_ERROR, f"the container engine refused the container: {detail}"
+
+
+def never_started(state: Mapping[str, Any] | None) -> bool:
+    """True when the engine created the container but could not start it (``run`` exits 125-127
+    then, as it does when the trainer's own exit code is one of those: this tells them apart)."""
+    if state is None:
+        return True
+    started = str(state.get("StartedAt") or "")
+    return str(state.get("Status", "")).lower() in _STARTING or started.startswith("0001-01-01") or not started

@@ -43,12 +43,26 @@ def containers_of(job: SiteJob) -> list[str]:
     return out.split()
 
 
-def launcher(image: str, resources: dict[str, object] | None = None, **block: object) -> ContainerLauncher:
+def launcher(
+    image: str, resources: dict[str, object] | None = None, *, env: dict[str, str] | None = None, **block: object
+) -> ContainerLauncher:
+    """A launcher on podman, or ``engine="docker"`` with ``env`` (DOCKER_HOST) pointing the CLI at an API."""
     spec = ContainerLaunchSpec.model_validate({"engine": "podman", "image": image, "pull": "never", **block})
-    return ContainerLauncher(spec, ResourceSpec.model_validate(resources or {}))
+    return ContainerLauncher(spec, ResourceSpec.model_validate(resources or {}), environ={**os.environ, **(env or {})})
 
 
-def test_a_trainer_runs_sandboxed_and_its_secret_stays_out_of_the_argv(trainer_image: str, tmp_path: Path) -> None:
+@pytest.fixture(params=["podman", "docker"])
+def engine_block(request: pytest.FixtureRequest) -> dict[str, object]:
+    """The same launcher code on both engines: docker's CLI against podman's Docker-compatible API
+    (these machines have no Docker engine); ``podman ps`` then sees the docker CLI's containers too."""
+    if request.param == "podman":
+        return {"engine": "podman"}
+    return {"engine": "docker", "env": request.getfixturevalue("docker_env")}
+
+
+def test_a_trainer_runs_sandboxed_and_its_secret_stays_out_of_the_argv(
+    trainer_image: str, tmp_path: Path, engine_block: dict
+) -> None:
     code = (
         "import os, pathlib; out = pathlib.Path(os.environ['FLARE_OUTPUT']);"
         "out.write_text(os.environ['TOKEN'][::-1]); print('uid', os.getuid(), 'caps', "
@@ -60,7 +74,7 @@ def test_a_trainer_runs_sandboxed_and_its_secret_stays_out_of_the_argv(trainer_i
         "except OSError: print('rootfs read-only')"
     )
     job = site_job(tmp_path, code)
-    runner = launcher(trainer_image)
+    runner = launcher(trainer_image, **engine_block)
     handle = runner.launch_job(job, {"secrets": {"TOKEN": "s3cr3t-value"}})
     inspected = json.loads(
         subprocess.run([engine(), "inspect", handle.container_id], capture_output=True, text=True, check=True).stdout
@@ -76,9 +90,11 @@ def test_a_trainer_runs_sandboxed_and_its_secret_stays_out_of_the_argv(trainer_i
     assert containers_of(job) == [], "the container is removed once its end was seen"
 
 
-def test_a_crash_is_an_execution_error_with_the_exit_code(trainer_image: str, tmp_path: Path) -> None:
+def test_a_crash_is_an_execution_error_with_the_exit_code(
+    trainer_image: str, tmp_path: Path, engine_block: dict
+) -> None:
     job = site_job(tmp_path, "import sys; print('diverged at step 3'); sys.exit(3)")
-    handle = launcher(trainer_image).launch_job(job)
+    handle = launcher(trainer_image, **engine_block).launch_job(job)
     assert handle.wait(60) is JobReturnCode.EXECUTION_ERROR
     assert (handle.state, handle.reason) == (JobState.FAILED, "exit code 3")
     assert "diverged at step 3" in handle.logs()
@@ -110,12 +126,12 @@ def test_an_oom_killed_trainer_is_named(trainer_image: str, tmp_path: Path, monk
     assert list(worker_cwd.iterdir()) == []  # nothing of the engine's lands where the worker runs
 
 
-def test_terminate_ends_a_trainer_that_ignores_sigterm(trainer_image: str, tmp_path: Path) -> None:
+def test_terminate_ends_a_trainer_that_ignores_sigterm(trainer_image: str, tmp_path: Path, engine_block: dict) -> None:
     code = (
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
     )
     job = site_job(tmp_path, code, shutdown=1)
-    handle = launcher(trainer_image).launch_job(job)
+    handle = launcher(trainer_image, **engine_block).launch_job(job)
     assert handle.poll() is JobReturnCode.UNKNOWN
     started = time.monotonic()
     handle.terminate()

@@ -10,6 +10,7 @@ from flare_airflow.core.config import ContainerLaunchSpec, ResourceSpec
 from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState, SiteJob
 from flare_airflow.launchers.container import launch_failure, map_container, run_command
 from flare_airflow.launchers.container.naming import container_name, site_job_filters
+from flare_airflow.launchers.container.state import never_started
 
 
 def _job(tmp_path: pathlib.Path) -> SiteJob:
@@ -45,6 +46,8 @@ def test_the_run_command_keeps_the_sandbox_and_values_out_of_the_argv(tmp_path: 
                  "--user 1000:1000", "--memory 1073741824 --memory-swap 1073741824", "--cpus 2",
                  "--device nvidia.com/gpu=1", "--stop-timeout 7", "--pull missing"):  # fmt: skip
         assert flag in text, flag
+    # attached: the engine's run returns the trainer's exit code; only terminate() stops the container
+    assert "--detach" not in argv and "--sig-proxy=false" in argv
     model = tmp_path / "global" / "model.safetensors"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--volume"] == [
         f"{model}:{model}:ro",
@@ -99,3 +102,17 @@ def test_launch_failures_say_pull_or_refused() -> None:
         JobReturnCode.INFRASTRUCTURE_ERROR
     )
     assert launch_failure(125, "Error: invalid device")[0] is JobReturnCode.CONFIG_ERROR
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (None, True),
+        ({"Status": "created", "StartedAt": "0001-01-01T00:00:00Z"}, True),
+        ({"Status": "exited", "ExitCode": 127, "StartedAt": "0001-01-01T00:00:00Z"}, True),
+        ({"Status": "exited", "ExitCode": 127, "StartedAt": "2026-12-02T03:00:00.1Z"}, False),
+    ],
+)
+def test_an_engine_exit_code_is_a_launch_failure_only_when_the_container_never_started(state, expected) -> None:
+    """``run`` exits 125-127 for the engine's failures and for a trainer exiting so: the start time tells."""
+    assert never_started(state) is expected

@@ -19,24 +19,23 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
-from flare_airflow.core.errors import ConfigError, FlareAirflowError
-from flare_airflow.core.report import format_table, read_metrics
-from flare_airflow.dag_runs import (
+from flare_airflow.cli.dag_runs import (
     DAG_RUN_FAILED,
     OK_STATES,
     CLIError,
     _output_to,
     dag_import_errors,
     dags_test,
-    exception_text,
     latest_run_key,
     open_log,
     run_state,
     write_task_logs,
 )
+from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
+from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.report import format_table, read_metrics
 
-__all__ = ["CLIError", "exception_text", "main", "open_log", "run_state"]
+__all__ = ["console", "main"]
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -185,7 +184,7 @@ def _resume(args: argparse.Namespace, log_fd: int, log_path: str) -> int:
     from airflow.utils.cli import get_bagged_dag
     from sqlalchemy import select
 
-    from flare_airflow import resume
+    from flare_airflow.cli import resume
 
     print(f"resuming {args.dag_id} run {args.run_id}; its output: {log_path}", flush=True)
     with _output_to(log_fd):
@@ -255,7 +254,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_try_trainer(args: argparse.Namespace) -> int:
-    from flare_airflow.try_trainer import try_trainer
+    from flare_airflow.cli.try_trainer import try_trainer
 
     return try_trainer(
         args.job,
@@ -269,8 +268,8 @@ def _cmd_try_trainer(args: argparse.Namespace) -> int:
 
 
 def _cmd_pools_sync(args: argparse.Namespace) -> int:
-    from flare_airflow.airflow_pools import sync_pools
     from flare_airflow.core.pools import required_pools
+    from flare_airflow.hooks.pools import sync_pools
 
     try:
         job = load_job(args.job)
@@ -393,7 +392,3 @@ def console() -> None:
     sys.stderr.flush()
     atexit._run_exitfuncs()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    console()

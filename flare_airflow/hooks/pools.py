@@ -1,8 +1,9 @@
 """The job's GPU pools in a live Airflow: synced through the ORM, read through the REST API.
 
 The plan (which pools, how many slots, what counts as a problem) is pure and lives in
-:mod:`flare_airflow.core.pools`; this module is the Airflow side only. Not a hook: it owns no
-connection type. ``sync_pools`` writes the metadata database where it is reachable (the
+:mod:`flare_airflow.core.pools`; this module is the Airflow side only, beside the other hooks
+though not a ``BaseHook`` (it defines no connection type; it reads the http connection
+``flare_airflow_api``). ``sync_pools`` writes the metadata database where it is reachable (the
 ``flare-airflow pools sync`` command, a deployment job, CI); ``live_pools_from_api`` is how a task,
 which may not use the ORM, reads the pools (the run's ``prepare`` task).
 """
