@@ -19,8 +19,7 @@ from flare_airflow.core.config import JobConfig
 from flare_airflow.launchers.container import ContainerEngineError, ContainerLauncher
 from flare_airflow.operators.common import run_id_of
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
-from flare_airflow.operators.site import site_task_defaults
-from flare_airflow.operators.site_job import site_argv
+from flare_airflow.operators.site_steps import site_argv, site_task_defaults
 
 
 def container_launcher(
@@ -62,16 +61,9 @@ class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):
         self.global_task_id = global_task_id
         self.engine = block.engine
         self.image = block.image
-        self._handle = None
 
     def argv(self) -> list[str]:
         return site_argv(self.job, self.site)
-
-    def launcher(self, try_number: int, secrets: dict[str, str]) -> ContainerLauncher:
-        return container_launcher(
-            self.job, self.site, try_number=try_number, sink=lambda line: self.log.info("%s", line),
-            hidden=list(secrets.values()),
-        )  # fmt: skip
 
 
 class SweepContainersOperator(BaseOperator):

@@ -37,9 +37,17 @@ from flare_airflow.core.model import read_artifact
 from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import path_from_uri, record_path
 from flare_airflow.operators.common import push_failure
-from flare_airflow.operators.site import SiteJobFailed, job_at_site, make_site_run, site_task_defaults
-from flare_airflow.operators.site_job import as_job, site_argv, site_launcher, watchable
+from flare_airflow.operators.site_job import as_job
 from flare_airflow.operators.site_outputs import accept_update, last_lines
+from flare_airflow.operators.site_steps import (
+    SiteJobFailed,
+    job_at_site,
+    make_site_run,
+    site_argv,
+    site_launcher,
+    site_task_defaults,
+    watchable,
+)
 from flare_airflow.site_task.checks import read_failure, update_summary, write_failure
 from flare_airflow.site_task.spec import SiteRun
 
@@ -282,48 +290,3 @@ class SiteJobSensor(BaseSensorOperator):
         # A state the handle does not call final yet (a pending timeout counted from another
         # start): wait again.
         self.defer(trigger=self._trigger(handle), method_name="execute_complete")
-
-
-def pod_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> Any:
-    """A Kubernetes site job's deferrable watch: the fused pod task's own trigger."""
-    from flare_airflow.triggers.pod_state import PodStateTrigger
-
-    k8s = job.sites[site].launcher_spec.k8s
-    return PodStateTrigger(
-        pod_name=handle.name,
-        pod_namespace=handle.namespace,
-        kubernetes_conn_id=k8s.kubernetes_conn_id,
-        config_dict=_kubeconfig(k8s.config_file),
-        in_cluster=k8s.in_cluster,
-        cluster_context=k8s.cluster_context,
-        pending_timeout=k8s.pending_timeout,
-        startup_timeout=k8s.startup_timeout,
-        delete_on_kill=False,  # the sensor does not own the pod: a later try re-attaches
-        # a multi-node site job: every pod of the launch, watched as one
-        group_selector=handle.group_selector,
-        group_pods=handle.names if handle.group_selector else None,
-    )
-
-
-def slurm_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> Any:
-    """A SLURM site job's deferrable watch: the fused SLURM task's own trigger."""
-    from flare_airflow.triggers.slurm_state import SlurmJobTrigger
-
-    return SlurmJobTrigger.for_job(
-        job.sites[site].launcher_spec.slurm,
-        handle.submitted,
-        offset=handle.output.offset,  # the lines before it are in the task log already
-        prefix=f"[{site} r{round_num}] ",
-        cancel_on_kill=False,
-    )
-
-
-def _kubeconfig(path: str | None) -> dict[str, Any] | None:
-    """The kubeconfig as a dict for the triggerer, which may not see the worker's files."""
-    if not path:
-        return None
-    import yaml
-
-    with open(path, encoding="utf-8") as fh:
-        loaded = yaml.safe_load(fh)
-    return loaded if isinstance(loaded, dict) else None
