@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import yaml
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.utils.pod_manager import OnFinishAction
 from airflow.providers.common.compat.sdk import conf
@@ -28,9 +27,11 @@ from kubernetes.client import models as k8s
 from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobIdentity, JobLauncherSpec, JobReturnCode
+from flare_airflow.hooks.kubernetes import site_hook
 from flare_airflow.launchers.kubernetes import (
     CONTAINER_NAME,
     KubernetesLauncher,
+    delete_pod,
     delete_site_pods,
     group_name,
     job_pod,
@@ -70,21 +71,12 @@ def kubernetes_launcher(
     job: JobConfig, site: str, *, try_number: int, sink: Callable[[str], None] | None, hidden: Sequence[str]
 ) -> KubernetesLauncher:
     """A Kubernetes site's launcher: its cluster through the site's Airflow connection (``KubernetesHook``)."""
-    from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-
     spec = job.sites[site]
-    k8s_spec = spec.launcher_spec.k8s
-    hook = KubernetesHook(
-        conn_id=k8s_spec.kubernetes_conn_id,
-        in_cluster=k8s_spec.in_cluster,
-        config_file=k8s_spec.config_file,
-        cluster_context=k8s_spec.cluster_context,
-    )
     return KubernetesLauncher(
-        k8s_spec,
+        spec.launcher_spec.k8s,
         spec.resource_spec,
         store_root=str(store_for(job).root),
-        api_client=hook.api_client,
+        api_client=site_hook(spec.launcher_spec.k8s).api_client,
         try_number=try_number,
         sink=sink,
     )
@@ -92,31 +84,15 @@ def kubernetes_launcher(
 
 def pod_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> PodStateTrigger:
     """A Kubernetes site job's deferrable watch for the sensor: the fused pod task's own trigger."""
-    spec = job.sites[site].launcher_spec.k8s
-    return PodStateTrigger(
+    return PodStateTrigger.for_site(
+        job.sites[site].launcher_spec.k8s,
         pod_name=handle.name,
         pod_namespace=handle.namespace,
-        kubernetes_conn_id=spec.kubernetes_conn_id,
-        config_dict=kubeconfig_dict(spec.config_file),
-        in_cluster=spec.in_cluster,
-        cluster_context=spec.cluster_context,
-        pending_timeout=spec.pending_timeout,
-        startup_timeout=spec.startup_timeout,
         delete_on_kill=False,  # the sensor does not own the pod: a later try re-attaches
         # a multi-node site job: every pod of the launch, watched as one
         group_selector=handle.group_selector,
         group_pods=handle.names if handle.group_selector else None,
     )
-
-
-def kubeconfig_dict(path: str | None) -> dict[str, Any] | None:
-    """The kubeconfig as a dict for the triggerer, which may not see the worker's files (as the
-    stock operator sends it; read here rather than through its private ``_config_dict``)."""
-    if not path:
-        return None
-    with open(path, encoding="utf-8") as fh:
-        loaded = yaml.safe_load(fh)
-    return loaded if isinstance(loaded, dict) else None
 
 
 class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
@@ -382,15 +358,10 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
     def _trigger(self, context: Context | None) -> PodStateTrigger:
         spec = self.job.sites[self.site].launcher_spec.k8s
         assert self.pod is not None
-        return PodStateTrigger(
+        return PodStateTrigger.for_site(
+            spec,
             pod_name=self.pod.metadata.name,
             pod_namespace=self.pod.metadata.namespace,
-            kubernetes_conn_id=self.kubernetes_conn_id,
-            config_dict=kubeconfig_dict(self.config_file),
-            in_cluster=self.in_cluster,
-            cluster_context=self.cluster_context,
-            pending_timeout=spec.pending_timeout,
-            startup_timeout=spec.startup_timeout,
             # The trigger enforces execution_timeout itself and deletes the pod: Airflow's own
             # timeout of a deferred task would fail it without any chance to clean up.
             execution_deadline=self._deadline(context),
@@ -446,7 +417,7 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
         if pod is None:
             return
         try:
-            self.pod_manager.delete_pod(pod)
+            delete_pod(self.client, pod.metadata.namespace, pod.metadata.name, grace=None, uid=pod.metadata.uid)
         except Exception as exc:  # the original error matters more; say why the pod may remain
             self.log.warning("could not delete pod %s: %s", pod.metadata.name, exc)
 
