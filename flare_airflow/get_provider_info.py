@@ -40,7 +40,11 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {
                 "integration-name": "Federated learning",
-                "python-modules": ["flare_airflow.triggers.pod_state", "flare_airflow.triggers.slurm_state"],
+                "python-modules": [
+                    "flare_airflow.triggers.pod_state",
+                    "flare_airflow.triggers.slurm_state",
+                    "flare_airflow.triggers.container_state",
+                ],
             }
         ],
     }

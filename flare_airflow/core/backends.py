@@ -113,6 +113,7 @@ BACKENDS: Mapping[str, Backend] = {
             aliases=("docker", "podman"),
             site_task="flare_airflow.operators.container.SiteContainerOperator",
             launcher="flare_airflow.operators.container.container_launcher",
+            trigger="flare_airflow.operators.container.container_trigger",
             sweep=("sweep_containers", "flare_airflow.operators.container.SweepContainersOperator"),
             argv="image",
             needs_image=True,

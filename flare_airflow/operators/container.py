@@ -16,10 +16,11 @@ from airflow.sdk import BaseOperator, Context
 
 from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig
-from flare_airflow.launchers.container import ContainerEngineError, ContainerLauncher
+from flare_airflow.launchers.container import ContainerEngineError, ContainerJobHandle, ContainerLauncher
 from flare_airflow.operators.common import run_id_of
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
 from flare_airflow.operators.site_steps import site_argv, site_task_defaults
+from flare_airflow.triggers.container_state import ContainerJobTrigger
 
 
 def container_launcher(
@@ -30,6 +31,12 @@ def container_launcher(
     return ContainerLauncher(
         spec.launcher_spec.container, spec.resource_spec, try_number=try_number, sink=sink, hidden=hidden
     )
+
+
+def container_trigger(job: JobConfig, site: str, handle: ContainerJobHandle, round_num: int) -> ContainerJobTrigger:
+    """A container site job's deferrable watch for the sensor: found again by its identity labels."""
+    spec = job.sites[site]
+    return ContainerJobTrigger.for_site(spec.launcher_spec.container, spec.resource_spec, handle.identity)
 
 
 class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):

@@ -2,12 +2,13 @@
 
 :class:`SiteJobSensor` finds the job by its identity (job, run, round, site, try) -- from the
 launching task's XCom, or given -- with the site backend's :meth:`find_job`, never by an
-in-memory handle: a worker restart, a retry, a cleared sensor re-attach to the same pod or SLURM
-job instead of starting another. Each check polls the job through the backend's state table
+in-memory handle: a worker restart, a retry, a cleared sensor re-attach to the same pod, SLURM
+job or container instead of starting another. Each check polls the job through the backend's state table
 (``docs/state-mapping.md``): ``poke`` mode and ``mode="reschedule"`` poll from the worker;
-deferrable mode waits in the triggerer with the fused site tasks' own triggers
+deferrable mode waits in the triggerer with the trigger the backend's registry entry names
 (:class:`~flare_airflow.triggers.pod_state.PodStateTrigger`,
-:class:`~flare_airflow.triggers.slurm_state.SlurmJobTrigger`), which emit typed events.
+:class:`~flare_airflow.triggers.slurm_state.SlurmJobTrigger`,
+:class:`~flare_airflow.triggers.container_state.ContainerJobTrigger`), which emit typed events.
 
 When the job succeeded, the sensor checks and publishes the site's update (exactly once: a
 cleared sensor finds it published and reports it again) and returns its summary as XCom, like
@@ -252,8 +253,8 @@ class SiteJobSensor(BaseSensorOperator):
 
     def execute(self, context: Context) -> Any:
         if not self.deferrable or self.job.sites[self.site].backend.trigger is None:
-            # A backend without a trigger (containers: a local engine the triggerer may not reach)
-            # is watched from the worker, in the sensor's poke or reschedule mode.
+            # A backend without a trigger in the registry is watched from the worker, in the
+            # sensor's poke or reschedule mode.
             return super().execute(context)
         self._defer_or_finish(context)
 

@@ -272,13 +272,18 @@ class ContainerJobHandle(JobHandleSpec):
         loaded = json.loads(out)
         return loaded if isinstance(loaded, dict) else None
 
+    def peek(self) -> JobStatus:
+        """The container's status now, through the state table, leaving it as it is: a watcher in
+        another process (a sensor's trigger) only looks; whoever accepts the result finishes it."""
+        resources = self.launcher.resources
+        memory = resources.memory if resources is not None else None
+        return map_container(self._inspect(), terminated=self._terminated, memory_limit=memory)
+
     def poll(self) -> JobReturnCode:
         with self._lock:
             if self._final is not None:
                 return self._final.return_code
-            resources = self.launcher.resources
-            memory = resources.memory if resources is not None else None
-            status = map_container(self._inspect(), terminated=self._terminated, memory_limit=memory)
+            status = self.peek()
             self._status = status
             if status.done:
                 self._finish(status)
