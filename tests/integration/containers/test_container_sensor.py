@@ -32,7 +32,7 @@ from flare_airflow.launchers.container import ContainerLauncher
 from flare_airflow.operators.site_job import SiteJobLaunchOperator
 from flare_airflow.sensors.site_job import SiteJobSensor
 from flare_airflow.triggers.container_state import ContainerJobTrigger
-from tests.harness import tiny_model
+from flare_airflow_testing.harness import tiny_model
 from tests.integration.containers.test_container_launcher import containers_of
 from tests.integration.sensors.test_site_job_sensor_k8s import RUN_ID, Run
 
