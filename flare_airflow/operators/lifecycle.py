@@ -194,9 +194,7 @@ class SiteTaskLifecycle(abc.ABC):
         with self.launch_errors(context, run):
             launcher = self.launcher(try_number=try_number, secrets=secrets)
             handle = self.reattach(launcher=launcher, identity=identity)
-        if handle is not None:
-            self.log.info("site job %s already launched: not launching another", identity.label)
-        else:
+        if handle is None:
             self.claim(run)
             with self.launch_errors(context, run):
                 self.end_earlier_tries(context=context, launcher=launcher, identity=identity)
