@@ -45,6 +45,7 @@ def get_provider_info() -> dict[str, Any]:
                     "flare_airflow.triggers.pod_state",
                     "flare_airflow.triggers.slurm_state",
                     "flare_airflow.triggers.flare_job",
+                    "flare_airflow.triggers.container_state",
                 ],
             }
         ],

@@ -28,7 +28,7 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
-from flare_airflow.operators.site import make_evaluation_run, produced_sha256
+from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
 from flare_airflow.site_task.checks import read_failure

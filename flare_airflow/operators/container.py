@@ -16,11 +16,11 @@ from airflow.sdk import BaseOperator, Context
 
 from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig
-from flare_airflow.launchers.container import ContainerEngineError, ContainerLauncher
+from flare_airflow.launchers.container import ContainerEngineError, ContainerJobHandle, ContainerLauncher
 from flare_airflow.operators.common import run_id_of
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
-from flare_airflow.operators.site import site_task_defaults
-from flare_airflow.operators.site_job import site_argv
+from flare_airflow.operators.site_steps import site_argv, site_task_defaults
+from flare_airflow.triggers.container_state import ContainerJobTrigger
 
 
 def container_launcher(
@@ -31,6 +31,12 @@ def container_launcher(
     return ContainerLauncher(
         spec.launcher_spec.container, spec.resource_spec, try_number=try_number, sink=sink, hidden=hidden
     )
+
+
+def container_trigger(job: JobConfig, site: str, handle: ContainerJobHandle, round_num: int) -> ContainerJobTrigger:
+    """A container site job's deferrable watch for the sensor: found again by its identity labels."""
+    spec = job.sites[site]
+    return ContainerJobTrigger.for_site(spec.launcher_spec.container, spec.resource_spec, handle.identity)
 
 
 class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):
@@ -62,16 +68,9 @@ class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):
         self.global_task_id = global_task_id
         self.engine = block.engine
         self.image = block.image
-        self._handle = None
 
     def argv(self) -> list[str]:
         return site_argv(self.job, self.site)
-
-    def launcher(self, try_number: int, secrets: dict[str, str]) -> ContainerLauncher:
-        return container_launcher(
-            self.job, self.site, try_number=try_number, sink=lambda line: self.log.info("%s", line),
-            hidden=list(secrets.values()),
-        )  # fmt: skip
 
 
 class SweepContainersOperator(BaseOperator):

@@ -13,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import yaml
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.utils.pod_manager import OnFinishAction
 from airflow.providers.common.compat.sdk import conf
@@ -27,10 +26,12 @@ from kubernetes.client import models as k8s
 
 from flare_airflow.core.config import JobConfig, KubernetesLaunchSpec
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
-from flare_airflow.core.spec import JobIdentity, JobReturnCode
-from flare_airflow.core.store import path_from_uri
+from flare_airflow.core.spec import JobIdentity, JobLauncherSpec, JobReturnCode
+from flare_airflow.hooks.kubernetes import site_hook
 from flare_airflow.launchers.kubernetes import (
     CONTAINER_NAME,
+    KubernetesLauncher,
+    delete_pod,
     delete_site_pods,
     group_name,
     job_pod,
@@ -41,16 +42,12 @@ from flare_airflow.launchers.kubernetes import (
     unreachable_store,
 )
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.site import (
-    check_site_task_may_run,
+from flare_airflow.operators.lifecycle import SiteTaskLifecycle
+from flare_airflow.operators.site_steps import (
     job_at_site,
-    make_site_run,
     site_config_failed,
-    site_failed,
     site_task_defaults,
 )
-from flare_airflow.operators.site_outputs import accept_update, claim_and_clear
-from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.triggers.pod_state import PodStateTrigger
 
@@ -70,7 +67,35 @@ def pod_settings(spec: KubernetesLaunchSpec) -> dict[str, Any]:
     }
 
 
-class SitePodOperator(KubernetesPodOperator):
+def kubernetes_launcher(
+    job: JobConfig, site: str, *, try_number: int, sink: Callable[[str], None] | None, hidden: Sequence[str]
+) -> KubernetesLauncher:
+    """A Kubernetes site's launcher: its cluster through the site's Airflow connection (``KubernetesHook``)."""
+    spec = job.sites[site]
+    return KubernetesLauncher(
+        spec.launcher_spec.k8s,
+        spec.resource_spec,
+        store_root=str(store_for(job).root),
+        api_client=site_hook(spec.launcher_spec.k8s).api_client,
+        try_number=try_number,
+        sink=sink,
+    )
+
+
+def pod_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> PodStateTrigger:
+    """A Kubernetes site job's deferrable watch for the sensor: the fused pod task's own trigger."""
+    return PodStateTrigger.for_site(
+        job.sites[site].launcher_spec.k8s,
+        pod_name=handle.name,
+        pod_namespace=handle.namespace,
+        delete_on_kill=False,  # the sensor does not own the pod: a later try re-attaches
+        # a multi-node site job: every pod of the launch, watched as one
+        group_selector=handle.group_selector,
+        group_pods=handle.names if handle.group_selector else None,
+    )
+
+
+class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
     """Train one site for one round as a pod in the site's cluster.
 
     :param job: the validated job.
@@ -172,18 +197,19 @@ class SitePodOperator(KubernetesPodOperator):
             setattr(self, name, OnFinishAction(value) if name == "on_finish_action" else value)
         self._is_delete_operator_pod = self.on_finish_action == OnFinishAction.DELETE_POD
 
-    def _site_run(self, context: Context) -> SiteRun:
-        if self._run is None:
-            self._run = make_site_run(
-                self.job, self.site, self.round_num, context, argv=[], global_task_id=self.global_task_id
-            )
+    def argv(self) -> list[str]:
+        return []  # the pod's command comes from the manifest builder (the site's image)
+
+    def site_run(self, context: Context) -> SiteRun:
+        if self._run is None:  # built once per process: the pod, its group and the resumed trigger share it
+            self._run = super().site_run(context)
         return self._run
 
     def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> Any:
         if context is None:
             raise FlareAirflowError("a site pod is built for one task instance: a context is needed")
         store = store_for(self.job)
-        run = self._site_run(context)
+        run = self.site_run(context)
         try:
             pod = job_pod(
                 self.job,
@@ -193,8 +219,7 @@ class SitePodOperator(KubernetesPodOperator):
                 try_number=int(context["ti"].try_number or 1),
             )
         except FlareAirflowError as exc:  # site policy refused the pod (host paths, store): no pod exists
-            write_failure(path_from_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
-            raise site_failed(context, self.site, self.round_num, f"{exc} [CONFIG_ERROR]") from None
+            raise self.fail(context, run, JobReturnCode.CONFIG_ERROR, str(exc)) from None
         # The operator's own identifying labels too, so that Airflow's tooling finds the pod.
         pod.metadata.labels.update(self._get_ti_pod_labels(context))
         return pod
@@ -204,7 +229,7 @@ class SitePodOperator(KubernetesPodOperator):
         spec = self.job.sites[self.site].launcher_spec.k8s
         if spec.nodes <= 1:
             return
-        run = self._site_run(context)
+        run = self.site_run(context)
         try_number = int(context["ti"].try_number or 1)
         identity = JobIdentity(self.job.job, run.run_id, self.round_num, self.site, try_number)
         group = group_name(self.job.job, self.site, self.round_num, run.run_id, try_number, spec.nodes)
@@ -214,7 +239,7 @@ class SitePodOperator(KubernetesPodOperator):
         """Rank 0's pod, as the stock operator creates it; for several nodes the headless Service and
         the other ranks' pods first (from the one manifest builder, with the same labels)."""
         if self._group is not None:
-            run = self._site_run(context)
+            run = self.site_run(context)
             objects = job_site_job(
                 self.job,
                 self.site,
@@ -249,18 +274,47 @@ class SitePodOperator(KubernetesPodOperator):
             self.log.info("site %s round %d: deleted %s", self.site, self.round_num, ", ".join(deleted))
 
     def on_kill(self) -> None:
-        super().on_kill()
+        KubernetesPodOperator.on_kill(self)  # deletes the pod it created
         self._delete_group_quietly()
 
-    def execute(self, context: Context) -> Any:
-        check_site_task_may_run(context, self.job, self.site, self.round_num)
-        self.apply_site_policy(context)
-        run = self._site_run(context)
-        claim_and_clear(run)
-        self.delete_earlier_tries(context)
+    # ------------------------------------------------------------------ the lifecycle's hooks
+
+    def launcher(self, *, try_number: int, secrets: Mapping[str, str]) -> JobLauncherSpec | None:
+        return None  # the stock operator creates and watches the pod (its client, logs and labels)
+
+    def end_earlier_tries(
+        self, *, context: Context, launcher: JobLauncherSpec | None, identity: JobIdentity
+    ) -> list[str]:
+        return self.delete_earlier_tries(context)
+
+    def launch(
+        self,
+        *,
+        context: Context,
+        run: SiteRun,
+        launcher: JobLauncherSpec | None,
+        try_number: int,
+        secrets: Mapping[str, str],
+    ) -> k8s.V1Pod:
+        """Create the pod (for several nodes, the group first) as the stock operator does."""
         self._know_group(context)
+        self.name = self._set_name(self.name)
         try:
-            return super().execute(context)
+            self.pod_request_obj = self.build_pod_request_obj(context)
+            self.pod = self.get_or_create_pod(pod_request_obj=self.pod_request_obj, context=context)
+        except BaseException:
+            self._delete_pod_quietly()  # a group's pods may exist already
+            raise
+        return self.pod
+
+    def watch(self, *, context: Context, run: SiteRun, handle: Any) -> Any:
+        """The pod's trigger: in the triggerer when deferrable (the stock ``execute_async`` records the
+        pod in XCom and calls our :meth:`invoke_defer_method`), else in the worker; both end in
+        :meth:`trigger_reentry`."""
+        try:
+            if self.deferrable:
+                self.execute_async(context)
+            return self._watch_here(context)
         except (AirflowSkipException, TaskDeferred):
             raise
         except BaseException:
@@ -275,7 +329,7 @@ class SitePodOperator(KubernetesPodOperator):
 
         A site that keeps pods for debugging keeps the finished ones.
         """
-        run = self._site_run(context)
+        run = self.site_run(context)
         try_number = int(context["ti"].try_number or 1)
         if try_number <= 1:
             return []
@@ -304,15 +358,10 @@ class SitePodOperator(KubernetesPodOperator):
     def _trigger(self, context: Context | None) -> PodStateTrigger:
         spec = self.job.sites[self.site].launcher_spec.k8s
         assert self.pod is not None
-        return PodStateTrigger(
+        return PodStateTrigger.for_site(
+            spec,
             pod_name=self.pod.metadata.name,
             pod_namespace=self.pod.metadata.namespace,
-            kubernetes_conn_id=self.kubernetes_conn_id,
-            config_dict=self._kubeconfig(),
-            in_cluster=self.in_cluster,
-            cluster_context=self.cluster_context,
-            pending_timeout=spec.pending_timeout,
-            startup_timeout=spec.startup_timeout,
             # The trigger enforces execution_timeout itself and deletes the pod: Airflow's own
             # timeout of a deferred task would fail it without any chance to clean up.
             execution_deadline=self._deadline(context),
@@ -323,25 +372,13 @@ class SitePodOperator(KubernetesPodOperator):
             group_pods=self._group[1] if self._group else None,
         )
 
-    def _kubeconfig(self) -> dict[str, Any] | None:
-        # The triggerer may not see the worker's files: the kubeconfig travels as a dict, as the
-        # stock operator sends it (read here rather than through its private _config_dict).
-        if not self.config_file:
-            return None
-        with open(self.config_file, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f)
-        return loaded if isinstance(loaded, dict) else None
-
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
         deadline = self._deadline(context)
         timeout = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.time()) + 60)
         self.defer(trigger=self._trigger(context), method_name="trigger_reentry", timeout=timeout)
 
-    def execute_sync(self, context: Context) -> Any:
+    def _watch_here(self, context: Context) -> Any:
         # Same trigger, same state table as deferrable mode; the worker waits instead of the triggerer.
-        self.pod_request_obj = self.build_pod_request_obj(context)
-        self.pod = self.get_or_create_pod(pod_request_obj=self.pod_request_obj, context=context)
-
         async def first_event() -> dict[str, Any]:
             async for event in self._trigger(context).run():
                 return dict(event.payload)
@@ -380,15 +417,14 @@ class SitePodOperator(KubernetesPodOperator):
         if pod is None:
             return
         try:
-            self.pod_manager.delete_pod(pod)
+            delete_pod(self.client, pod.metadata.namespace, pod.metadata.name, grace=None, uid=pod.metadata.uid)
         except Exception as exc:  # the original error matters more; say why the pod may remain
             self.log.warning("could not delete pod %s: %s", pod.metadata.name, exc)
 
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> Any:
         self.apply_site_policy(context)
-        run = self._site_run(context)
+        run = self.site_run(context)
         self._know_group(context)
-        output = path_from_uri(run.output)
         reason = str(event.get("reason") or event.get("message") or event.get("status"))
         self.log.info("site %s round %d pod %s: %s", self.site, self.round_num, event.get("name"), event.get("status"))
         if event.get("status") == "error" and int(event.get("_redefer_count", 0)) >= self.MAX_REDEFER_ATTEMPTS:
@@ -412,8 +448,7 @@ class SitePodOperator(KubernetesPodOperator):
                 reason = f"pod succeeded but its result could not be collected: {exc}"
             self._delete_group_quietly()
             rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
-            write_failure(output, rc, reason)
-            raise site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]") from None
+            raise self.fail(context, run, rc, reason) from None
         self._delete_group_quietly()  # the stock operator deleted the pod it re-read (rank 0) only
-        # do_xcom_push is the stock operator's sidecar switch (off): accept_update pushes the summary.
-        return accept_update(context, self.site, self.round_num, run)
+        # do_xcom_push is the stock operator's sidecar switch (off): finish pushes the summary.
+        return self.finish(context, run, JobReturnCode.SUCCESS)

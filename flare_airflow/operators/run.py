@@ -464,22 +464,18 @@ class SweepPodsOperator(BaseOperator):
         specs = [s.launcher_spec.k8s for s in sites_swept_by(self.job.sites, SweepPodsOperator).values()]
         if not specs:
             return []
-        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-
+        from flare_airflow.hooks.kubernetes import site_hook
         from flare_airflow.launchers.kubernetes import delete_site_pods, site_pods_selector
 
         selector = site_pods_selector(self.job.job, run_id_of(context))
         deleted: list[str] = []
         places = {
-            (s.kubernetes_conn_id, s.in_cluster, s.config_file, s.cluster_context, s.namespace, s.keep_pods)
+            (s.kubernetes_conn_id, s.in_cluster, s.config_file, s.cluster_context, s.namespace, s.keep_pods): s
             for s in specs
         }
-        for conn_id, in_cluster, config_file, cluster_context, namespace, keep_pods in sorted(places, key=str):
-            hook = KubernetesHook(
-                conn_id=conn_id, in_cluster=in_cluster, config_file=config_file, cluster_context=cluster_context
-            )
+        for (*_cluster, namespace, keep_pods), spec in sorted(places.items(), key=lambda item: str(item[0])):
             try:
-                found = delete_site_pods(hook.core_v1_client, namespace, selector, keep_finished=keep_pods)
+                found = delete_site_pods(site_hook(spec).core_v1_client, namespace, selector, keep_finished=keep_pods)
             except Exception as exc:  # the Kubernetes client raises many types; the run's result stands
                 self.log.warning("could not sweep the pods of this run in namespace %s: %s", namespace, exc)
                 continue

@@ -1,9 +1,11 @@
-"""Site job task for process sites: a BashOperator whose command is fixed and whose input is data.
+"""Site job task for process sites: the site-task lifecycle whose job is a fixed shell command.
 
-The shell never sees user input: ``bash_command`` is ``exec <python> -m
-flare_airflow.site_task`` and the site job (argv, environment, paths) travels as JSON
-in one environment variable. The runner starts the trainer from that argv without a shell, in its
-own process group, and forwards Airflow's SIGTERM to it.
+:class:`SiteTrainOperator` is :class:`~flare_airflow.operators.lifecycle.SiteTaskLifecycle` mixed
+into a ``BashOperator``. The shell never sees user input: ``bash_command`` is ``exec <python> -m
+flare_airflow.site_task`` and the site job (argv, environment, paths) travels as JSON in one
+environment variable. The runner starts the trainer from that argv without a shell, in its own
+process group, forwards Airflow's SIGTERM to it, and claims, checks and publishes in the job's own
+process (so a process job never outlives its task: no earlier tries to end, no sensor to watch it).
 """
 
 from __future__ import annotations
@@ -14,38 +16,25 @@ import os
 import shlex
 import sys
 import tempfile
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import Context
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
-from flare_airflow.core.config import (
-    SITE_CONFIG_ENV,
-    SITE_POLICY_VARIABLE,
-    JobConfig,
-    SitePolicy,
-    apply_site_policy,
-    load_site_policy,
-    site_policy_from_text,
-)
-from flare_airflow.core.errors import ConfigError, FlareAirflowError, StoreError
-from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.config import JobConfig
+from flare_airflow.core.spec import JobLauncherSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.hooks.secrets import secret_value
 from flare_airflow.launchers.trainer import trainer_argv
-from flare_airflow.operators.common import (
-    FINISHED_STATES,
-    push_failure,
-    run_id_of,
-    run_params,
-    store_for,
-    task_states,
+from flare_airflow.operators.lifecycle import SiteTaskLifecycle
+from flare_airflow.operators.site_steps import (
+    SiteJobFailed,
+    noise_secret_for,
+    site_failed,
+    site_task_defaults,
 )
-from flare_airflow.operators.staging import check_connection, is_local, staged
-from flare_airflow.site_task.checks import read_failure, write_failure
+from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.owners import owners_value
 from flare_airflow.site_task.spec import (
     NOISE_SECRET_ENV,
@@ -56,20 +45,6 @@ from flare_airflow.site_task.spec import (
     SUMMARY_PREFIX,
     SiteRun,
 )
-
-# FLARE_SITE of the server's evaluation of a global model, run by the aggregation task.
-SERVER_SITE = "server"
-
-
-class SiteJobFailed(FlareAirflowError, AirflowException):
-    """A site's trainer failed or sent an unusable update."""
-
-
-def site_failed(context: Context, site: str, round_num: int, reason: str) -> SiteJobFailed:
-    """The error that fails a site task; its reason also goes to XCom (key ``failure``), which the
-    aggregation reads when the store could not take the failure record (full, read-only)."""
-    push_failure(context, reason)
-    return SiteJobFailed(f"site {site!r} round {round_num} failed: {reason}")
 
 
 def _runner_reason(path: str) -> str | None:
@@ -101,267 +76,7 @@ def _summary(output: str) -> dict[str, Any] | None:
     return None
 
 
-def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
-    """The ``secret_env`` of the site's own launcher block (backends whose secrets are Airflow
-    references: process, SLURM, container), resolved on this worker and masked in logs.
-
-    Raises :class:`SiteJobFailed` naming the site, the variable and the reference it could not
-    resolve. The values go to the site runner in its environment (never argv, XCom or the store).
-    """
-    from airflow.sdk.log import mask_secret
-
-    values: dict[str, str] = {}
-    spec = job.sites[site]
-    refs = spec.block.secret_env if spec.backend.worker_secrets else {}
-    for name, ref in refs.items():
-        try:
-            value = secret_value(ref)
-        except Exception as exc:  # the Task SDK raises several types for "not found"
-            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            where = (
-                f"AIRFLOW_VAR_{ref.variable.upper()}" if ref.variable else f"AIRFLOW_CONN_{str(ref.conn_id).upper()}"
-            )
-            raise SiteJobFailed(
-                f"site {site!r}: secret_env {name} could not be resolved from {ref.describe()}: {detail}; "
-                f"create it in Airflow (UI, CLI, a secrets backend or {where}) on the workers that run this site"
-            ) from None
-        mask_secret(value, name)
-        values[name] = value
-    return values
-
-
-def noise_secret_for(run: SiteRun) -> str | None:
-    """The site's noise secret when its privacy plan adds noise (else None), resolved on this
-    worker from the Airflow variable the plan names and masked in logs.
-
-    The site keeps it (its worker's variables or secrets backend), so the server cannot
-    regenerate the site's noise; the noise of (job, run, round, site) is keyed from it
-    (:func:`~flare_airflow.core.privacy.filters.noise_key`), so a retry republishes the same
-    release. Raises :class:`SiteJobFailed` saying how to create it when it is missing.
-    """
-    from airflow.sdk import Variable
-    from airflow.sdk.log import mask_secret
-
-    from flare_airflow.core.privacy.plan import PrivacyPlan
-
-    if run.privacy is None:
-        return None
-    plan = PrivacyPlan.from_dict(run.privacy)
-    if not plan.adds_noise:
-        return None
-    value = Variable.get(plan.noise_secret_variable, default=None)
-    if not value:
-        raise SiteJobFailed(
-            f"site {run.site!r}: its privacy plan adds noise, keyed by the site's secret in the Airflow variable "
-            f"{plan.noise_secret_variable!r}, which this worker does not have; create it on the site's worker "
-            f"(airflow variables set {plan.noise_secret_variable} <64 random hex digits>, a secrets backend, or "
-            f"AIRFLOW_VAR_{plan.noise_secret_variable.upper()}) and keep it for the run's lifetime"
-        )
-    mask_secret(str(value), plan.noise_secret_variable)
-    return str(value)
-
-
-def site_policy_path() -> str | None:
-    """This worker's site policy file: ``$FLARE_SITE_CONFIG``, else Airflow's ``[flare] site_config``."""
-    path = os.environ.get(SITE_CONFIG_ENV)
-    if path:
-        return path
-    from airflow.configuration import conf
-
-    return conf.get("flare", "site_config", fallback=None) or None
-
-
-def site_policy() -> SitePolicy | None:
-    """This worker's site policy, or ``None`` when it has none (the central, one-machine default).
-
-    The policy file (:func:`site_policy_path`) if the worker names one, else the Airflow variable
-    :data:`SITE_POLICY_VARIABLE`, looked up as Airflow looks up any variable from a task: the
-    worker's own ``AIRFLOW_VAR_FLARE_SITE_POLICY`` and secrets backend first, then the metastore.
-    """
-    path = site_policy_path()
-    if path:
-        return load_site_policy(path)
-    from airflow.sdk import Variable
-
-    text = Variable.get(SITE_POLICY_VARIABLE, default=None)
-    if text is None:
-        return None
-    return site_policy_from_text(str(text), f"Airflow variable {SITE_POLICY_VARIABLE}")
-
-
-def job_at_site(job: JobConfig, site: str, context: Context, round_num: int) -> JobConfig:
-    """The job as this worker runs ``site``: the job's request on top of the site's policy.
-
-    A policy that cannot be read or that the request does not fit fails the task with the reason
-    (also in XCom and in the site's failure record, where the aggregation reads it).
-    """
-    try:
-        policy = site_policy()
-        return job if policy is None else apply_site_policy(job, site, policy)
-    except ConfigError as exc:
-        raise site_config_failed(context, job, site, round_num, str(exc)) from None
-
-
-def site_config_failed(context: Context, job: JobConfig, site: str, round_num: int, reason: str) -> Exception:
-    """A site task refused before its job started: the reason goes in the site's failure record
-    (where the aggregation reads it) and in the returned exception, which the caller raises."""
-    store = store_for(job)
-    write_failure(store.site_update(job.job, run_id_of(context), round_num, site), JobReturnCode.CONFIG_ERROR, reason)
-    return site_failed(context, site, round_num, reason)
-
-
-def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> None:
-    """Task arguments every site task gets from the site's spec: pool, queue, executor, retries, timeout."""
-    spec = job.sites[site]
-    pool = spec.pool_name(site)
-    if pool is not None:
-        # One slot per GPU: the pool's slots are the site's GPUs (see docs/gpu-pools.md); a
-        # multi-node site job holds its GPUs on every node.
-        kwargs.setdefault("pool", pool)
-        kwargs.setdefault("pool_slots", spec.gpus_per_job)
-    # A site's queue and executor send its tasks to the site's own worker (docs/deploy-across-sites.md);
-    # the aggregation and bookkeeping tasks keep Airflow's defaults and run centrally.
-    queue = job.site_queue(site)
-    if queue is not None:
-        kwargs.setdefault("queue", queue)
-    if spec.executor is not None:
-        kwargs.setdefault("executor", spec.executor)
-    kwargs.setdefault("retries", spec.retries)
-    kwargs.setdefault("retry_delay", timedelta(seconds=spec.retry_delay_seconds))
-    if job.trainer.timeout:
-        kwargs.setdefault("execution_timeout", timedelta(seconds=job.trainer.timeout))
-
-
-def skip_beyond_rounds(context: Context, job: JobConfig, round_num: int) -> None:
-    params = run_params(context, job)
-    if round_num > params.rounds:
-        raise AirflowSkipException(
-            f"round {round_num} skipped: this run asked for {params.rounds} of at most {job.rounds} rounds"
-        )
-
-
-def check_site_task_may_run(context: Context, job: JobConfig, site: str, round_num: int) -> None:
-    """Skip a round beyond the run's ``rounds``; refuse a site task whose round was already aggregated.
-
-    A site task cleared on its own (e.g. 'Clear' with 'Only failed' after the round's aggregation
-    ran or was skipped) would train, succeed and never count: its aggregation is not run again.
-    It fails instead, before its trainer starts, saying what to clear.
-    """
-    skip_beyond_rounds(context, job, round_num)
-    task: Any = context.get("task")
-    downstream = sorted(getattr(task, "downstream_task_ids", None) or ())
-    done = {t: s for t, s in task_states(context, downstream).items() if s in FINISHED_STATES}
-    if done:
-        task_id, state = sorted(done.items())[0]
-        ti: Any = context["ti"]
-        reason = (
-            f"site {site!r} round {round_num} not run: the round's aggregation {task_id} already finished ({state}) "
-            f"and was not cleared with this task, so this site's update could never count. Clear {task_id} too, "
-            f"with 'Downstream' on and 'Only failed' off, or run `flare-airflow resume {ti.dag_id} "
-            f"{run_id_of(context)} --from-round {round_num}`"
-        )
-        push_failure(context, reason)  # where the Federated runs page and `flare-airflow run` read it
-        raise AirflowFailException(reason)
-
-
-def produced_sha256(context: Context, task_id: str | None) -> str | None:
-    """The sha256 that task ``task_id`` (prepare or a round's aggregation) recorded in its XCom."""
-    ti: Any = context.get("ti")
-    if task_id is None or not hasattr(ti, "xcom_pull"):
-        return None
-    summary = ti.xcom_pull(task_ids=task_id)
-    sha256 = summary.get("sha256") if isinstance(summary, dict) else None
-    return str(sha256) if sha256 else None
-
-
-def _run_of(
-    job: JobConfig, context: Context, *, site: str, round_num: int, task: str, argv: list[str], **paths_and_devices: Any
-) -> SiteRun:
-    """The part of every site run that comes from the job and the run: identity, rounds, hyper-parameters, timeouts."""
-    params = run_params(context, job)
-    return SiteRun(
-        job=job.job,
-        run_id=run_id_of(context),
-        round=round_num,
-        total_rounds=params.rounds,
-        site=site,
-        task=task,
-        argv=argv,
-        hparams=params.hparams,
-        launch_timeout=job.trainer.launch_timeout,
-        shutdown_timeout=job.trainer.shutdown_timeout,
-        **paths_and_devices,
-    )
-
-
-def make_site_run(
-    job: JobConfig,
-    site: str,
-    round_num: int,
-    context: Context,
-    *,
-    argv: list[str],
-    global_task_id: str | None = None,
-    try_number: int | None = None,
-) -> SiteRun:
-    """The site job of (run, round, site): identity, Client API paths, hyper-parameters, devices.
-
-    The trainer writes into this try's staging directory; the update is published at the site's
-    place in the store only once it passed every check (see ``check_result``). ``global_task_id``
-    names the task whose XCom holds the input global model's sha256 (the trainer verifies it).
-    ``try_number``: the try that launches the job (default: this task's; a sensor watching a job
-    another task launched passes that task's).
-    """
-    store = store_for(job)
-    run_id = run_id_of(context)
-    if try_number is None:
-        try_number = int(getattr(context.get("ti"), "try_number", None) or 1)
-    spec = job.sites[site]
-    process = spec.launcher_spec.process
-    manager = spec.resource_manager
-    local = spec.backend.on_worker
-    return _run_of(
-        job,
-        context,
-        site=site,
-        round_num=round_num,
-        task="train",
-        argv=argv,
-        global_model=str(store.global_model(job.job, run_id, round_num - 1)),
-        output=str(store.site_update(job.job, run_id, round_num, site)),
-        staging=str(store.staging(job.job, run_id, round_num, site, try_number)),
-        global_sha256=produced_sha256(context, global_task_id),
-        env=dict(spec.block.env) if spec.backend.site_env else {},
-        cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
-        assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
-        num_gpus=spec.resource_spec.num_of_gpus,
-        gpu_capacity=manager.num_of_gpus if manager is not None else None,
-        mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
-        privacy=plan.to_dict() if (plan := job.privacy_plan(site)) is not None else None,
-        confinement=spec.confinement.model_dump() if local and spec.confinement is not None else None,
-    )
-
-
-def make_evaluation_run(job: JobConfig, round_num: int, context: Context, *, global_model: str) -> SiteRun:
-    """The server's evaluation of round ``round_num``'s global model, run by the aggregation task.
-
-    The same trainer as the sites', as site :data:`SERVER_SITE`; no staging (the trainer writes
-    its metrics at the evaluation's place itself), no site environment, no devices.
-    """
-    run_id = run_id_of(context)
-    return _run_of(
-        job,
-        context,
-        site=SERVER_SITE,
-        round_num=round_num,
-        task="evaluate",
-        argv=trainer_argv(job),
-        global_model=global_model,
-        output=str(store_for(job).evaluation(job.job, run_id, round_num)),
-    )
-
-
-class SiteTrainOperator(BashOperator):
+class SiteTrainOperator(SiteTaskLifecycle, BashOperator):
     """Train one site for one round as a local process.
 
     :param job: the validated job.
@@ -400,15 +115,8 @@ class SiteTrainOperator(BashOperator):
         self.global_task_id = global_task_id
         self._spec_json = ""
 
-    def site_run(self, context: Context) -> SiteRun:
-        return make_site_run(
-            self.job,
-            self.site,
-            self.round_num,
-            context,
-            argv=trainer_argv(self.job),
-            global_task_id=self.global_task_id,
-        )
+    def argv(self) -> list[str]:
+        return trainer_argv(self.job)
 
     def get_env(self, context: Context) -> dict[str, str]:
         env = super().get_env(context)
@@ -423,57 +131,46 @@ class SiteTrainOperator(BashOperator):
             env[NOISE_SECRET_ENV] = self._noise_secret
         return env
 
-    def execute(self, context: Context) -> Any:
-        check_site_task_may_run(context, self.job, self.site, self.round_num)
-        self.job = job_at_site(self.job, self.site, context, self.round_num)
-        run = self.site_run(context)
-        store = store_for(self.job)
-        if self.job.sites[self.site].backend.on_worker:
-            try:
-                secrets = resolve_secret_env(self.job, self.site)
-            except SiteJobFailed as exc:
-                write_failure(store.resolve_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
-                raise site_failed(context, self.site, self.round_num, str(exc)) from None
-            self._secrets_json = json.dumps(secrets) if secrets else ""
+    # The job is the shell command's process: no launcher spec, and the runner claims the try in
+    # the job's own process (a process job cannot outlive its task, so no earlier try's job runs).
+    def launcher(self, *, try_number: int, secrets: Mapping[str, str]) -> JobLauncherSpec | None:
+        return None
+
+    def claim(self, run: SiteRun) -> None:
+        return None
+
+    def launch(
+        self,
+        *,
+        context: Context,
+        run: SiteRun,
+        launcher: JobLauncherSpec | None,
+        try_number: int,
+        secrets: Mapping[str, str],
+    ) -> None:
+        """Give the runner its spec, secrets and result file; the shell command starts it in :meth:`watch`."""
+        self._secrets_json = json.dumps(dict(secrets)) if secrets else ""
         try:
             self._noise_secret = noise_secret_for(run)
         except SiteJobFailed as exc:
-            write_failure(store.resolve_uri(run.output), JobReturnCode.CONFIG_ERROR, str(exc))
-            raise site_failed(context, self.site, self.round_num, str(exc)) from None
+            raise self.fail(context, run, JobReturnCode.CONFIG_ERROR, str(exc)) from None
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
         fd, self._result_file = tempfile.mkstemp(prefix="flare-site-result-")
         os.close(fd)
+        self._spec_json = run.to_json()
+
+    def watch(self, *, context: Context, run: SiteRun, handle: Any) -> Any:
+        """Run the runner as the shell command; it checks and publishes the update itself."""
         try:
-            check_connection(store, self.job.store_conn_id)
-        except StoreError as exc:
-            raise site_failed(context, self.site, self.round_num, f"{exc} [INFRASTRUCTURE_ERROR]") from None
-        try:
-            with staged(run, store) as local:
-                self._spec_json = local.to_json()
-                try:
-                    result = super().execute(context)
-                except AirflowException as exc:
-                    if isinstance(exc, AirflowSkipException):
-                        raise
-                    reason = _runner_reason(self._result_file) or read_failure(path_from_uri(local.output)) or str(exc)
-                    raise site_failed(context, self.site, self.round_num, reason) from None
-        except (AirflowException, KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:
-            if is_local(store):
+            return BashOperator.execute(self, context)
+        except AirflowException as exc:
+            if isinstance(exc, AirflowSkipException):
                 raise
-            # Reading the global model or uploading the update: a wrong or missing credential, a
-            # bucket that is not there, the endpoint unreachable. The site fails, the round holds.
-            detail = " ".join(str(exc).split())[:400] or type(exc).__name__
-            reason = (
-                f"the model store {store.root} could not be used from this worker "
-                f"(connection {self.job.store_conn_id or 'default'!r}): {type(exc).__name__}: {detail}; "
-                "check the connection's credentials and endpoint on the site's worker [INFRASTRUCTURE_ERROR]"
-            )
+            reason = _runner_reason(self._result_file) or read_failure(path_from_uri(run.output)) or str(exc)
             raise site_failed(context, self.site, self.round_num, reason) from None
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self._result_file)
-        if isinstance(result, dict) and "uri" in result:
-            result["uri"] = run.output  # the update's place in the store, not the worker's local copy
-        return result
+
+    def on_kill(self) -> None:
+        BashOperator.on_kill(self)  # SIGTERM to the runner, which ends the trainer

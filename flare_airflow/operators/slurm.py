@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,12 +27,12 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.spec import JobIdentity, JobReturnCode
-from flare_airflow.core.store import path_from_uri
+from flare_airflow.core.spec import JobIdentity, JobLauncherSpec, JobReturnCode, SiteJob
 from flare_airflow.hooks.slurm import slurm_commands
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.slurm import (
     SlurmCommandError,
+    SlurmJobHandle,
     SlurmLauncher,
     SubmittedJob,
     cancel,
@@ -40,22 +40,35 @@ from flare_airflow.launchers.slurm import (
     site_job_prefix,
 )
 from flare_airflow.launchers.trainer import output_prefix, trainer_argv
-from flare_airflow.operators.site import (
-    SiteJobFailed,
-    check_site_task_may_run,
-    job_at_site,
-    make_site_run,
-    resolve_secret_env,
-    site_failed,
-    site_task_defaults,
-)
-from flare_airflow.operators.site_outputs import accept_update, claim_and_clear
-from flare_airflow.site_task.checks import write_failure
+from flare_airflow.operators.lifecycle import SiteTaskLifecycle
+from flare_airflow.operators.site_steps import site_task_defaults
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.triggers.slurm_state import SlurmJobTrigger
 
 
-class SiteSlurmOperator(BaseOperator):
+def slurm_launcher(
+    job: JobConfig, site: str, *, try_number: int, sink: Callable[[str], None] | None, hidden: Sequence[str]
+) -> SlurmLauncher:
+    """A SLURM site's launcher: local commands or the site's SSH connection."""
+    spec = job.sites[site]
+    slurm = spec.launcher_spec.slurm
+    return SlurmLauncher(
+        slurm, spec.resource_spec, commands=slurm_commands(slurm), try_number=try_number, sink=sink, hidden=hidden
+    )
+
+
+def slurm_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> SlurmJobTrigger:
+    """A SLURM site job's deferrable watch for the sensor: the fused SLURM task's own trigger."""
+    return SlurmJobTrigger.for_job(
+        job.sites[site].launcher_spec.slurm,
+        handle.submitted,
+        offset=handle.output.offset,  # the lines before it are in the task log already
+        prefix=f"[{site} r{round_num}] ",
+        cancel_on_kill=False,
+    )
+
+
+class SiteSlurmOperator(SiteTaskLifecycle, BaseOperator):
     """Train one site for one round as a SLURM batch job.
 
     :param job: the validated job.
@@ -72,6 +85,7 @@ class SiteSlurmOperator(BaseOperator):
     # The Rendered Templates tab: which site job this is, and where it is submitted. The job's
     # environment (secrets resolved per try) is never a template field.
     template_fields: Sequence[str] = ("job_name", "site", "round_num", "connection", "partition", "account", "qos")
+    stages_store = False  # the cluster's nodes reach the store themselves
 
     def __init__(
         self,
@@ -97,51 +111,41 @@ class SiteSlurmOperator(BaseOperator):
         self.account = spec.account
         self.qos = spec.qos
         self._run: SiteRun | None = None
-        self._submitted: SubmittedJob | None = None
 
     @property
     def spec(self) -> Any:
         return self.job.sites[self.site].launcher_spec.slurm
 
-    def _site_run(self, context: Context) -> SiteRun:
-        if self._run is None:
-            self._run = make_site_run(
-                self.job,
-                self.site,
-                self.round_num,
-                context,
-                argv=trainer_argv(self.job, cluster=self.spec),
-                global_task_id=self.global_task_id,
-            )
+    def argv(self) -> list[str]:
+        return trainer_argv(self.job, cluster=self.spec)
+
+    def site_run(self, context: Context) -> SiteRun:
+        if self._run is None:  # the same run in execute and in the resumed execute_complete's sync call
+            self._run = super().site_run(context)
         return self._run
 
-    def _fail(self, context: Context, rc: JobReturnCode, reason: str) -> SiteJobFailed:
-        write_failure(path_from_uri(self._site_run(context).output), rc, reason)
-        return site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]")
+    def end_earlier_tries(
+        self, *, context: Context, launcher: JobLauncherSpec | None, identity: JobIdentity
+    ) -> list[str]:
+        assert isinstance(launcher, SlurmLauncher)
+        try:
+            return self.cancel_earlier_tries(launcher.commands, identity.site_job(), identity.try_number)
+        except SlurmCommandError as exc:  # nothing was submitted: the site's cluster cannot be asked
+            raise LaunchError(str(exc)) from None
 
-    def execute(self, context: Context) -> Any:
-        check_site_task_may_run(context, self.job, self.site, self.round_num)
-        # The worker's site policy (if any) decides the launcher_spec.slurm block: read at run time.
-        self.job = job_at_site(self.job, self.site, context, self.round_num)
-        run = self._site_run(context)
-        claim_and_clear(run)
-        try:
-            secrets = resolve_secret_env(self.job, self.site)
-        except SiteJobFailed as exc:
-            raise self._fail(context, JobReturnCode.CONFIG_ERROR, str(exc)) from None
-        try_number = int(context["ti"].try_number or 1)
-        commands = slurm_commands(self.spec)
-        spec = self.job.sites[self.site]
-        launcher = SlurmLauncher(
-            self.spec, spec.resource_spec, commands=commands, try_number=try_number, hidden=secrets.values()
+    def launch(
+        self,
+        *,
+        context: Context,
+        run: SiteRun,
+        launcher: JobLauncherSpec | None,
+        try_number: int,
+        secrets: Mapping[str, str],
+    ) -> SlurmJobHandle:
+        handle: SlurmJobHandle = super().launch(
+            context=context, run=run, launcher=launcher, try_number=try_number, secrets=secrets
         )
-        job = run.site_job()
-        try:
-            self.cancel_earlier_tries(commands, run, try_number)
-            self._submitted = launcher.submit(job, extra_env=secrets)
-        except (LaunchError, SlurmCommandError) as exc:
-            raise self._fail(context, JobReturnCode.CONFIG_ERROR, str(exc)) from None
-        submitted = self._submitted
+        submitted = handle.submitted
         self.log.info(
             "site %s round %d: SLURM job %s (%s) submitted%s; output %s",
             self.site,
@@ -151,7 +155,12 @@ class SiteSlurmOperator(BaseOperator):
             f" through {self.connection}" if self.spec.ssh_conn_id else "",
             submitted.output,
         )
-        trigger = self._trigger(context, submitted, prefix=output_prefix(job))
+        return handle
+
+    def watch(self, *, context: Context, run: SiteRun, handle: SlurmJobHandle) -> Any:
+        """The job's trigger: in the triggerer when deferrable, else run here; both end in
+        :meth:`execute_complete`."""
+        trigger = self._trigger(context, handle.submitted, prefix=output_prefix(run.site_job()))
         if self.deferrable:
             deadline = trigger.execution_deadline
             timeout = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.time()) + 60)
@@ -160,7 +169,7 @@ class SiteSlurmOperator(BaseOperator):
             except TaskDeferred:
                 raise
             except BaseException:
-                self._cancel_quietly(submitted.job_id)
+                self._cancel_quietly(handle.job_id)
                 raise
         return self._wait_here(context, trigger)
 
@@ -175,8 +184,8 @@ class SiteSlurmOperator(BaseOperator):
             event = asyncio.run(first_event())
         except BaseException:
             # Killed (SIGTERM -> on_kill) or interrupted while waiting: the job must not outlive us.
-            if self._submitted is not None:
-                self._cancel_quietly(self._submitted.job_id)
+            if self._handle is not None:
+                self._cancel_quietly(self._handle.job_id)
             raise
         return self.execute_complete(context, event)
 
@@ -187,7 +196,7 @@ class SiteSlurmOperator(BaseOperator):
             deadline = float(start.timestamp() + self.execution_timeout.total_seconds())
         return SlurmJobTrigger.for_job(self.spec, submitted, offset=offset, prefix=prefix, execution_deadline=deadline)
 
-    def cancel_earlier_tries(self, commands: Any, run: SiteRun, try_number: int) -> list[str]:
+    def cancel_earlier_tries(self, commands: Any, run: SiteRun | SiteJob, try_number: int) -> list[str]:
         """Cancel this site job's jobs of earlier tries (found by name) before this try submits its
         own: a try whose worker was killed left its job queued or running, unwatched. Returns their ids."""
         if try_number <= 1:
@@ -211,24 +220,25 @@ class SiteSlurmOperator(BaseOperator):
             self.log.warning("could not cancel SLURM job %s: %s", job_id, exc)
 
     def on_kill(self) -> None:
-        if self._submitted is not None:
-            self.log.info("task killed: cancelling SLURM job %s", self._submitted.job_id)
-            self._cancel_quietly(self._submitted.job_id)
+        if self._handle is not None:
+            self.log.info("task killed: cancelling SLURM job %s", self._handle.job_id)
+            self._cancel_quietly(self._handle.job_id)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
-        self.job = job_at_site(self.job, self.site, context, self.round_num)
-        run = self._site_run(context)
+        """The trigger's event (from the triggerer, or the worker in sync mode): accept or fail."""
+        self.apply_site_policy(context)
+        run = self.site_run(context)
         status = event.get("status")
         job_id = str(event.get("job_id") or "")
         self.log.info(
             "site %s round %d SLURM job %s: %s (%s)", self.site, self.round_num, job_id, status, event.get("native")
         )
-        if status != "success":
-            if job_id and status in ("error", "timeout"):
-                self._cancel_quietly(job_id)  # it may still run: it must not outlive the task
-            rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
-            raise self._fail(context, rc, str(event.get("reason") or status))
-        return accept_update(context, self.site, self.round_num, run)
+        if status == "success":
+            return self.finish(context, run, JobReturnCode.SUCCESS)
+        if job_id and status in ("error", "timeout"):
+            self._cancel_quietly(job_id)  # it may still run: it must not outlive the task
+        rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
+        return self.finish(context, run, rc, reason=str(event.get("reason") or status))
 
 
 class SweepSlurmJobsOperator(BaseOperator):

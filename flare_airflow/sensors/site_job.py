@@ -2,12 +2,13 @@
 
 :class:`SiteJobSensor` finds the job by its identity (job, run, round, site, try) -- from the
 launching task's XCom, or given -- with the site backend's :meth:`find_job`, never by an
-in-memory handle: a worker restart, a retry, a cleared sensor re-attach to the same pod or SLURM
-job instead of starting another. Each check polls the job through the backend's state table
+in-memory handle: a worker restart, a retry, a cleared sensor re-attach to the same pod, SLURM
+job or container instead of starting another. Each check polls the job through the backend's state table
 (``docs/state-mapping.md``): ``poke`` mode and ``mode="reschedule"`` poll from the worker;
-deferrable mode waits in the triggerer with the fused site tasks' own triggers
+deferrable mode waits in the triggerer with the trigger the backend's registry entry names
 (:class:`~flare_airflow.triggers.pod_state.PodStateTrigger`,
-:class:`~flare_airflow.triggers.slurm_state.SlurmJobTrigger`), which emit typed events.
+:class:`~flare_airflow.triggers.slurm_state.SlurmJobTrigger`,
+:class:`~flare_airflow.triggers.container_state.ContainerJobTrigger`), which emit typed events.
 
 When the job succeeded, the sensor checks and publishes the site's update (exactly once: a
 cleared sensor finds it published and reports it again) and returns its summary as XCom, like
@@ -37,9 +38,17 @@ from flare_airflow.core.model import read_artifact
 from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import path_from_uri, record_path
 from flare_airflow.operators.common import push_failure
-from flare_airflow.operators.site import SiteJobFailed, job_at_site, make_site_run, site_task_defaults
-from flare_airflow.operators.site_job import as_job, site_argv, site_launcher, watchable
+from flare_airflow.operators.site_job import as_job
 from flare_airflow.operators.site_outputs import accept_update, last_lines
+from flare_airflow.operators.site_steps import (
+    SiteJobFailed,
+    job_at_site,
+    make_site_run,
+    site_argv,
+    site_launcher,
+    site_task_defaults,
+    watchable,
+)
 from flare_airflow.site_task.checks import read_failure, update_summary, write_failure
 from flare_airflow.site_task.spec import SiteRun
 
@@ -244,8 +253,8 @@ class SiteJobSensor(BaseSensorOperator):
 
     def execute(self, context: Context) -> Any:
         if not self.deferrable or self.job.sites[self.site].backend.trigger is None:
-            # A backend without a trigger (containers: a local engine the triggerer may not reach)
-            # is watched from the worker, in the sensor's poke or reschedule mode.
+            # A backend without a trigger in the registry is watched from the worker, in the
+            # sensor's poke or reschedule mode.
             return super().execute(context)
         self._defer_or_finish(context)
 
@@ -282,48 +291,3 @@ class SiteJobSensor(BaseSensorOperator):
         # A state the handle does not call final yet (a pending timeout counted from another
         # start): wait again.
         self.defer(trigger=self._trigger(handle), method_name="execute_complete")
-
-
-def pod_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> Any:
-    """A Kubernetes site job's deferrable watch: the fused pod task's own trigger."""
-    from flare_airflow.triggers.pod_state import PodStateTrigger
-
-    k8s = job.sites[site].launcher_spec.k8s
-    return PodStateTrigger(
-        pod_name=handle.name,
-        pod_namespace=handle.namespace,
-        kubernetes_conn_id=k8s.kubernetes_conn_id,
-        config_dict=_kubeconfig(k8s.config_file),
-        in_cluster=k8s.in_cluster,
-        cluster_context=k8s.cluster_context,
-        pending_timeout=k8s.pending_timeout,
-        startup_timeout=k8s.startup_timeout,
-        delete_on_kill=False,  # the sensor does not own the pod: a later try re-attaches
-        # a multi-node site job: every pod of the launch, watched as one
-        group_selector=handle.group_selector,
-        group_pods=handle.names if handle.group_selector else None,
-    )
-
-
-def slurm_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> Any:
-    """A SLURM site job's deferrable watch: the fused SLURM task's own trigger."""
-    from flare_airflow.triggers.slurm_state import SlurmJobTrigger
-
-    return SlurmJobTrigger.for_job(
-        job.sites[site].launcher_spec.slurm,
-        handle.submitted,
-        offset=handle.output.offset,  # the lines before it are in the task log already
-        prefix=f"[{site} r{round_num}] ",
-        cancel_on_kill=False,
-    )
-
-
-def _kubeconfig(path: str | None) -> dict[str, Any] | None:
-    """The kubeconfig as a dict for the triggerer, which may not see the worker's files."""
-    if not path:
-        return None
-    import yaml
-
-    with open(path, encoding="utf-8") as fh:
-        loaded = yaml.safe_load(fh)
-    return loaded if isinstance(loaded, dict) else None

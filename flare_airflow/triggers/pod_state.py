@@ -31,8 +31,16 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from flare_airflow.core.config import KubernetesLaunchSpec
 from flare_airflow.core.spec import EventStatus, JobReturnCode, JobState, JobStatus, SiteJobEvent
+from flare_airflow.hooks.kubernetes import kubeconfig_dict
 from flare_airflow.launchers.kubernetes import GroupStatus, map_pod, map_pod_group
+from flare_airflow.launchers.kubernetes.api import (
+    delete_group_async,
+    delete_pod_async,
+    list_warning_events_async,
+    needs_warning_events,
+)
 
 # Apiservers end watches after --min-request-timeout (30-60 min by default); ask for as long.
 _MAX_WATCH_SECONDS = 1800
@@ -123,6 +131,25 @@ class PodStateTrigger(BaseTrigger):
         self._fired = False
         self._events_readable = True
 
+    @classmethod
+    def for_site(
+        cls, spec: KubernetesLaunchSpec, *, pod_name: str, pod_namespace: str, **watch: Any
+    ) -> PodStateTrigger:
+        """The trigger of a pod of a site whose ``launcher_spec.k8s`` is ``spec``: its cluster and
+        start-up timeouts from the spec; ``watch``: the other arguments (deadline, grace, kill, group).
+        The one place the pod task and the sensor make it."""
+        return cls(
+            pod_name=pod_name,
+            pod_namespace=pod_namespace,
+            kubernetes_conn_id=spec.kubernetes_conn_id,
+            config_dict=kubeconfig_dict(spec.config_file),
+            in_cluster=spec.in_cluster,
+            cluster_context=spec.cluster_context,
+            pending_timeout=spec.pending_timeout,
+            startup_timeout=spec.startup_timeout,
+            **watch,
+        )
+
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return f"{type(self).__module__}.{type(self).__qualname__}", {f: getattr(self, f) for f in self._FIELDS}
 
@@ -178,25 +205,10 @@ class PodStateTrigger(BaseTrigger):
 
     async def _delete(self, core: Any) -> None:
         """Delete the pod, or every pod and the Service of the group."""
-        from kubernetes_asyncio.client.exceptions import ApiException
-
         if self.group_selector is not None:
-            await core.delete_collection_namespaced_pod(
-                self.pod_namespace, label_selector=self.group_selector, grace_period_seconds=self.grace_period
-            )
-            services = await core.list_namespaced_service(self.pod_namespace, label_selector=self.group_selector)
-            for service in services.items:
-                try:
-                    await core.delete_namespaced_service(service.metadata.name, self.pod_namespace)
-                except ApiException as exc:
-                    if exc.status != 404:
-                        raise
-            return
-        try:
-            await core.delete_namespaced_pod(self.pod_name, self.pod_namespace, grace_period_seconds=self.grace_period)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+            await delete_group_async(core, self.pod_namespace, self.group_selector, grace=self.grace_period)
+        else:
+            await delete_pod_async(core, self.pod_namespace, self.pod_name, grace=self.grace_period)
 
     async def on_kill(self) -> None:
         """The task was killed or marked failed while deferred: delete its pod (Airflow >= 3.3)."""
@@ -219,35 +231,25 @@ class PodStateTrigger(BaseTrigger):
         )
 
     def _needs_events(self, pod: Any) -> bool:
-        """Bound to a node and Pending: only then can a mount warning matter (map_pod decides first)."""
-        if not self._events_readable or pod is None:
-            return False
-        spec, status = getattr(pod, "spec", None), getattr(pod, "status", None)
-        return bool(getattr(spec, "node_name", None)) and getattr(status, "phase", None) in (None, "Pending")
+        """The shared start-up rule (:func:`needs_warning_events`), while this site may read events."""
+        return self._events_readable and needs_warning_events(pod)
 
     async def _warnings(self, core: Any, pod: Any) -> list[Any]:
         """The pod's Warning events: one list request, filtered by the API."""
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        name = getattr(getattr(pod, "metadata", None), "name", None) or self.pod_name
         try:
-            listed = await core.list_namespaced_event(
-                self.pod_namespace,
-                field_selector=f"involvedObject.name={name},type=Warning",
-                _request_timeout=_REQUEST_TIMEOUT,
-            )
+            return await list_warning_events_async(core, self.pod_namespace, pod, request_timeout=_REQUEST_TIMEOUT)
         except ApiException as exc:
             if exc.status in (401, 403):  # the site's role may not read events: watch the pod alone
                 self.log.warning(
                     "cannot read events of pod %s (%s): mount failures show only at startup_timeout",
-                    name,
+                    getattr(getattr(pod, "metadata", None), "name", None) or self.pod_name,
                     exc.status,
                 )
                 self._events_readable = False
                 return []
             raise
-        # Events of an earlier pod of the same name are told apart by uid (map_pod checks it).
-        return list(listed.items)
 
     async def _decide(self, core: Any, pod: Any) -> JobStatus:
         status = self._status(pod)

@@ -336,6 +336,11 @@ class ContainerJobHandle(JobHandleSpec):
         resources = self.launcher.resources
         return resources.memory if resources is not None else None
 
+    def peek(self) -> JobStatus:
+        """The container's status now, through the state table, leaving it as it is: a watcher in
+        another process (a sensor's trigger) only looks; whoever accepts the result finishes it."""
+        return map_container(self._inspect(), terminated=self._terminated, memory_limit=self._memory_limit())
+
     def poll(self) -> JobReturnCode:
         with self._lock:
             if self._final is not None:
@@ -346,7 +351,7 @@ class ContainerJobHandle(JobHandleSpec):
                     self._status = JobStatus(JobState.RUNNING, JobReturnCode.UNKNOWN, "", done=False)
                     return JobReturnCode.UNKNOWN
                 return self._attached_ended(code)
-            status = map_container(self._inspect(), terminated=self._terminated, memory_limit=self._memory_limit())
+            status = self.peek()
             self._status = status
             if status.done:
                 self._finish(status)

@@ -27,7 +27,7 @@ Only this package imports ``kubernetes`` (the launchers package does not import 
 from __future__ import annotations
 
 from flare_airflow.core.envvars import STORE_PATH_VARS
-from flare_airflow.launchers.kubernetes.api import delete_service, delete_site_pods
+from flare_airflow.launchers.kubernetes.api import delete_pod, delete_service, delete_site_pods
 from flare_airflow.launchers.kubernetes.launcher import KubernetesJobHandle, KubernetesLauncher
 from flare_airflow.launchers.kubernetes.manifest import (
     GPU_RESOURCE,
@@ -75,6 +75,7 @@ __all__ = [
     "build_pod",
     "build_service",
     "build_site_job",
+    "delete_pod",
     "delete_service",
     "delete_site_pods",
     "group_name",

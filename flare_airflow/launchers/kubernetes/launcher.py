@@ -8,7 +8,6 @@ with backoff) and deletes it when it finishes (unless the site keeps pods) or wh
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -41,10 +40,12 @@ from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.kubernetes.api import (
     REQUEST_TIMEOUT,
     api_message,
+    delete_pod,
     delete_service,
     delete_site_pods,
     list_site_pods,
     list_site_services,
+    list_warning_events,
     retrying,
 )
 from flare_airflow.launchers.kubernetes.manifest import build_site_job
@@ -56,8 +57,6 @@ from flare_airflow.launchers.kubernetes.naming import (
     site_pods_selector,
 )
 from flare_airflow.launchers.kubernetes.state import (
-    FAIL_FAST_REASONS,
-    container_statuses,
     map_pod_group,
     trainer_started,
 )
@@ -135,24 +134,7 @@ class KubernetesJobHandle(JobHandleSpec):
         return [(name, self._read_pod(name)) for name in self.names]
 
     def _warning_events(self, pod: k8s.V1Pod) -> list[Any]:
-        # Mount failures show up only as events; read them while the pod is bound but not running.
-        status = pod.status
-        if not pod.spec.node_name or status is None or status.phase not in (None, "Pending"):
-            return []
-        if any(
-            s.state and s.state.waiting and s.state.waiting.reason in FAIL_FAST_REASONS
-            for s in container_statuses(status)
-        ):
-            return []  # failing anyway
-        selector = f"involvedObject.uid={pod.metadata.uid},type=Warning"
-
-        def read() -> list[Any]:
-            events = self._core.list_namespaced_event(
-                self.namespace, field_selector=selector, _request_timeout=REQUEST_TIMEOUT
-            )
-            return list(events.items)
-
-        return retrying(read)
+        return list_warning_events(self._core, self.namespace, pod)
 
     def poll(self) -> JobReturnCode:
         with self._lock:
@@ -261,27 +243,13 @@ class KubernetesJobHandle(JobHandleSpec):
         if self._deleted:
             return
 
-        def delete(name: str) -> None:
-            try:
-                self._core.delete_namespaced_pod(
-                    name,
-                    self.namespace,
-                    body=k8s.V1DeleteOptions(
-                        grace_period_seconds=grace, preconditions=k8s.V1Preconditions(uid=self.uids.get(name))
-                    ),
-                    _request_timeout=REQUEST_TIMEOUT,
-                )
-            except ApiException as exc:
-                if exc.status not in (404, 409):  # gone already / another pod under our name
-                    raise
-
         doomed = []
         for name in self.names:
             if keep_finished:
                 pod = self._read_pod(name)
                 if pod is None or (pod.status is not None and pod.status.phase in ("Succeeded", "Failed")):
                     continue
-            retrying(functools.partial(delete, name))
+            delete_pod(self._core, self.namespace, name, grace=grace, uid=self.uids.get(name))
             doomed.append(name)
         if self.service_name is not None:
             delete_service(self._core, self.namespace, self.service_name, self.service_uid)

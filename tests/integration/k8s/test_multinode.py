@@ -28,7 +28,7 @@ from flare_airflow.core.store import ModelStore
 from flare_airflow.launchers.kubernetes import NODE_RANK_LABEL, KubernetesJobHandle
 from flare_airflow.operators.pod import SitePodOperator
 from flare_airflow.operators.run import SweepPodsOperator
-from flare_airflow.operators.site import SiteJobFailed
+from flare_airflow.operators.site_steps import SiteJobFailed
 from flare_airflow_testing.harness import REPO
 from flare_airflow_testing.k8s.kube import pod_dict, wait_for
 from flare_airflow_testing.k8s.node_agent import NodeAgent

@@ -12,7 +12,7 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 from kubernetes import client as k8s
 
-from flare_airflow.operators.site import SiteJobFailed
+from flare_airflow.operators.site_steps import SiteJobFailed
 from flare_airflow.triggers.pod_state import PodStateTrigger
 from flare_airflow_testing.k8s.audit import summarize
 from flare_airflow_testing.k8s.kube import wait_for

@@ -22,7 +22,7 @@ from flare_airflow.core.config import job_from_dict
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.pod import SitePodOperator
-from flare_airflow.operators.site import SiteJobFailed
+from flare_airflow.operators.site_steps import SiteJobFailed
 from flare_airflow_testing.harness import tiny_model
 from flare_airflow_testing.k8s.audit import summarize
 from flare_airflow_testing.k8s.kube import python_pod, wait_for

@@ -1,7 +1,7 @@
 """What SitePodOperator relies on in the installed cncf provider beyond its documented API.
 
 Public seams are used wherever one exists (the kubeconfig is read from ``config_file`` rather than
-the operator's private ``_config_dict``; pods are deleted through ``pod_manager.delete_pod``). What
+the operator's private ``_config_dict``; pods are deleted through our own ``delete_pod``). What
 remains is pinned here, one test per method, against the provider versions it was checked with: a
 provider upgrade that changes any of it fails these tests by name instead of a pod task at run time.
 

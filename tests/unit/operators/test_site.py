@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.site import (
-    SERVER_SITE,
-    SiteTrainOperator,
-    make_evaluation_run,
-    make_site_run,
-    site_task_defaults,
-    trainer_argv,
-)
+from flare_airflow.operators.site import SiteTrainOperator
+from flare_airflow.operators.site_steps import SERVER_SITE, make_evaluation_run, make_site_run, site_task_defaults
 from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
 
 GPU_SITE = {
@@ -90,7 +85,7 @@ def test_the_site_job_spec_carries_references_never_secret_values(tmp_path) -> N
 
 
 def test_the_worker_applies_its_site_policy_at_run_time(tmp_path, monkeypatch) -> None:
-    from flare_airflow.operators.site import job_at_site
+    from flare_airflow.operators.site_steps import job_at_site
 
     job = make_job(tmp_path, sites={"site-1": {"launcher_spec": {"process": {"env": {"FROM_JOB": "1"}}}}, "site-2": {}})
     assert job_at_site(job, "site-1", context(), 1) is job  # no policy on this worker: the job as written
@@ -106,7 +101,7 @@ def test_the_worker_applies_its_site_policy_at_run_time(tmp_path, monkeypatch) -
 def test_a_policy_the_job_does_not_fit_fails_the_site_with_its_failure_record(tmp_path, monkeypatch) -> None:
     import pytest
 
-    from flare_airflow.operators.site import SiteJobFailed, job_at_site
+    from flare_airflow.operators.site_steps import SiteJobFailed, job_at_site
     from flare_airflow.site_task.checks import read_failure
 
     job = make_job(tmp_path)
@@ -123,7 +118,7 @@ def test_a_policy_the_job_does_not_fit_fails_the_site_with_its_failure_record(tm
 def test_the_site_policy_may_come_from_an_airflow_variable_and_a_policy_file_wins(tmp_path, monkeypatch) -> None:
     import pytest
 
-    from flare_airflow.operators.site import SiteJobFailed, job_at_site
+    from flare_airflow.operators.site_steps import SiteJobFailed, job_at_site
 
     job = make_job(tmp_path, sites={"site-1": {}, "site-2": {}})
     monkeypatch.setenv(

@@ -18,8 +18,8 @@ from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.privacy.filters import l2_norm
 from flare_airflow.core.store import failure_path, path_from_uri
 from flare_airflow.operators.common import run_params
-from flare_airflow.operators.site import SiteJobFailed, job_at_site, make_site_run
 from flare_airflow.operators.site_outputs import accept_update
+from flare_airflow.operators.site_steps import SiteJobFailed, job_at_site, make_site_run
 from tests.unit.airflow_layer import FakeTI, context, make_job
 
 SITE_GAUSSIAN = {"type": "gaussian", "clip": 0.5, "noise_multiplier": 1.0}
