@@ -27,13 +27,15 @@ from flare_airflow.core.config.validators import FLOAT_PATTERN
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
+from flare_airflow.operators.tracking import with_deployment_tracking
 
 AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
 _PARAM_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
 def _job(job: JobConfig | str | pathlib.Path) -> JobConfig:
-    return job if isinstance(job, JobConfig) else load_job(job)
+    # A job file that leaves tracking out gets the deployment's default ([flare_airflow] tracking).
+    return with_deployment_tracking(job if isinstance(job, JobConfig) else load_job(job))
 
 
 def job_params(job: JobConfig) -> dict[str, Param]:

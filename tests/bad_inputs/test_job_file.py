@@ -927,6 +927,20 @@ case(
     field="tracking",
     value={"backend": "mlflow", "conn_id": "mlflow", "uri": "http://mlflow:5000"},
 )
+case(
+    "tracking-mlflow-option-without-mlflow",
+    "tracking: {backend: tensorboard, register_model: digits} (an MLflow option, MLflow not asked for)",
+    "tracking: conn_id, uri, experiment and register_model are MLflow's; add mlflow to tracking.backend",
+    field="tracking",
+    value={"backend": "tensorboard", "register_model": "digits"},
+)
+case(
+    "tracking-backend-twice",
+    "tracking: {backend: [mlflow, mlflow]}",
+    "tracking.backend names a tracker twice",
+    field="tracking",
+    value={"backend": ["mlflow", "mlflow"]},
+)
 
 
 def _set(data: dict[str, Any], field: str, value: Any) -> None:

@@ -1,6 +1,8 @@
 """Bad-input battery, category "tracking": a job's tracking that cannot work in this deployment.
 
-Found at the run's start (the ``prepare`` task, :func:`track_run_start`), never mid-run. The job
+Found at the run's start (the ``prepare`` task, :func:`track_run_start`), never mid-run; a
+deployment default that cannot be read (``[flare_airflow] tracking``) fails the DAG file's parse,
+where the admin reads import errors. The job
 file's own mistakes (unknown backend, credentials in a URI) are refused by ``validate``: see
 test_job_file.py. The connection is looked up as in a task, by the Task SDK (AIRFLOW_CONN_*).
 """
@@ -13,13 +15,14 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.core.config import job_from_dict
+from flare_airflow.core.errors import ConfigError
 from flare_airflow.operators import tracking
-from flare_airflow.operators.tracking import track_run_start
+from flare_airflow.operators.tracking import track_run_start, with_deployment_tracking
 from tests.bad_inputs.cases import Case, assert_clear
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-CASES = [
+START_CASES = [
     Case(
         "tracking-connection-missing",
         "tracking",
@@ -40,15 +43,43 @@ CASES = [
         "tracking with the embedded store and an s3:// model store (no place for a SQLite file)",
         "is not on this machine's file system; name a tracking server in tracking.conn_id",
     ),
+    Case(
+        "tracking-tensorboard-on-object-store",
+        "tracking",
+        "tracking: {backend: tensorboard} with an s3:// model store (no local folder for event files)",
+        "TensorBoard event files go next to the model store, but the store s3://models/flare is not on this "
+        "machine's file system",
+    ),
 ]
 SPECS = {
     "tracking-connection-missing": ({"conn_id": "mlflow_team"}, None),
     "tracking-embedded-on-object-store": ({}, "s3://models/flare"),
     "tracking-mlflow-not-installed": ({}, None),
+    "tracking-tensorboard-on-object-store": ({"backend": "tensorboard"}, "s3://models/flare"),
 }
+DEFAULT_CASES = [
+    Case(
+        "tracking-deployment-default-unknown",
+        "tracking",
+        "[flare_airflow] tracking = wandb (a deployment default naming an unknown tracker)",
+        "[flare_airflow] tracking (AIRFLOW__FLARE_AIRFLOW__TRACKING): unknown tracking backend 'wandb': use one of "
+        "mlflow, tensorboard",
+    ),
+    Case(
+        "tracking-deployment-default-bad-json",
+        "tracking",
+        "[flare_airflow] tracking = {backend: mlflow} (JSON without quotes)",
+        "[flare_airflow] tracking (AIRFLOW__FLARE_AIRFLOW__TRACKING): not valid JSON",
+    ),
+]
+DEFAULTS = {
+    "tracking-deployment-default-unknown": "wandb",
+    "tracking-deployment-default-bad-json": "{backend: mlflow}",
+}
+CASES = START_CASES + DEFAULT_CASES  # the battery's table reads CASES
 
 
-@pytest.mark.parametrize("bad_case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("bad_case", START_CASES, ids=lambda c: c.id)
 def test_tracking_that_cannot_work_stops_the_run_at_its_start(
     bad_case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -73,4 +104,26 @@ def test_tracking_that_cannot_work_stops_the_run_at_its_start(
     )
     with pytest.raises(AirflowFailException) as info:
         track_run_start(job, {}, None)  # refused before the context or the log is used
+    assert_clear(bad_case, str(info.value))
+
+
+@pytest.mark.parametrize("bad_case", DEFAULT_CASES, ids=lambda c: c.id)
+def test_a_deployment_default_that_cannot_be_read_fails_the_parse(
+    bad_case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", DEFAULTS[bad_case.id])
+    (tmp_path / "train.py").write_text("")
+    job = job_from_dict(
+        {
+            "job": "demo",
+            "rounds": 1,
+            "min_clients": 1,
+            "initial_model": str(REPO / "examples" / "digits" / "initial_model.safetensors"),
+            "trainer": {"script": "train.py"},
+            "sites": {"site-1": {}},
+        },
+        base_dir=str(tmp_path),
+    )
+    with pytest.raises(ConfigError) as info:
+        with_deployment_tracking(job)  # what build_dag does with every job file
     assert_clear(bad_case, str(info.value))

@@ -47,7 +47,7 @@ from flare_airflow.core.config.site import (
     merge_sites,
 )
 from flare_airflow.core.config.slurm import SlurmLaunchSpec
-from flare_airflow.core.config.tracking import TRACKING_BACKENDS, TrackingSpec
+from flare_airflow.core.config.tracking import TRACKING_BACKENDS, TrackingSpec, deployment_tracking
 from flare_airflow.core.config.validators import (
     MAX_FORM_INT,
     MAX_SECONDS,
@@ -118,6 +118,7 @@ __all__ = [
     "VolumeSpec",
     "apply_site_policy",
     "check_store_backend",
+    "deployment_tracking",
     "job_from_dict",
     "load_initial_model",
     "load_job",

@@ -184,7 +184,10 @@ class JobConfig(Strict):
     privacy: JobPrivacy = Field(
         default_factory=JobPrivacy, description="filters added at every site, the (ε, δ) account, the budget"
     )
-    tracking: TrackingSpec | None = Field(None, description="experiment tracking of each run (docs/tracking.md)")
+    tracking: TrackingSpec | None = Field(
+        None,
+        description="experiment tracking of each run (docs/tracking.md); false: none, whatever the deployment default",
+    )
     sites: dict[str, SiteSpec]
     base_dir: str = Field(".", description="directory relative paths are resolved against")
 
@@ -197,6 +200,13 @@ class JobConfig(Strict):
         _fedprox_mu_to_trainer(data)
         data["sites"] = merge_sites(data.get("sites"), data.pop("resource_spec", None), data.pop("launcher_spec", None))
         return data
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _tracking_off(cls, value: Any) -> Any:
+        # `tracking: false` is "not tracked" said out loud: the deployment default does not apply
+        # (it applies to a job that leaves tracking out, see flare_airflow.operators.tracking).
+        return None if value is False else value
 
     @field_validator("schedule")
     @classmethod

@@ -5,19 +5,29 @@ never do, so the job names no credentials. A tracking server is reached through 
 connection (``conn_id``) whose URI and credentials come from Airflow's secrets backend; ``uri`` is
 for trackers that need none (a SQLite file, a server on a private network), and one with
 credentials in it is refused.
+
+A deployment may track every job that does not say otherwise (``[flare_airflow] tracking`` in
+Airflow's configuration, :func:`deployment_tracking`); a job opts out with ``tracking: false``.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from flare_airflow.core.config.validators import Strict, conn_id_name, no_nul
+from flare_airflow.core.errors import ConfigError
 
-TRACKING_BACKENDS = ("mlflow",)
+TRACKING_BACKENDS = ("mlflow", "tensorboard")
+Backend = Literal["mlflow", "tensorboard"]
+# The deployment default's home in Airflow's configuration (and its AIRFLOW__... variable).
+DEPLOYMENT_OPTION = "[flare_airflow] tracking (AIRFLOW__FLARE_AIRFLOW__TRACKING)"
+# MLflow's registered model names: printable, no path separators (MLflow refuses '/' in them).
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._:-]{0,249}$")
 # MLflow's own rule for experiment names is loose; ours keeps them printable and short.
 _EXPERIMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._/:-]{0,249}$")
 _URI_SCHEMES = ("http", "https", "sqlite", "file", "postgresql", "mysql")
@@ -38,23 +48,55 @@ def uri_credentials(uri: str) -> str | None:
 
 class TrackingSpec(Strict):
     """``tracking:`` of a job: ``{backend: mlflow}`` gives the embedded store (a SQLite file next to
-    the model store); ``conn_id`` names the Airflow connection of a tracking server."""
+    the model store); ``conn_id`` names the Airflow connection of a tracking server;
+    ``backend: tensorboard`` writes TensorBoard event files next to the model store, and a list
+    (``[mlflow, tensorboard]``) writes both."""
 
-    backend: Literal["mlflow"] = Field(description="the experiment tracker: mlflow")
+    backend: tuple[Backend, ...] = Field(description="the experiment trackers: mlflow, tensorboard, or a list of them")
     experiment: str | None = Field(None, description="experiment name; default: the job's name")
     conn_id: str | None = Field(
         None, description="Airflow connection of a tracking server (its URI and credentials stay in Airflow)"
     )
     uri: str | None = Field(None, description="tracking URI without credentials; default: sqlite:///<store>/mlflow.db")
+    register_model: str | None = Field(
+        None, description="MLflow: register each run's published model as a version of this registered model"
+    )
 
     @field_validator("backend", mode="before")
     @classmethod
     def _backend(cls, value: object) -> object:
-        if value not in TRACKING_BACKENDS:
-            # Not echoed whole: the message names the allowed values instead.
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list | tuple) or not values:
             raise ValueError(
-                f"unknown tracking backend {str(value)[:40]!r}: use one of {', '.join(TRACKING_BACKENDS)} "
+                f"tracking.backend must be one of {', '.join(TRACKING_BACKENDS)} or a list of them "
                 "(or leave tracking out)"
+            )
+        for one in values:
+            if one not in TRACKING_BACKENDS:
+                # Not echoed whole: the message names the allowed values instead.
+                raise ValueError(
+                    f"unknown tracking backend {str(one)[:40]!r}: use one of {', '.join(TRACKING_BACKENDS)} "
+                    "(or leave tracking out)"
+                )
+        if len(set(values)) != len(values):
+            raise ValueError("tracking.backend names a tracker twice")
+        return tuple(values)
+
+    @property
+    def mlflow(self) -> bool:
+        return "mlflow" in self.backend
+
+    @property
+    def tensorboard(self) -> bool:
+        return "tensorboard" in self.backend
+
+    @field_validator("register_model")
+    @classmethod
+    def _register_model(cls, value: str | None) -> str | None:
+        if value is not None and not _MODEL_NAME.match(value):
+            raise ValueError(
+                "tracking.register_model must start with a letter or digit and hold only letters, digits, "
+                "spaces and . _ : - (at most 250 characters)"
             )
         return value
 
@@ -98,4 +140,39 @@ class TrackingSpec(Strict):
     def _one_place(self) -> TrackingSpec:
         if self.conn_id is not None and self.uri is not None:
             raise ValueError("tracking: give conn_id (a server through an Airflow connection) or uri, not both")
+        if not self.mlflow and (self.conn_id, self.uri, self.experiment, self.register_model) != (None,) * 4:
+            raise ValueError(
+                "tracking: conn_id, uri, experiment and register_model are MLflow's; add mlflow to tracking.backend "
+                "or remove them"
+            )
         return self
+
+
+def deployment_tracking(setting: str) -> TrackingSpec | None:
+    """The deployment's default ``tracking:`` from its setting: a backend (``mlflow``), a list
+    (``mlflow,tensorboard``) or the whole block as JSON (``{"backend": "mlflow", "conn_id": "mlflow_team"}``);
+    empty: no default."""
+    text = setting.strip()
+    if not text:
+        return None
+    data: Any
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f'{DEPLOYMENT_OPTION}: not valid JSON ({exc}); e.g. {{"backend": "mlflow"}}') from None
+    else:
+        names = [name.strip() for name in text.split(",")]
+        data = {"backend": names[0] if len(names) == 1 else names}
+    try:
+        return TrackingSpec.model_validate(data)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        errors = getattr(exc, "errors", None)
+        why = (
+            "; ".join(str(e.get("msg", e)).removeprefix("Value error, ") for e in errors())
+            if callable(errors)
+            else str(exc)
+        )
+        raise ConfigError(
+            f"{DEPLOYMENT_OPTION}: {why}; fix the setting in airflow.cfg or the environment of Airflow's components"
+        ) from None
