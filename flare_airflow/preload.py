@@ -9,7 +9,9 @@ again, per task:
   ~0.25 CPU-s;
 - Airflow's object-storage registry, built at a process's first use of any ``ObjectStoragePath``
   (a ``file://`` model store included): it imports every installed provider's filesystem module,
-  the Amazon provider's with botocore, 0.1-0.25 s in every prepare, FedAvg and publish task.
+  the Amazon provider's with botocore, 0.1-0.25 s in every prepare, FedAvg and publish task;
+- when the deployment tracks with MLflow by default (``[flare_airflow] tracking``), MLflow and its
+  SQL store, ~2.4 CPU-s in every prepare, aggregation and publish task (docs/tracking.md).
 """
 
 from __future__ import annotations
@@ -19,3 +21,20 @@ from airflow.sdk.io import has_fs
 import flare_airflow.builder  # noqa: F401  -- the DAG re-parse's imports
 
 has_fs("file")  # builds (and caches) Airflow's registry of object-storage filesystems
+
+
+def _preload_tracking() -> None:
+    from flare_airflow.core.errors import ConfigError
+    from flare_airflow.operators.tracking import deployment_default
+
+    try:
+        default = deployment_default()
+    except ConfigError:
+        return  # the DAG files' parse reports the setting's error, where the admin reads it
+    if default is not None and default.mlflow:
+        from flare_airflow.tracking import preload_mlflow
+
+        preload_mlflow()
+
+
+_preload_tracking()

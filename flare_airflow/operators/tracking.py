@@ -1,5 +1,6 @@
 """Experiment tracking from the run's own tasks: prepare opens the run, each aggregation logs its
-round, publish fills any gap and links the final model (docs/tracking.md).
+round, publish fills any gap and links (or registers) the final model (docs/tracking.md). The
+trackers: MLflow, TensorBoard event files, or both.
 
 Sites never talk to the tracker: their numbers come from the round's summary and their update
 records. A tracker that is down or refuses a write never fails the federated run: the task log
@@ -13,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from importlib.util import find_spec
 from typing import Any
+from urllib.parse import urlsplit
 
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from flare_airflow.core.config import JobConfig
+from flare_airflow.core.config import JobConfig, TrackingSpec, deployment_tracking
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import read_record
 from flare_airflow.core.store import ModelStore, local_file
@@ -34,10 +36,28 @@ from flare_airflow.operators.common import HPARAM_PREFIX, RunParamsError, run_id
 
 EMBEDDED_DB = "mlflow.db"
 EMBEDDED_ARTIFACTS = "mlflow-artifacts"
+TENSORBOARD_DIR = "tensorboard"
+# (round, its run-level points, each counted site's points)
+RoundPoints = tuple[int, Points, dict[str, Points]]
 
 
 class TrackingConfigError(FlareAirflowError):
     """The job's tracking cannot work in this deployment (missing connection, no place for the store)."""
+
+
+def deployment_default() -> TrackingSpec | None:
+    """The deployment's ``[flare_airflow] tracking`` (or ``AIRFLOW__FLARE_AIRFLOW__TRACKING``), parsed."""
+    from airflow.configuration import conf
+
+    return deployment_tracking(conf.get("flare_airflow", "tracking", fallback="") or "")
+
+
+def with_deployment_tracking(job: JobConfig) -> JobConfig:
+    """``job`` tracked as the deployment's default says, unless its file says ``tracking:`` itself."""
+    if "tracking" in job.model_fields_set:
+        return job
+    spec = deployment_default()
+    return job if spec is None else job.model_copy(update={"tracking": spec})
 
 
 def _connection_target(conn_id: str) -> tuple[str, dict[str, str]]:
@@ -98,6 +118,40 @@ def tracking_target(job: JobConfig, store: ModelStore) -> tuple[str, dict[str, s
     return f"sqlite:///{root}/{EMBEDDED_DB}", {}, f"file://{root}/{EMBEDDED_ARTIFACTS}"
 
 
+def tensorboard_root(store: ModelStore) -> str:
+    """The folder of a store's TensorBoard event files (``tensorboard --logdir`` it)."""
+    root = local_file(store.root)
+    if root is None:
+        raise TrackingConfigError(
+            f"tracking: TensorBoard event files go next to the model store, but the store {store.root} is not on "
+            "this machine's file system; use a local store or remove tensorboard from tracking.backend"
+        )
+    return f"{root.rstrip('/')}/{TENSORBOARD_DIR}"
+
+
+def _mlflow_ui(tracking_uri: str) -> str | None:
+    """Where people browse the tracker: ``[flare_airflow] mlflow_ui_url``, else a server's own URI
+    (without user info), else None (the embedded store has no UI until someone runs ``mlflow ui``)."""
+    from airflow.configuration import conf
+
+    configured = (conf.get("flare_airflow", "mlflow_ui_url", fallback="") or "").strip()
+    if configured:
+        return configured.rstrip("/")
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}"
+
+
+def mlflow_link(tracking_uri: str, experiment_id: str, run_id: str) -> dict[str, str | None]:
+    """The MLflow run of a DAG run, for the Federated runs page (ids, and its page in MLflow's UI)."""
+    ui = _mlflow_ui(tracking_uri)
+    url = f"{ui}/#/experiments/{experiment_id}/runs/{run_id}" if ui else None
+    return {"experiment_id": experiment_id, "run_id": run_id, "url": url}
+
+
 def _writer(job: JobConfig, store: ModelStore) -> Any:
     from flare_airflow.tracking import MlflowWriter
 
@@ -137,17 +191,47 @@ def _write(
     context: Context,
     log: Any,
     what: str,
-    run_points: Points,
-    sites: Mapping[str, Points],
+    rounds: Sequence[RoundPoints],
     final: Mapping[str, str] | None = None,
-) -> None:
+) -> dict[str, str | None] | None:
+    """Each tracker of the job gets ``rounds``; one that fails is logged and skipped, never raised.
+    Returns the MLflow run's link when MLflow took the write."""
+    spec = job.tracking
+    assert spec is not None
+    link = _write_mlflow(job, context, log, what, rounds, final) if spec.mlflow else None
+    if spec.tensorboard:
+        _write_tensorboard(job, context, log, what, rounds)
+    return link
+
+
+def _write_mlflow(
+    job: JobConfig,
+    context: Context,
+    log: Any,
+    what: str,
+    rounds: Sequence[RoundPoints],
+    final: Mapping[str, str] | None,
+) -> dict[str, str | None] | None:
     from flare_airflow.tracking import TrackingError
 
+    run_points: Points = {}
+    sites: dict[str, Points] = {}
+    for _, points, by_site in rounds:
+        run_points = merge_points(run_points, points)
+        for site, site_pts in by_site.items():
+            sites[site] = merge_points(sites.get(site, {}), site_pts)
     store = store_for(job)
+    assert job.tracking is not None
     try:
         writer = _writer(job, store)
         with writer.session():
-            done = writer.write(_identity(job, context, store), run_points, sites, final=final)
+            done = writer.write(
+                _identity(job, context, store),
+                run_points,
+                sites,
+                final=final,
+                register_model=job.tracking.register_model,
+            )
     except (TrackingError, TrackingConfigError) as exc:
         log.warning(
             "experiment tracking failed (%s): %s; the run goes on without it, and the next round or a retry of "
@@ -155,7 +239,7 @@ def _write(
             what,
             exc,
         )
-        return
+        return None
     for line in done["differ"]:
         log.warning("experiment tracking: %s (MLflow keeps the first point of a step)", line)
     log.info(
@@ -165,27 +249,60 @@ def _write(
         done["run_id"],
         writer.tracking_uri,
     )
-
-
-def track_run_start(job: JobConfig, context: Context, log: Any) -> None:
-    """At the run's start (prepare): refuse a tracking configuration that cannot work; open the run."""
-    if job.tracking is None:
-        return
-    if find_spec("mlflow") is None:
-        raise AirflowFailException(
-            "tracking: backend mlflow needs the mlflow package where Airflow runs this job's tasks: "
-            "pip install 'flare-airflow[tracking]' there, or remove tracking from the job"
+    if done["model_version"] is not None:
+        log.info(
+            "experiment tracking (%s): the final model is version %s of registered model %r",
+            what,
+            done["model_version"],
+            job.tracking.register_model,
         )
+    return mlflow_link(writer.tracking_uri, str(done["experiment_id"]), str(done["run_id"]))
+
+
+def _write_tensorboard(job: JobConfig, context: Context, log: Any, what: str, rounds: Sequence[RoundPoints]) -> None:
+    from flare_airflow.tracking import TensorBoardWriter, TrackingError
+
+    if not rounds:
+        return
     try:
-        _writer(job, store_for(job))
+        writer = TensorBoardWriter(tensorboard_root(store_for(job)), job.job, run_id_of(context))
+        with writer.session():
+            for round_num, points, by_site in rounds:
+                writer.write_round(round_num, points, by_site)
+    except (TrackingError, TrackingConfigError) as exc:
+        log.warning(
+            "experiment tracking failed (%s, TensorBoard): %s; the run goes on without it, and a retry of publish "
+            "writes what is missing",
+            what,
+            exc,
+        )
+        return
+    log.info("experiment tracking (%s): TensorBoard event files in %s", what, writer.run_dir)
+
+
+def track_run_start(job: JobConfig, context: Context, log: Any) -> dict[str, str | None] | None:
+    """At the run's start (prepare): refuse a tracking configuration that cannot work; open the run.
+    Returns the MLflow run's link (None without MLflow or when the write failed)."""
+    spec = job.tracking
+    if spec is None:
+        return None
+    for backend, package in (("mlflow", "mlflow"), ("tensorboard", "tensorboardX")):
+        if backend in spec.backend and find_spec(package) is None:
+            raise AirflowFailException(
+                f"tracking: backend {backend} needs the {package} package where Airflow runs this job's tasks: "
+                "pip install 'flare-airflow[tracking]' there, or remove it from tracking.backend"
+            )
+    try:
+        if spec.mlflow:
+            _writer(job, store_for(job))
+        if spec.tensorboard:
+            tensorboard_root(store_for(job))
     except TrackingConfigError as exc:
         raise AirflowFailException(str(exc)) from None
-    _write(job, context, log, "run start", {}, {})
+    return _write_mlflow(job, context, log, "run start", [], None) if spec.mlflow else None
 
 
-def _round(
-    job: JobConfig, run_id: str, store: ModelStore, summary: Mapping[str, Any], log: Any
-) -> tuple[Points, dict[str, Points]]:
+def _round(job: JobConfig, run_id: str, store: ModelStore, summary: Mapping[str, Any], log: Any) -> RoundPoints:
     r = int(summary["round"])
     sites: dict[str, Points] = {}
     for site in summary.get("accepted") or ():
@@ -203,15 +320,16 @@ def _round(
             if record.num_samples is not None:
                 values["num_samples"] = float(record.num_samples)
         sites[site] = merge_points(at_step(values, r), own)
-    return at_step(round_points(summary), r), sites
+    return r, at_step(round_points(summary), r), sites
 
 
 def track_round(job: JobConfig, context: Context, summary: Mapping[str, Any], log: Any) -> None:
     """After a round's aggregation: its run-level points and each counted site's points."""
     if job.tracking is None:
         return
-    run_points, sites = _round(job, run_id_of(context), store_for(job), summary, log)
-    _write(job, context, log, f"round {summary['round']}", run_points, sites)
+    _write(
+        job, context, log, f"round {summary['round']}", [_round(job, run_id_of(context), store_for(job), summary, log)]
+    )
 
 
 def track_publish(
@@ -220,17 +338,12 @@ def track_publish(
     summaries: Sequence[Mapping[str, Any]],
     published: Mapping[str, Any],
     log: Any,
-) -> None:
-    """At publish: every round's points (what a failed write left out), the final model, FINISHED."""
+) -> dict[str, str | None] | None:
+    """At publish: every round's points (what a failed write left out), the final model, FINISHED.
+    Returns the MLflow run's link (None without MLflow or when the write failed)."""
     if job.tracking is None:
-        return
+        return None
     store, run_id = store_for(job), run_id_of(context)
-    run_points: Points = {}
-    sites: dict[str, Points] = {}
-    for summary in summaries:
-        points, by_site = _round(job, run_id, store, summary, log)
-        run_points = merge_points(run_points, points)
-        for site, site_pts in by_site.items():
-            sites[site] = merge_points(sites.get(site, {}), site_pts)
+    rounds = [_round(job, run_id, store, summary, log) for summary in summaries]
     final = {"uri": str(published["model_uri"]), "sha256": str(published["sha256"])}
-    _write(job, context, log, "publish", run_points, sites, final=final)
+    return _write(job, context, log, "publish", rounds, final=final)

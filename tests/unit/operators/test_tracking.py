@@ -10,7 +10,7 @@ import pytest
 from flare_airflow.core.config import job_from_dict
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators import tracking
-from flare_airflow.operators.tracking import TrackingConfigError, tracking_target
+from flare_airflow.operators.tracking import TrackingConfigError, mlflow_link, tracking_target, with_deployment_tracking
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -79,3 +79,51 @@ def test_a_missing_connection_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -
     message = str(info.value)
     assert "tracking.conn_id 'mlflow_team': no such Airflow connection" in message
     assert "AIRFLOW_CONN_MLFLOW_TEAM" in message
+
+
+def _untracked(tmp_path: pathlib.Path, **extra: object):
+    (tmp_path / "train.py").write_text("")
+    return job_from_dict(
+        {
+            "job": "demo",
+            "rounds": 1,
+            "min_clients": 1,
+            "initial_model": str(REPO / "examples" / "digits" / "initial_model.safetensors"),
+            "trainer": {"script": "train.py"},
+            "sites": {"site-1": {}},
+            **extra,
+        },
+        base_dir=str(tmp_path),
+    )
+
+
+def test_the_deployment_default_tracks_jobs_that_do_not_say(tmp_path: pathlib.Path, monkeypatch) -> None:
+    monkeypatch.delenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", raising=False)
+    assert with_deployment_tracking(_untracked(tmp_path)).tracking is None  # no default: nothing tracked
+    monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", "mlflow,tensorboard")
+    tracked = with_deployment_tracking(_untracked(tmp_path)).tracking
+    assert tracked is not None and tracked.backend == ("mlflow", "tensorboard")
+    monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", '{"backend": "mlflow", "conn_id": "mlflow_team"}')
+    assert with_deployment_tracking(_untracked(tmp_path)).tracking.conn_id == "mlflow_team"
+    # The job's own word wins: its tracking block, or `tracking: false` for none.
+    own = with_deployment_tracking(_untracked(tmp_path, tracking={"backend": "tensorboard"})).tracking
+    assert own is not None and own.backend == ("tensorboard",) and own.conn_id is None
+    assert with_deployment_tracking(_untracked(tmp_path, tracking=False)).tracking is None
+
+
+@pytest.mark.parametrize(
+    ("tracking_uri", "configured", "url"),
+    [
+        ("http://mlflow.internal:5000", "", "http://mlflow.internal:5000/#/experiments/3/runs/abc"),
+        (
+            "https://alice:pw@mlflow.example.org/mlflow/",
+            "",
+            "https://mlflow.example.org/mlflow/#/experiments/3/runs/abc",
+        ),
+        ("sqlite:////srv/store/mlflow.db", "", None),  # the embedded store: no UI until `mlflow ui` runs
+        ("sqlite:////srv/store/mlflow.db", "http://127.0.0.1:5000/", "http://127.0.0.1:5000/#/experiments/3/runs/abc"),
+    ],
+)
+def test_the_mlflow_link_never_carries_credentials(tracking_uri, configured, url, monkeypatch) -> None:
+    monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__MLFLOW_UI_URL", configured)
+    assert mlflow_link(tracking_uri, "3", "abc") == {"experiment_id": "3", "run_id": "abc", "url": url}

@@ -58,3 +58,18 @@ def test_a_tracker_that_is_down_raises_tracking_error_quickly(monkeypatch: pytes
     assert f"127.0.0.1:{port}" in message and "Connection refused" in message, message
     assert "pw-secret" not in message
     assert "MLFLOW_TRACKING_PASSWORD" not in os.environ, "credentials live only while the writer writes"
+
+
+def test_the_final_model_is_registered_once_per_run(db: pathlib.Path) -> None:
+    final = {"uri": "file:///store/demo/final/model.safetensors", "sha256": "cd" * 32}
+    who = RunIdentity("flare_demo", "manual__registered", "demo", "file:///store")
+    with _writer(db).session() as writer:
+        first = writer.write(who, {}, {}, final=final, register_model="demo-global")
+    with _writer(db).session() as writer:  # publish re-run: the same version, none added
+        again = writer.write(who, {}, {}, final=final, register_model="demo-global")
+        other = writer.write(RunIdentity("flare_demo", "manual__next", "demo", "file:///store"), {}, {},
+                             final=final, register_model="demo-global")  # fmt: skip
+        versions = writer.client.search_model_versions("name = 'demo-global'")
+    assert first["model_version"] == again["model_version"] == "1" and other["model_version"] == "2"
+    assert sorted((v.version, v.run_id) for v in versions) == [(1, first["run_id"]), (2, other["run_id"])]
+    assert {v.source for v in versions} == {final["uri"]} and versions[0].tags["flare_airflow.sha256"] == "cd" * 32
