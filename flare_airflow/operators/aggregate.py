@@ -28,6 +28,7 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
+from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
@@ -61,7 +62,7 @@ def central_noise_secret(round_num: int) -> bytes:
     return str(value).encode()
 
 
-class AggregateOperator(BaseOperator):
+class AggregateOperator(LineageMixin, BaseOperator):
     """Combine one round's site updates into the next global model (the job's ``aggregator``).
 
     Runs when all of the round's site tasks are done, whatever their state (trigger rule
@@ -236,6 +237,10 @@ class AggregateOperator(BaseOperator):
             outcome.metrics, summary["evaluation"],
         )  # fmt: skip
         track_round(job, context, summary, self.log)
+        self.lineage_io = (
+            [str(store.site_update(job.job, run_id, r, s)) for s in summary["accepted"]],
+            [str(global_out)],
+        )
         return summary
 
     def _server_state(self, context: Context, store: Any, run_id: str) -> tuple[dict[str, Any], WritablePath]:

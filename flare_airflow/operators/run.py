@@ -29,6 +29,7 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
+from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.tracking import track_publish, track_run_start
 
 
@@ -84,7 +85,7 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
         except RunParamsError as exc:
             raise AirflowFailException(f"invalid run parameters: {exc}") from None
         self._check_pools()
-        track_run_start(self.job, context, self.log)
+        mlflow_run = track_run_start(self.job, context, self.log)
         store = store_for(self.job)
         run_id = run_id_of(context)
         source = None
@@ -126,6 +127,8 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
         if params.budget_note:
             result["budget_note"] = params.budget_note
             self.log.warning("%s", params.budget_note)
+        if mlflow_run:
+            result["mlflow_run"] = mlflow_run
         self._skip_later_rounds(context, params.rounds, result)
         return result
 
@@ -230,7 +233,7 @@ def plot_rounds(rows: Sequence[dict[str, Any]], title: str) -> bytes:
     return buf.getvalue()
 
 
-class PublishOperator(BaseOperator):
+class PublishOperator(LineageMixin, BaseOperator):
     """Publish a run: final model, metrics JSON, plot, the job's ``latest`` pointer and its Asset.
 
     Runs when no round failed (rounds skipped by the form are fine). Writes under
@@ -361,8 +364,11 @@ class PublishOperator(BaseOperator):
         if note:
             self.log.warning("%s", note)
         self.log.info("final model: %s\nmetrics: %s\nplot: %s", model_path, metrics_path, plot_path)
-        track_publish(self.job, context, summaries, pointer, self.log)
-        return {"final_model": str(model_path), "metrics": str(metrics_path), "plot": str(plot_path), **pointer}
+        mlflow_run = track_publish(self.job, context, summaries, pointer, self.log)
+        self.lineage_io = ([str(last["global_uri"])], [str(model_path)])
+        outputs = {"final_model": str(model_path), "metrics": str(metrics_path), "plot": str(plot_path), **pointer}
+        # The Federated runs page links the run to its MLflow run from here (or from prepare's).
+        return {**outputs, "mlflow_run": mlflow_run} if mlflow_run else outputs
 
 
 def _ui_base() -> str:
