@@ -43,7 +43,7 @@ svg .empty{font-size:12px;fill:#718096}.muted{color:#718096}
 # attempt to initiate navigation"). The frame is same-origin with Airflow's UI, so a link into
 # Airflow is followed by an anchor created in the top document -- a navigation the unsandboxed top
 # document makes itself. Ctrl/Cmd/Shift/middle click open a new tab from there. Outside a frame the
-# links are plain links.
+# links are plain links. A link out of Airflow (the run in MLflow's UI, ``data-top``) goes the same way.
 SCRIPT = """(function () {
   "use strict";
   function topDocument() {
@@ -63,7 +63,7 @@ SCRIPT = """(function () {
     a.remove();
   }
   function onClick(ev) {
-    var a = ev.target && ev.target.closest ? ev.target.closest("a[data-airflow]") : null;
+    var a = ev.target && ev.target.closest ? ev.target.closest("a[data-airflow], a[data-top]") : null;
     if (!a || !topDocument() || (ev.type === "auxclick" && ev.button !== 1)) return;
     ev.preventDefault();
     follow(a.href, ev.ctrlKey || ev.metaKey || ev.shiftKey || ev.button === 1);
@@ -244,6 +244,16 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
         for k, v in view.params.items()
         if v not in (None, {}, "")
     )
+    tracked = ""
+    if view.mlflow_run is not None:
+        run = view.mlflow_run
+        label = f"run {run['run_id']} (experiment {run['experiment_id']})"
+        shown = (
+            f'<a class="mlflow" data-top href="{escape(str(run["url"]))}">{escape(label)}</a>'
+            if run["url"]
+            else escape(label)
+        )
+        tracked = f'<p class="tracking">MLflow: {shown}</p>'
     if downloads:
         files = "".join(
             f'<tr data-file="{escape(d["name"])}"><td><a class="download" href="{escape(d["href"])}">'
@@ -259,7 +269,7 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
         f"<p>state {_state(view.state)} · per-round values from {escape(view.rows_from)}"
         f"{'' if view.finished else ' · refreshing every 5 s'}</p>{_run_failures(view, ui_base)}"
         f'<h2>Rounds &times; sites</h2>{table}<h2>Per round</h2><div class="charts">{figures}</div>'
-        f"<h2>Parameters</h2><table>{params}</table><h2>Outputs</h2>{files}</div>"
+        f"<h2>Parameters</h2><table>{params}</table><h2>Outputs</h2>{files}{tracked}</div>"
     )
 
 

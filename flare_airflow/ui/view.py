@@ -73,6 +73,8 @@ class RunView:
     params: dict[str, Any]
     rows_from: str  # "metrics.json" or "xcom"
     failures: list[RunFailure] = field(default_factory=list)  # the run's own tasks that failed
+    # The run's MLflow run (experiment_id, run_id, url or None) when the job tracks with MLflow.
+    mlflow_run: dict[str, str | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -213,7 +215,25 @@ def build_run_view(
         params=params,
         rows_from=rows_from,
         failures=run_failures,
+        mlflow_run=_mlflow_run(_mapping(xcoms.get(prefix + "publish")).get("mlflow_run"), prepare.get("mlflow_run")),
     )
+
+
+def _mlflow_run(*candidates: Any) -> dict[str, str | None] | None:
+    """The first well-formed MLflow link of the run's XComs (publish's, then prepare's).
+
+    An XCom is any task's to write: only ids and an http(s) URL get onto the page.
+    """
+    for found in candidates:
+        if not isinstance(found, Mapping):
+            continue
+        ids = {k: found.get(k) for k in ("experiment_id", "run_id")}
+        if not all(isinstance(v, str) and v for v in ids.values()):
+            continue
+        url = found.get("url")
+        ok = isinstance(url, str) and url.startswith(("http://", "https://"))
+        return {**ids, "url": url if ok else None}
+    return None
 
 
 @dataclass(frozen=True)

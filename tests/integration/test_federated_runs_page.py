@@ -3,8 +3,9 @@ SQLite, started by `make airflow`'s launcher) and a real browser (Debian's headl
 driven by Playwright; no browser download).
 
 One Airflow for the module: the demo DAG (digits, 3 of its 5 rounds) and a job whose site-4 fails
-every round run side by side; the page is opened while the demo run is still running and must
-update itself to the final numbers. Screenshots are saved in the module's tmp dir (path printed).
+every round run side by side (the latter tracked in MLflow's embedded store: its page links to its
+MLflow run); the page is opened while the demo run is still running and must update itself to the
+final numbers. Screenshots are saved in the module's tmp dir (path printed).
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from urllib.parse import quote
 import httpx
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from flare_airflow.core.tracking import run_key
 from flare_airflow_testing.harness import behave_job
 from flare_airflow_testing.local_airflow import REPO, Api, LocalAirflow, process_tree, started
 
 CHROMIUM = "/usr/bin/chromium"
 PASSWORDS = {"admin": "admin-pw-for-test", "outsider": "outsider-pw-for-test"}
 DEMO, ONE_DOWN, NO_QUORUM = "flare_digits", "flare_one_down", "flare_no_quorum"
+MLFLOW_UI = "http://127.0.0.1:5999"  # [flare_airflow] mlflow_ui_url: where this deployment serves `mlflow ui`
 
 
 class Stack:
@@ -59,6 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         f"from flare_airflow.builder import build_dag\ndag = build_dag({str(REPO / 'dags' / 'digits.yaml')!r})\n"
     )
     job = behave_job(root, "one-down", sites=4, rounds=2, min_clients=3, args=["--fail", "site-4"])
+    job["tracking"] = {"backend": "mlflow"}
     lost = behave_job(root, "no-quorum", sites=2, rounds=1, min_clients=2, args=["--fail", "site-2"])
     for name, spec in (("one_down", job), ("no_quorum", lost)):
         (dags / f"{name}.yaml").write_text(yaml.safe_dump(spec))
@@ -85,6 +90,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "AIRFLOW__CORE__AUTH_MANAGER": "dag_denying_auth_manager.DagDenyingAuthManager",
             "FLARE_TEST_DENIED_DAGS": f"outsider:{DEMO}",
             "PYTHONPATH": str(auth),
+            "AIRFLOW__FLARE_AIRFLOW__MLFLOW_UI_URL": MLFLOW_UI,
         },
     )
     airflow.start()
@@ -246,6 +252,14 @@ def test_failing_site_fails_every_round_and_the_round_still_counts(stack: Stack,
         assert aggregate.get_attribute("data-state") == "success" and "3/4 valid" in aggregate.inner_text()
     assert _points(page, "valid") == {"valid updates": [(1, 3.0), (2, 3.0)]}
     assert [row["sites_valid"] for row in _metrics(stack, ONE_DOWN)["rounds"]] == [3, 3]
+    # The run links to its run in MLflow's UI: the one the tracker holds for this DAG run.
+    (db,) = stack.root.rglob("mlflow.db")
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    experiment = client.get_experiment_by_name("one-down")
+    key = run_key(ONE_DOWN, stack.runs[ONE_DOWN])
+    (tracked,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`flare_airflow.run_key` = '{key}'")
+    href = page.locator("a.mlflow").get_attribute("href")
+    assert href == f"{MLFLOW_UI}/#/experiments/{experiment.experiment_id}/runs/{tracked.info.run_id}"
 
 
 def test_a_round_without_quorum_shows_why(stack: Stack, browser: Browser) -> None:
@@ -282,6 +296,9 @@ def test_endpoints_need_a_token_and_dag_access(stack: Stack) -> None:
     # The same user reads the DAG it may read: the denial is per DAG, decided by the auth manager.
     r = httpx.get(f"{stack.base}/flare/api/dags/{ONE_DOWN}/runs/{other}", headers=outsider, timeout=30)
     assert r.status_code == 200, r.text[:300]
+    assert r.json()["mlflow_run"]["url"].startswith(MLFLOW_UI)  # the MLflow link is the run's, behind the same checks
+    anonymous = httpx.get(f"{stack.base}/flare/api/dags/{ONE_DOWN}/runs/{other}", timeout=30)
+    assert anonymous.status_code == 401 and "mlflow" not in anonymous.text
     index = httpx.get(f"{stack.base}/flare/", headers=outsider, timeout=30).text
     assert ONE_DOWN in index and DEMO not in index
 

@@ -173,3 +173,22 @@ def test_the_privacy_spent_after_each_round_and_the_budget_show_on_the_page() ->
     html = page.run_content(view, "/ui", [])
     assert '<small class="epsilon">ε 2.918</small>' in html
     assert "privacy budget exhausted at round 3" in html
+
+
+def test_the_run_links_to_its_mlflow_run_and_only_through_http() -> None:
+    run = {"dag_run_id": "r1", "state": "success", "conf": {}}
+    link = {"experiment_id": "3", "run_id": "abc", "url": "http://mlflow.internal:5000/#/experiments/3/runs/abc"}
+    xcoms = _xcoms(1, {})
+    assert build_run_view("d", run, _tis(1, {}), xcoms, None).mlflow_run is None  # tracking off: nothing shown
+    xcoms["prepare"]["mlflow_run"] = link
+    view = build_run_view("d", run, _tis(1, {}), xcoms, None)
+    assert view.mlflow_run == link
+    html = page.run_content(view, "", [])
+    assert f'<a class="mlflow" data-top href="{escape(link["url"])}">run abc (experiment 3)</a>' in html
+    # An XCom is any task's to write: a script URL is not a link, the ids stay text.
+    xcoms["publish"] = {"mlflow_run": {**link, "url": "javascript:alert(1)"}}
+    tis = {**_tis(1, {}), "publish": {"state": "success", "try_number": 1}}
+    view = build_run_view("d", run, tis, xcoms, None)
+    assert view.mlflow_run == {**link, "url": None}
+    html = page.run_content(view, "", [])
+    assert "javascript:" not in html and "MLflow: run abc (experiment 3)" in html
