@@ -13,6 +13,7 @@ installed, and is imported from the repository root (pytest and the benchmarks p
 - :mod:`.containers`: the project's images, built or found by ``docker/images.py``.
 - :mod:`.side_venvs`: NVIDIA FLARE's and PyTorch's side environments, cached per machine.
 - :mod:`.nvflare_poc`: a real FLARE deployment (NVFlare's POC system) for native mode's tests and benchmark.
+- :mod:`.mlflow_server`: a real ``mlflow server`` on loopback (experiment tracking's tests and benchmark).
 
 The import contracts in pyproject.toml keep it below the tests: it never imports ``tests`` or ``benchmarks``,
 and benchmarks never import ``tests``. Submodules are imported directly; this package imports nothing.

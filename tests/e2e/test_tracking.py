@@ -1,10 +1,14 @@
-"""Experiment tracking through real Airflow runs: MLflow's embedded SQLite store and a real
-``mlflow server`` reached through an Airflow connection.
+"""Experiment tracking through real Airflow runs: MLflow's embedded SQLite store, TensorBoard event
+files, OpenLineage events, and a real ``mlflow server`` reached through an Airflow connection.
 
-The digits demo (3 rounds) with ``tracking: {backend: mlflow}``: one parent run whose
-``global_accuracy`` points equal ``metrics.json``, one child run per site with its ``train_loss``
-and the trainer's own ``epoch_train_loss`` (Client API ``log_metric``); round 3's aggregation and
-publish cleared and re-run leave the same points, one parent run. Then a server reached through
+The digits demo (3 rounds) tracked by the deployment's default (``[flare_airflow] tracking`` as an
+environment variable: MLflow and TensorBoard, registering the final model; the job file says
+nothing): one parent run whose ``global_accuracy`` points equal ``metrics.json``, one child run per
+site with its ``train_loss`` and the trainer's own ``epoch_train_loss`` (Client API ``log_metric``);
+the same scalars read back with TensorBoard's own reader; one registered model version; and
+OpenLineage's file transport holds a COMPLETE event of each round's aggregation naming the sites'
+updates in and that round's global model out. Round 3's aggregation and publish cleared and re-run
+leave the same points, event files and model version, one parent run. Then a server reached through
 ``AIRFLOW_CONN_*`` (credentials that never reach a log), down while a run goes: the run still
 publishes and every writer says why it did not track; once a real ``mlflow server`` is up on a free
 loopback port, a re-run of publish fills the gap. A missing connection is in the bad-input battery.
@@ -12,22 +16,22 @@ loopback port, a re-run of publish fills the gap. A missing connection is in the
 
 from __future__ import annotations
 
-import os
+import json
 import pathlib
-import signal
-import socket
 import subprocess
 import textwrap
-import time
-import urllib.request
 from typing import Any
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from flare_airflow.core.store import ModelStore
 from flare_airflow.core.tracking import run_key
+from flare_airflow.operators.lineage import dataset_name
 from flare_airflow_testing.harness import BIN, REPO, AirflowHome, behave_job
+from flare_airflow_testing.mlflow_server import MlflowServer, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -117,14 +121,58 @@ def _assert_tracked_like_metrics_json(client: MlflowClient, dag_id: str, state: 
         assert len(_history(client, child.info.run_id, "num_samples")) == ROUNDS
 
 
-def test_digits_run_is_tracked_in_embedded_mlflow_once_per_round_even_when_rerun(airflow_home: AirflowHome) -> None:
+def _scalars(folder: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard run folder, read by TensorBoard's own reader."""
+    reader = EventAccumulator(str(folder))
+    reader.Reload()
+    return {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+
+def _assert_tensorboard_like_metrics_json(folder: pathlib.Path, report: dict) -> None:
+    rows = report["rounds"]
+    assert sorted(p.name for p in folder.iterdir()) == ["global", *SITES]
+    series = _scalars(folder / "global")
+    accuracy = series["global_accuracy"]
+    assert [s for s, _ in accuracy] == [r["round"] for r in rows]  # one point per round, even after re-runs
+    # Event files hold float32: equal to metrics.json to float32's precision.
+    assert [v for _, v in accuracy] == pytest.approx([r["evaluation"]["accuracy"] for r in rows], rel=1e-6)
+    assert len(list((folder / "global").glob("*tfevents*"))) == ROUNDS
+    for site in SITES:
+        own = _scalars(folder / site)
+        expected = [(r["round"], r["site_metrics"][site]["train_loss"]) for r in rows]
+        assert [s for s, _ in own["train_loss"]] == [s for s, _ in expected], site
+        assert [v for _, v in own["train_loss"]] == pytest.approx([v for _, v in expected], rel=1e-6), site
+        assert [s for s, _ in own["epoch_train_loss"]] == list(range(1, ROUNDS * 10 + 1)), site
+
+
+def _lineage_of_round(events: list[dict], dag_id: str, r: int) -> dict:
+    complete = [
+        e for e in events if e.get("eventType") == "COMPLETE" and e["job"]["name"] == f"{dag_id}.round_{r}.global_model"
+    ]
+    assert complete, f"no COMPLETE OpenLineage event of round {r}'s aggregation: {[e['job']['name'] for e in events]}"
+    return complete[-1]
+
+
+def test_digits_run_is_tracked_by_the_deployment_default_once_per_round_even_when_rerun(
+    airflow_home: AirflowHome, tmp_path: pathlib.Path
+) -> None:
     job = yaml.safe_load((REPO / "dags" / "digits.yaml").read_text())
-    job.update(job="digits_tracked", rounds=ROUNDS, tracking={"backend": "mlflow"})
+    job.update(job="digits_tracked", rounds=ROUNDS)  # no tracking: the deployment's default applies
     job["initial_model"] = str(REPO / "examples" / "digits" / "initial_model.safetensors")
     job["trainer"]["script"] = str(REPO / "examples" / "digits" / "trainer.py")
     dag_file = airflow_home.write_job("digits_tracked", job)
     dag_id = "flare_digits_tracked"
-    result = airflow_home.run(dag_id, dag_file)
+    lineage = tmp_path / "openlineage.jsonl"
+    default = {"backend": ["mlflow", "tensorboard"], "register_model": "digits-global"}
+    env = {
+        "AIRFLOW__FLARE_AIRFLOW__TRACKING": json.dumps(default),
+        "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps({"type": "file", "log_file_path": str(lineage), "append": True}),
+        "AIRFLOW__OPENLINEAGE__NAMESPACE": "flare-test",
+        # Task events only: the provider sends DAG-run events from a process pool that `airflow dags test`
+        # never shuts down (its process then waits at exit for the pool's worker, forever).
+        "AIRFLOW__OPENLINEAGE__EMISSION_POLICY": json.dumps([{"scope": {}, "controls": {"emit_dag_events": False}}]),
+    }
+    result = airflow_home.run(dag_id, dag_file, env=env)
     assert result.returncode == 0 and result.state["state"] == "success", result.log[-5000:]
     assert set(result.tasks.values()) == {"success"} and len(result.tasks) == 3 + ROUNDS * 5, result.tasks
     report = result.metrics()
@@ -132,71 +180,40 @@ def test_digits_run_is_tracked_in_embedded_mlflow_once_per_round_even_when_rerun
     assert db.is_file(), "the embedded store is a SQLite file next to the model store"
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     _assert_tracked_like_metrics_json(client, dag_id, result.state, report)
-    assert "experiment tracking (round 3): MLflow experiment" in _task_logs(airflow_home, dag_id)
+    logs = _task_logs(airflow_home, dag_id)
+    assert "experiment tracking (round 3): MLflow experiment" in logs
+    assert "experiment tracking (round 3): TensorBoard event files in" in logs
+    run_id = result.state["run_id"]
+    tensorboard = airflow_home.store / "tensorboard" / "digits_tracked" / run_id
+    _assert_tensorboard_like_metrics_json(tensorboard, report)
+    (parent,) = _parent_runs(client, "digits_tracked", dag_id, run_id)
+    (version,) = client.search_model_versions("name = 'digits-global'")
+    assert version.run_id == parent.info.run_id and version.source == result.state["published"]["model_uri"]
+    assert version.tags["flare_airflow.sha256"] == result.state["published"]["sha256"]
+    # OpenLineage (the provider's file transport): each aggregation read the sites' updates and wrote its model.
+    events = [json.loads(line) for line in lineage.read_text().splitlines() if line.strip()]
+    store = ModelStore.from_uri(str(airflow_home.store))
+    for r in range(1, ROUNDS + 1):
+        event = _lineage_of_round(events, dag_id, r)
+        outputs = [(d["namespace"], d["name"]) for d in event["outputs"]]
+        assert outputs == [dataset_name(str(store.global_model("digits_tracked", run_id, r)))], outputs
+        inputs = sorted((d["namespace"], d["name"]) for d in event["inputs"])
+        updates = [dataset_name(str(store.site_update("digits_tracked", run_id, r, site))) for site in SITES]
+        assert inputs == sorted(updates), inputs
 
     # Round 3's aggregation and publish run again (a second try each): not one point more.
-    run_id = result.state["run_id"]
-    _clear_and_rerun(airflow_home, dag_id, run_id, dag_file, "round_3.global_model", "publish")
+    _clear_and_rerun(airflow_home, dag_id, run_id, dag_file, "round_3.global_model", "publish", env=env)
     state = dict(result.state)
     assert len(_parent_runs(client, "digits_tracked", dag_id, run_id)) == 1
     _assert_tracked_like_metrics_json(client, dag_id, state, report)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class MlflowServer:
-    """A real ``mlflow server`` on loopback, in its own process group (stopped by its PID)."""
-
-    def __init__(self, root: pathlib.Path, port: int) -> None:
-        self.root, self.port = root, port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def uri(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = [
-            str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
-            "--artifacts-destination", str(self.root / "artifacts"),
-        ]  # fmt: skip
-        log = (self.root / "server.log").open("ab")
-        # No job runner (MLflow's GenAI job queue, a pool of huey processes): this test needs tracking only.
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root, env=env
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise AssertionError(f"mlflow server did not answer on {self.uri}: {(self.root / 'server.log').read_text()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
+    _assert_tensorboard_like_metrics_json(tensorboard, report)
+    assert len(client.search_model_versions("name = 'digits-global'")) == 1
 
 
 def test_a_tracking_server_through_a_connection_that_is_down_then_back(
     airflow_home: AirflowHome, tmp_path: pathlib.Path
 ) -> None:
-    server = MlflowServer(tmp_path, _free_port())
+    server = MlflowServer(tmp_path, free_port())
     job = behave_job(airflow_home.root, "served", sites=2, rounds=2, min_clients=2, args=[])
     job["tracking"] = {"backend": "mlflow", "conn_id": "mlflow_team", "experiment": "team/served"}
     dag_file = airflow_home.write_job("served", job)
