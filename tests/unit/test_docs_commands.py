@@ -65,6 +65,17 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
             "read by tests/e2e/test_tracking.py (mlflow server)"
         ),
     ),
+    (
+        r"^tensorboard --logdir\b",
+        NotRun(
+            "TensorBoard's web server; tests/e2e/test_tracking.py reads the same event files with the reader "
+            "it serves them with (EventAccumulator)"
+        ),
+    ),
+    (
+        r"^AIRFLOW__FLARE_AIRFLOW__TRACKING=",
+        RunBy("tests/e2e/test_tracking.py", '"AIRFLOW__FLARE_AIRFLOW__TRACKING"'),
+    ),
     (r"^make airflow$", RunBy("tests/integration/test_make_airflow.py", '"airflow", f"AIRFLOW_HOME={home}"')),
     (r"^make test$", NotRun("the command that runs this suite (.ci/run calls it)")),
     (
