@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
             tables = bench_confinement.run(reps=max(args.reps, 5), keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Confinement of process trainers: the cost of one site job", tables))
         if args.only == "tracking":
-            log("[tracking] digits with and without MLflow tracking (flare-airflow run) ...")
+            log("[tracking] digits: no tracking, MLflow embedded, MLflow server; under the real scheduler ...")
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Experiment tracking's cost per round", tables))
         if args.only in (None, "containers"):
