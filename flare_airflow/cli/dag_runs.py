@@ -263,4 +263,21 @@ def dags_test(dag_id: str, *, dagfile: str | None = None, conf: str | None = Non
     except Exception as exc:  # a DAG that is missing or does not parse: the traceback goes to the log
         traceback.print_exc()
         return 1, f"{type(exc).__name__}: {exc}"
+    finally:
+        _stop_listeners()
     return 0, ""
+
+
+def _stop_listeners() -> None:
+    """Tell Airflow's listeners this run's process is stopping, as Airflow's own jobs do when they
+    end: ``dags test`` never does, and OpenLineage's DAG-run events go through a process pool that
+    otherwise keeps this process waiting at exit, forever."""
+    from airflow.listeners.listener import get_listener_manager
+
+    manager = get_listener_manager()
+    if manager.has_listeners:
+        manager.hook.before_stopping(component=_DagsTest())
+
+
+class _DagsTest:
+    """The component that stops (listeners log its class name)."""

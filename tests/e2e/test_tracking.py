@@ -168,9 +168,8 @@ def test_digits_run_is_tracked_by_the_deployment_default_once_per_round_even_whe
         "AIRFLOW__FLARE_AIRFLOW__TRACKING": json.dumps(default),
         "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps({"type": "file", "log_file_path": str(lineage), "append": True}),
         "AIRFLOW__OPENLINEAGE__NAMESPACE": "flare-test",
-        # Task events only: the provider sends DAG-run events from a process pool that `airflow dags test`
-        # never shuts down (its process then waits at exit for the pool's worker, forever).
-        "AIRFLOW__OPENLINEAGE__EMISSION_POLICY": json.dumps([{"scope": {}, "controls": {"emit_dag_events": False}}]),
+        # DAG-run events too: they go through a process pool that `airflow dags test` never shuts
+        # down; `flare-airflow run` stops Airflow's listeners as its own jobs do, or it would hang here.
     }
     result = airflow_home.run(dag_id, dag_file, env=env)
     assert result.returncode == 0 and result.state["state"] == "success", result.log[-5000:]
@@ -192,6 +191,7 @@ def test_digits_run_is_tracked_by_the_deployment_default_once_per_round_even_whe
     assert version.tags["flare_airflow.sha256"] == result.state["published"]["sha256"]
     # OpenLineage (the provider's file transport): each aggregation read the sites' updates and wrote its model.
     events = [json.loads(line) for line in lineage.read_text().splitlines() if line.strip()]
+    assert any(e["eventType"] == "COMPLETE" and e["job"]["name"] == dag_id for e in events), "no DAG-run event"
     store = ModelStore.from_uri(str(airflow_home.store))
     for r in range(1, ROUNDS + 1):
         event = _lineage_of_round(events, dag_id, r)
