@@ -21,8 +21,10 @@ beta = 0.25 makes beta x n an integer at 16 and 64 sites, where Flower's ``int(b
 ``ceil(beta n)`` cut the same number. The results are compared (largest absolute difference).
 
 Server optimizers: a FedAvg round's aggregation (``aggregate_from_store`` + writing the global
-model, as the task does) against FedAdam and FedAvgM (the same, plus reading the previous round's
-state, the optimizer step, and writing the new state) at the largest cell's size.
+model, as the task does) against FedAvgM, FedAdam, FedYogi and FedAdagrad (the same, plus reading
+the previous round's state, the optimizer step, and writing the new state) at the ``--optimizers``
+cell (default: the largest cell), with the time of each stage. Interleaved, FedAvg then each
+optimizer, twice; each ratio is to the FedAvg run just before it (the better of the two rounds).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ MIB = 1 << 20
 TENSORS = 4
 BETA = 0.25
 RULES = ("median", "trimmed_mean", "krum")
+OPTIMIZERS = {"fedavgm": ("momentum",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"), "fedadagrad": ("m", "v")}
 # Flower's peak, in multiples of all updates' bytes: the list of arrays, np.asarray's stack per layer,
 # the partition's copy (median, trimmed mean); Krum's flattened copy and one (n, model) delta per site.
 FLOWER_FACTOR = {"median": 2.2, "trimmed_mean": 2.2, "krum": 3.2}
@@ -97,18 +100,29 @@ def worker_ours(folder: Path, rule: str, sites: int) -> dict[str, Any]:
     state: dict = {}
     if strategy.stateful and (folder / f"state-{rule}.safetensors").exists():
         state, _ = read_artifact(folder / f"state-{rule}.safetensors")
+    read = time.perf_counter()
     outcome, new_state = aggregate_from_store(
-        strategy, glob, updates, min_clients=sites, state=state, context=StepContext("bench", "r", 2)
-    )
+        strategy, glob, updates, min_clients=sites, state=state, context=StepContext("bench", "r", 2),
+        consume_state=True,  # as the aggregation task does: the state it just read
+    )  # fmt: skip
+    aggregated = time.perf_counter()
     if strategy.stateful:
         write_artifact(folder / f"state-{rule}-out.safetensors", FLModel(params=new_state))
+    state_written = time.perf_counter()
     if rule in RULES:
         seconds = time.perf_counter() - start
         write_artifact(folder / f"out-ours-{rule}.safetensors", FLModel(params=outcome.params))
     else:  # a round's aggregation writes the global model
         write_artifact(folder / f"out-ours-{rule}.safetensors", FLModel(params=outcome.params))
         seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_mib": (_status_kib("VmHWM") - base) / 1024}
+    return {
+        "seconds": seconds,
+        "peak_mib": (_status_kib("VmHWM") - base) / 1024,
+        "read_state": read - start,
+        "aggregate": aggregated - read,
+        "write_state": state_written - aggregated,
+        "write_global": start + seconds - state_written,
+    }
 
 
 def worker_flower(folder: Path, rule: str, sites: int) -> dict[str, Any]:
@@ -164,6 +178,11 @@ def mem_available_mib() -> float:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", default="16x16,16x64,256x16", help="SIZE_MIBxSITES,...")
+    p.add_argument(
+        "--optimizers",
+        default="",
+        help="SIZE_MIBxSITES: the cell of the server optimizers' table (default: the largest of --cells; none: skip)",
+    )
     p.add_argument("--out", default=str(BENCH_DIR / "results" / "strategies.md"))
     p.add_argument("--tmp", default="/var/tmp/flare-airflow-bench")
     args = p.parse_args(argv)
@@ -174,7 +193,13 @@ def main(argv: list[str]) -> int:
     if not flwr_python.exists():
         setup = f"python3 -m venv {FLWR_VENV} && {FLWR_VENV}/bin/pip install flwr==1.42.0 safetensors"
         raise SystemExit(f"Flower's venv is missing: {setup}")
-    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
+    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",") if c]
+    optim_cell: tuple[int, ...] | None = max(cells) if cells else None
+    if args.optimizers:
+        optim_cell = None if args.optimizers == "none" else tuple(int(x) for x in args.optimizers.split("x"))
+    grid = [(size, sites, True) for size, sites in cells]
+    if optim_cell is not None and optim_cell not in cells:
+        grid.append((optim_cell[0], optim_cell[1], False))
     Path(args.tmp).mkdir(parents=True, exist_ok=True)
     robust = Table(
         "Robust aggregation: ours (store engine, verified reads) vs Flower 1.42 (arrays in memory)",
@@ -183,17 +208,18 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     optim = Table(
         "Server optimizers: overhead on a FedAvg round's aggregation",
-        ["cell", "strategy", "seconds", "vs FedAvg", "peak MiB"],
-    )
+        ["cell", "strategy", "seconds (mean of 2)", "vs FedAvg (pooled; each pair)", "read state s",
+         "aggregate (+ step) s", "write state s", "write global s", "peak MiB"],
+    )  # fmt: skip
     started = time.monotonic()
     machine = machine_table(args.tmp)
-    for size, sites in cells:
+    for size, sites, robust_cell in grid:
         with tempfile.TemporaryDirectory(dir=args.tmp, prefix="strategies-") as tmp:
             folder = Path(tmp)
             log(f"[strategies] writing {sites} updates of {size} MiB")
             write_cell(folder, size, sites)
             cell = f"{size} MiB x {sites}"
-            for rule in RULES:
+            for rule in RULES if robust_cell else ():
                 ours = run_worker(sys.executable, "ours", folder, rule, sites)
                 need = FLOWER_FACTOR[rule] * size * sites
                 if need > mem_available_mib() - 4096:
@@ -207,32 +233,43 @@ def main(argv: list[str]) -> int:
                            f"{ours['seconds'] / total:.2f}", f"{ours['peak_mib']:.0f}", f"{flower['peak_mib']:.0f}",
                            max_diff(folder, rule))  # fmt: skip
                 log(f"[strategies] {cell} {rule}: ours {ours} Flower {flower}")
-            if (size, sites) == max(cells):
+            if (size, sites) == optim_cell:
                 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 
                 glob, _ = read_artifact(folder / "global.safetensors")
-                for rule, slots in (("fedadam", ("m", "v")), ("fedavgm", ("momentum",))):
+                for rule, slots in OPTIMIZERS.items():
                     # round 2: the previous round's state exists, as in any round after the first
                     state = {f"{rule}/{s}/{k}": abs(v) * 0.01 for s in slots for k, v in glob.items()}
                     write_artifact(folder / f"state-{rule}.safetensors", FLModel(params=state))
                 del glob, state
-                fedavg = run_worker(sys.executable, "ours", folder, "fedavg", sites)
-                optim.add(cell, "fedavg", f"{fedavg['seconds']:.2f}", "1.00", f"{fedavg['peak_mib']:.0f}")
-                for rule in ("fedadam", "fedavgm"):
-                    res = run_worker(sys.executable, "ours", folder, rule, sites)
-                    optim.add(cell, rule, f"{res['seconds']:.2f}", f"{res['seconds'] / fedavg['seconds']:.2f}",
-                              f"{res['peak_mib']:.0f}")  # fmt: skip
-                    log(f"[strategies] {cell} {rule}: {res} (fedavg {fedavg})")
+                # Interleaved, twice: a shared machine's load drifts, so each optimizer runs right after
+                # a FedAvg run; seconds are the two runs' mean, the ratio is pooled over both pairs.
+                runs: dict[str, list[tuple[dict[str, Any], float]]] = {rule: [] for rule in ("fedavg", *OPTIMIZERS)}
+                for _ in range(2):
+                    fedavg = run_worker(sys.executable, "ours", folder, "fedavg", sites)
+                    runs["fedavg"].append((fedavg, fedavg["seconds"]))
+                    for rule in OPTIMIZERS:
+                        res = run_worker(sys.executable, "ours", folder, rule, sites)
+                        runs[rule].append((res, fedavg["seconds"]))
+                        log(f"[strategies] {cell} {rule}: {res} (fedavg {fedavg})")
+                for rule, pairs in runs.items():
+                    mean = {k: sum(r[k] for r, _ in pairs) / len(pairs) for k in pairs[0][0]}
+                    ratio = sum(r["seconds"] for r, _ in pairs) / sum(f for _, f in pairs)
+                    each = " / ".join(f"{r['seconds'] / f:.3f}" for r, f in pairs)
+                    optim.add(cell, rule, f"{mean['seconds']:.2f}", f"{ratio:.3f} ({each})",
+                              *(f"{mean[k]:.2f}" for k in ("read_state", "aggregate", "write_state", "write_global")),
+                              f"{max(r['peak_mib'] for r, _ in pairs):.0f}")  # fmt: skip
     text = "\n".join(
         [
             "# Strategies: robust aggregation vs Flower, server optimizers' overhead",
             "",
-            f"`python benchmarks/bench_strategies.py --cells {args.cells}` -- one run of each case "
+            f"`python benchmarks/bench_strategies.py --cells {args.cells}"
+            f"{' --optimizers ' + args.optimizers if args.optimizers else ''}` -- one run of each case "
             f"({time.monotonic() - started:.0f} s in all); see the module docstring for what is measured.",
             "",
             machine.markdown(),
-            robust.markdown(),
-            optim.markdown(),
+            *([robust.markdown()] if cells else []),
+            *([optim.markdown()] if optim_cell is not None else []),
         ]
     )
     Path(args.out).write_text(text)

@@ -170,6 +170,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 accepted_blake3=accepted_blake3,
                 state=state,
                 context=StepContext(job=job.job, run_id=run_id, round=r),
+                consume_state=True,  # just read from the store for this try: written over, not copied
             )
         except QuorumNotReached as exc:
             raise AirflowFailException(f"round {r} failed: {exc}") from None
