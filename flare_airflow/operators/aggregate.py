@@ -10,8 +10,8 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.config.privacy import CENTRAL_NOISE_SECRET_VARIABLE
-from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.digests import BLAKE3, available
+from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import (
     MAX_METRICS,
     FLModel,
