@@ -217,7 +217,7 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
                 round_num=r,
                 site_task_ids={site: task.task_id for site, task in zip(built, sites, strict=True)},
                 global_task_id=previous.task_id,
-                doc_md=f"FedAvg of round {r}; evaluation.",
+                doc_md=f"{_rule(job)} of round {r}; evaluation.",
             )
             sites >> aggregate
         previous >> [first for first, _ in pairs]

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -113,6 +113,19 @@ class RoundOutcome:
     metrics_dropped: list[str] = field(default_factory=list)  # means left out: more than MAX_METRICS names
     selected: list[str] | None = None  # the sites a selecting rule (Krum) combined; None: every accepted site
     clipped: dict[str, float] = field(default_factory=dict)  # site -> factor its update was scaled by (norm bound)
+
+
+class PieceStep(Protocol):
+    """A step after the mean, fed a piece of it at a time while it is in the CPU cache (a server
+    optimizer: :class:`flare_airflow.core.strategies.server_optimizers.StepPieces`)."""
+
+    def touches(self, name: str) -> bool:
+        """Whether the step changes tensor ``name`` (others keep the mean)."""
+        ...
+
+    def piece(self, name: str, s: int, e: int, aggregate: np.ndarray) -> np.ndarray:
+        """The new elements [s, e) of tensor ``name`` (float64) from the mean's, cast to the tensor's dtype."""
+        ...
 
 
 class FedAvg:
@@ -231,8 +244,13 @@ class FedAvg:
             "The global model was not updated; check the sites' updates and weights (num_samples, weight)."
         )
 
-    def result(self) -> RoundOutcome:
-        """The new global model; raises ``QuorumNotReached`` with every failed site's reason."""
+    def result(self, step: PieceStep | None = None) -> RoundOutcome:
+        """The new global model; raises ``QuorumNotReached`` with every failed site's reason.
+
+        ``step``: a step after the mean, applied in the same pass, each piece of the mean cast to the
+        tensor's dtype first (as the step would see the whole mean) -- the model is bitwise what the
+        step gives applied to the whole mean, without reading the mean from memory again.
+        """
         if len(self.accepted) < self.min_clients:
             failed = "; ".join(f"{s}: {r}" for s, r in sorted(self.rejected.items())) or "none reported"
             raise QuorumNotReached(
@@ -282,6 +300,12 @@ class FedAvg:
                     # float64 sums of finite updates are finite; the cast back (float16, float32) or a
                     # DIFF added to the global model can still overflow.
                     raise self._not_finite(name, f"its mean is not finite in {ref.dtype} (overflow)")
+                if step is not None and step.touches(name):
+                    stepped = step.piece(name, s, e, flat[s:e])
+                    with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+                        flat[s:e] = stepped
+                    if not np.isfinite(flat[s:e]).all():
+                        raise self._not_finite(name, f"the server optimizer's step is not finite in {ref.dtype}")
             out[name] = res
         metrics, dropped = round_metrics(self._metric_sums, self._metric_weights)
         self._outcome = RoundOutcome(
@@ -483,9 +507,11 @@ def stream_from_store(
     *,
     accepted_sha256: Mapping[str, str] | None = None,
     accepted_blake3: Mapping[str, str] | None = None,
+    step: PieceStep | None = None,
 ) -> RoundOutcome:
     """The streaming half of the store engine: :func:`fedavg_from_store`'s reads and groups, into any
-    accumulator with FedAvg's interface (``expected``, ``reject``, ``add_verified``, ``result``)."""
+    accumulator with FedAvg's interface (``expected``, ``reject``, ``add_verified``, ``result``);
+    ``step`` goes to FedAvg's :meth:`FedAvg.result`."""
     reader = UpdateReader(agg.expected, accepted_sha256, accepted_blake3)
     ordered = sorted(updates, key=lambda u: u[0])
     with side_by_side_runner() as side_by_side:
@@ -506,4 +532,4 @@ def stream_from_store(
             )
             del group
     reader.release()  # before the result is computed: peak memory is the larger of the two phases
-    return agg.result()
+    return agg.result(step) if step is not None else agg.result()

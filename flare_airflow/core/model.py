@@ -15,14 +15,14 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import safetensors.numpy
 
-from flare_airflow.core.digests import BLAKE3, HEX_DIGEST, SHA256, available, digest_all, verifiable
+from flare_airflow.core.digests import BLAKE3, HEX_DIGEST, SHA256, available, new_hasher, verifiable
 from flare_airflow.core.errors import ModelFormatError
 from flare_airflow.core.store import MAX_RECORD_BYTES, WritablePath, open_for_reading, read_at_most, record_path
 from flare_airflow.core.tensors import (
@@ -239,21 +239,25 @@ def tensor_spec(params: Params) -> TensorSpec:
     return {name: (str(arr.dtype), tuple(arr.shape)) for name, arr in params.items()}
 
 
-def atomic_write(path: WritablePath, data: bytes) -> None:
-    """Write to a temporary sibling, then rename over the target: readers never see half a file.
+def atomic_write(path: WritablePath, data: Any) -> None:
+    """Write ``data`` (bytes-like, or an iterable of bytes-like pieces written in order) to a temporary
+    sibling, then rename over the target: readers never see half a file.
 
     Object stores (s3://, gs://, memory://, ...) cannot rename, but there one upload is already
     all-or-nothing, so the object is written directly.
     """
+    pieces = (data,) if isinstance(data, bytes | bytearray | memoryview) else data
     path.parent.mkdir(parents=True, exist_ok=True)
     if getattr(path, "protocol", "file") not in ("file", "local", ""):
         with path.open("wb") as fh:
-            fh.write(data)
+            for piece in pieces:
+                fh.write(piece)
         return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
         with tmp.open("wb") as fh:
-            fh.write(data)
+            for piece in pieces:
+                fh.write(piece)
             if hasattr(fh, "fileno"):
                 try:
                     fh.flush()
@@ -266,6 +270,29 @@ def atomic_write(path: WritablePath, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+
+
+def safetensors_header(params: Params, metadata: Mapping[str, str]) -> tuple[bytes, list[str]]:
+    """The header ``safetensors.numpy.save(params, metadata=metadata)`` writes (length, JSON, padding)
+    and the tensors' order in its data, without serialising the data.
+
+    safetensors itself is asked for the order and the dtype names (it sorts by dtype, then name), on
+    empty stand-ins of the same dtypes: its rule stays the one rule, and the file stays byte for byte
+    what it writes (a test compares the two). Raises what ``safetensors.numpy.save`` raises.
+    """
+    probe = safetensors.numpy.save({k: np.empty((0,), v.dtype) for k, v in params.items()}, metadata=dict(metadata))
+    length = int.from_bytes(probe[:8], "little")
+    layout = json.loads(probe[8 : 8 + length])
+    order = [k for k in layout if k != "__metadata__"]
+    header: dict[str, Any] = {"__metadata__": layout["__metadata__"]} if "__metadata__" in layout else {}
+    at = 0
+    for name in order:
+        arr = params[name]
+        header[name] = {"dtype": layout[name]["dtype"], "shape": list(arr.shape), "data_offsets": [at, at + arr.nbytes]}
+        at += arr.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to a multiple of 8 bytes
+    return len(text).to_bytes(8, "little") + text, order
 
 
 # What one update (or evaluation) may report. Metrics travel in XCom (the site task's summary, the
@@ -321,11 +348,13 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
         arr = np.asarray(value)
         if arr.dtype == object:
             raise ModelFormatError(f"{where}: tensor {name!r} has dtype object; only numeric arrays are stored")
+        if arr.dtype.byteorder == ">":  # stored little-endian, as safetensors does
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
         # Not np.ascontiguousarray: it turns 0-d tensors (e.g. a step counter) into shape (1,).
         params[name] = arr if arr.flags.c_contiguous else np.copy(arr, order="C")
     metadata = {"params_type": model.params_type.value}
     try:
-        data = safetensors.numpy.save(params, metadata=metadata)
+        header, order = safetensors_header(params, metadata)
     except Exception as exc:  # safetensors raises its own error types for bad dtypes
         raise ModelFormatError(f"{where}: cannot serialise tensors as safetensors: {exc}") from exc
     num_samples = check_num_samples(model.meta.get("num_samples"), f"{where}: meta['num_samples']")
@@ -334,18 +363,36 @@ def write_artifact(path: WritablePath, model: FLModel, *, where: str = "") -> Ar
         json.dumps(meta)
     except TypeError as exc:
         raise ModelFormatError(f"{where}: meta must be JSON-serialisable: {exc}") from exc
-    digests = digest_all(data, available())
+    metrics = check_metrics(model.metrics, where)  # before anything is written over the path
+    # The file is written piece by piece from the arrays' own memory, each piece hashed on its way
+    # out while it is in the CPU cache: no serialised copy of the model (on these VMs, touching that
+    # much fresh memory cost more than hashing and writing it; measured in bench_strategies).
+    hashers = [new_hasher(a) for a in available()]
+
+    def pieces() -> Iterator[Any]:
+        yield header
+        for name in order:
+            flat = params[name].reshape(-1).view(np.uint8)
+            for s in range(0, flat.size, CHUNK_BYTES):
+                piece = memoryview(flat[s : s + CHUNK_BYTES])  # type: ignore[arg-type]  # ndarray is a buffer
+                for h in hashers:
+                    h.update(piece)
+                yield piece
+
+    for h in hashers:
+        h.update(header)
+    atomic_write(path, pieces())
+    digests = {a: h.hexdigest() for a, h in zip(available(), hashers, strict=True)}
     record = ArtifactRecord(
         sha256=digests[SHA256],
         blake3=digests.get(BLAKE3),
-        size=len(data),
+        size=len(header) + sum(params[name].nbytes for name in order),
         params_type=model.params_type,
         num_samples=num_samples,
-        metrics=check_metrics(model.metrics, where),
+        metrics=metrics,
         meta=meta,
         tensors=tensor_spec(params),
     )
-    atomic_write(path, data)
     atomic_write(record_path(path), record.to_json().encode())
     return record
 

@@ -228,7 +228,8 @@ def read_into(
         else:
             if callable(buffer):
                 buffer = buffer(size)
-            target: Any = buffer if buffer is not None and buffer.nbytes >= size else bytearray(size)
+            # np.empty, not bytearray: a bytearray is zero-filled first, one more pass over fresh memory.
+            target: Any = buffer if buffer is not None and buffer.nbytes >= size else np.empty(size, dtype=np.uint8)
             data = memoryview(target)[:size]
             got = 0
             while got < size:

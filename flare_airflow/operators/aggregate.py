@@ -10,8 +10,17 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.config.privacy import CENTRAL_NOISE_SECRET_VARIABLE
+from flare_airflow.core.digests import BLAKE3, available
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
-from flare_airflow.core.model import MAX_METRICS, FLModel, WritablePath, read_artifact, write_artifact
+from flare_airflow.core.model import (
+    MAX_METRICS,
+    FLModel,
+    WritablePath,
+    read_artifact,
+    read_record,
+    read_verified,
+    write_artifact,
+)
 from flare_airflow.core.privacy.central import central_noise_key
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import record_path
@@ -170,17 +179,18 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 accepted_blake3=accepted_blake3,
                 state=state,
                 context=StepContext(job=job.job, run_id=run_id, round=r),
+                consume_state=True,  # just read from the store for this try: written over, not copied
             )
         except QuorumNotReached as exc:
             raise AirflowFailException(f"round {r} failed: {exc}") from None
-        state_sha256 = None
+        state_record = None
         if state_out is not None:
             # Before the global model: a task killed between the two writes is run again from the
             # previous round's state, which it never overwrites, and writes the same bytes again.
             try:
-                state_sha256 = write_artifact(
+                state_record = write_artifact(
                     state_out, FLModel(params=new_state, meta={"round": r, "strategy": strategy.name})
-                ).sha256
+                )
             except OSError as exc:
                 raise AirflowFailException(
                     f"round {r}: cannot write the server state {state_out}: {exc.strerror or exc}. The model store "
@@ -220,7 +230,9 @@ class AggregateOperator(LineageMixin, BaseOperator):
             "site_sha256": dict(sorted(accepted.items())) if accepted is not None else None,
             "rejected": outcome.rejected,
             "strategy": strategy.name,
-            **({"state_sha256": state_sha256} if state_sha256 is not None else {}),
+            # The next round reads this state only if its record still names these digests.
+            **({"state_sha256": state_record.sha256} if state_record is not None else {}),
+            **({"state_blake3": state_record.blake3} if state_record is not None and state_record.blake3 else {}),
             **({"selected": outcome.selected} if outcome.selected is not None else {}),
             **({"clipped": outcome.clipped} if outcome.clipped else {}),
             "num_samples": outcome.num_samples,
@@ -244,8 +256,9 @@ class AggregateOperator(LineageMixin, BaseOperator):
         return summary
 
     def _server_state(self, context: Context, store: Any, run_id: str) -> tuple[dict[str, Any], WritablePath]:
-        """The previous round's server state (empty before round 1), verified against its record and
-        against the sha256 the previous aggregation published; and where this round's goes."""
+        """The previous round's server state (empty before round 1), its record checked against the
+        digests the previous aggregation published, the file verified against its record; and where
+        this round's goes."""
         job, r = self.job, self.round_num
         out = store.server_state(job.job, run_id, r)
         if r == 1:
@@ -257,16 +270,34 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 f"{previous}; resume the run from round {r - 1} to rebuild it"
             )
         try:
-            state, record = read_artifact(previous)
+            record = read_record(previous)
         except FlareAirflowError as exc:
             raise AirflowFailException(f"round {r}: the server state of round {r - 1} is unusable: {exc}") from None
         summary = context["ti"].xcom_pull(task_ids=self.global_task_id) if self.global_task_id else None
-        expected = summary.get("state_sha256") if isinstance(summary, dict) else None
-        if expected and record.sha256 != expected:
+        published = summary if isinstance(summary, dict) else {}
+        expected, expected_blake3 = published.get("state_sha256"), published.get("state_blake3")
+        for algorithm, recorded, pinned in (
+            ("sha256", record.sha256, expected),
+            ("blake3", record.blake3, expected_blake3),
+        ):
+            if pinned and recorded != pinned:
+                raise AirflowFailException(
+                    f"round {r}: the server state {previous} was replaced after round {r - 1} published it "
+                    f"({algorithm} {(recorded or 'none')[:12]}…, published {str(pinned)[:12]}…); clear round {r - 1} "
+                    "to rebuild it"
+                )
+        # The record is pinned by both digests: verifying the file by the faster one (BLAKE3) is
+        # verifying it by both, as for the sites' updates; without a BLAKE3 pin, every digest.
+        algorithms = (BLAKE3,) if expected_blake3 and BLAKE3 in available() else None
+        try:
+            state = read_verified(previous, record, algorithms=algorithms)
+        except FlareAirflowError as exc:
+            raise AirflowFailException(f"round {r}: the server state of round {r - 1} is unusable: {exc}") from None
+        except OSError as exc:
             raise AirflowFailException(
-                f"round {r}: the server state {previous} was replaced after round {r - 1} published it "
-                f"(sha256 {record.sha256[:12]}…, published {str(expected)[:12]}…); clear round {r - 1} to rebuild it"
-            )
+                f"round {r}: cannot read the server state of round {r - 1} ({exc.strerror or exc}); resume the run "
+                f"from round {r - 1} to rebuild it"
+            ) from None
         return state, out
 
     def _check_sites_done(self, context: Context, rounds: int) -> None:

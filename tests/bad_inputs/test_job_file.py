@@ -732,6 +732,64 @@ case(
     value={"name": "fedyogi", "exclude": [""]},
 )
 case(
+    "aggregator-beta-1-one",
+    "aggregator: {name: fedadam, beta_1: 1.0} (the first moment never moves)",
+    "aggregator.beta_1: must be less than 1, got 1.0",
+    field="aggregator",
+    value={"name": "fedadam", "beta_1": 1.0},
+)
+case(
+    "aggregator-beta-2-negative",
+    "aggregator: {name: fedyogi, beta_2: -0.5}",
+    "aggregator.beta_2: must be greater than or equal to 0, got -0.5",
+    field="aggregator",
+    value={"name": "fedyogi", "beta_2": -0.5},
+)
+case(
+    "aggregator-beta-2-for-fedadagrad",
+    "aggregator: {name: fedadagrad, beta_2: 0.99} (Adagrad sums, it has no second-moment decay)",
+    "aggregator: 'beta_2' is not a parameter of 'fedadagrad' (it belongs to fedadam, fedyogi); fedadagrad takes "
+    "eta, beta_1, tau, exclude, norm_bound",
+    field="aggregator",
+    value={"name": "fedadagrad", "beta_2": 0.99},
+)
+case(
+    "aggregator-tau-zero",
+    "aggregator: {name: fedadam, tau: 0} (a zero second moment would divide by zero)",
+    "aggregator.tau: must be greater than 0, got 0",
+    field="aggregator",
+    value={"name": "fedadam", "tau": 0.0},
+)
+case(
+    "aggregator-krum-m-zero",
+    "aggregator: {name: krum, f: 0, m: 0}",
+    "aggregator.m: must be greater than or equal to 1, got 0",
+    field="aggregator",
+    value={"name": "krum", "f": 0, "m": 0},
+)
+case(
+    "aggregator-multi-krum-m-too-large",
+    "aggregator: {name: krum, f: 0, m: 4} for min_clients 3 (Multi-Krum selects at most n - f)",
+    "aggregator: krum with f=0 selects m=4 update(s), at most n - f = 3 of 3",
+    text=BASE.replace("min_clients: 1", "min_clients: 3").replace("  site-2: {}\n", "  site-2: {}\n  site-3: {}\n")
+    + "aggregator: {name: krum, f: 0, m: 4}\n",
+)
+case(
+    "aggregator-exclude-string",
+    "aggregator: {name: fedadam, exclude: 'bn.*'} (a string, not a list)",
+    "aggregator.exclude: must be a list",
+    field="aggregator",
+    value={"name": "fedadam", "exclude": "bn.*"},
+)
+case(
+    "aggregator-exclude-matches-nothing",
+    "aggregator: {name: fedadam, exclude: ['bn.*']} for a model without such tensors (a typo)",
+    "aggregator.exclude: pattern 'bn.*' matches no tensor of initial_model 'init.safetensors' (its tensors: bias, "
+    "weight)",
+    field="aggregator",
+    value={"name": "fedadam", "exclude": ["weight", "bn.*"]},
+)
+case(
     "aggregator-mu-negative",
     "aggregator: {name: fedprox, mu: -1}",
     "aggregator.mu: must be greater than or equal to 0, got -1",

@@ -1,7 +1,10 @@
 """Kill drills on Airflow's real scheduler (LocalExecutor, PostgreSQL): ``kill -9`` of a site
 task's process, or of the supervisor that runs it, mid-round.
 
-Each drill runs the same job as an uninterrupted run (3 process sites x 3 rounds, quorum 2,
+The FedAdam drills (issue 25) kill the aggregation task itself, and fail a round to resume it:
+the server state and every round's model must come out as an uninterrupted FedAdam run's.
+
+Each site drill runs the same job as an uninterrupted run (3 process sites x 3 rounds, quorum 2,
 one retry, one GPU each from a 3-GPU host) and asserts: the killed try's site runner and trainer
 end within seconds, the task is retried and succeeds, every task instance succeeds, no GPU lease
 is left held, the final model is the uninterrupted run's bit for bit, and no process of the run
@@ -71,6 +74,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
         }
     )
     write_job(airflow, root / "store")
+    write_fedadam_job(airflow, root / "store", root / "site-2-may-run")
     airflow.start()
     yield airflow
     airflow.stop()
@@ -347,3 +351,170 @@ def test_a_late_try_never_replaces_the_update_of_the_try_after_it(tmp_path: path
     assert read_record(output).sha256 == summary["sha256"]
     np.testing.assert_array_equal(load_file(str(output))["w"], np.full(4, 2.0, np.float32))
     assert not (output.parent / "site-1.failure.json").exists(), "try 1 left no failure record over try 2's update"
+
+
+# --- FedAdam: kill -9 of the aggregation task, and resume (issue 25) ----------------------------------
+FEDADAM_JOB = "killdrill_fedadam"
+FEDADAM_DAG = f"flare_{FEDADAM_JOB}"
+FEDADAM_ROUNDS = 3
+# 16 MiB of float32: the aggregation's server-state write (32 MiB, hashed twice, fsync'd) lasts long
+# enough for the drill to see its temporary file appear and stop the task there, at any load.
+FEDADAM_PARAMS = 1 << 22
+
+
+def write_fedadam_job(stack: AirflowStack, store: pathlib.Path, may_run: pathlib.Path) -> None:
+    """2 sites x 3 rounds of FedAdam; site-2 fails round 2 while ``may_run`` does not exist; one retry
+    for every task (the aggregation's is what the kill drill uses)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = stack.dags / FEDADAM_JOB
+    folder.mkdir()
+    rng = np.random.default_rng(25)
+    init = folder / "init.safetensors"
+    save_file({"w": rng.standard_normal(FEDADAM_PARAMS).astype(np.float32), "b": np.zeros(3, np.float32)}, str(init))
+    job = {
+        "job": FEDADAM_JOB,
+        "rounds": FEDADAM_ROUNDS,
+        "min_clients": 2,
+        "store": str(store),
+        "initial_model": str(init),
+        "aggregator": {"name": "fedadam", "eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 0.001},
+        "trainer": {
+            "script": str(TRAINERS / "behave.py"),
+            "args": ["--fail-in-round", "site-2:2", "--until-file", str(may_run)],
+            "shutdown_timeout": 2,
+        },
+        "evaluate": False,
+        "sites": {"@default": {"retries": 0}, "site-1": {}, "site-2": {}},
+    }
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    (folder / "dag.py").write_text(
+        textwrap.dedent(
+            """
+            from datetime import timedelta
+            from pathlib import Path
+            from flare_airflow.builder import build_dag
+            dag = build_dag(
+                Path(__file__).with_name("job.yaml"),
+                default_args={"retries": 1, "retry_delay": timedelta(seconds=1)},
+            )
+            """
+        )
+    )
+
+
+def fedadam_files(stack: AirflowStack, run_id: str) -> dict[str, str]:
+    """sha256 of every round's global model and server state file (their metadata name the round,
+    never the run), and of the published final model's tensors."""
+    from flare_airflow.core.store import run_component
+
+    run_dir = store_root(stack) / FEDADAM_JOB / run_component(run_id)
+    files = {}
+    for r in range(1, FEDADAM_ROUNDS + 1):
+        for name in ("global.safetensors", "server_state.safetensors"):
+            path = run_dir / f"round-{r:04d}" / name
+            files[f"{r}/{name}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+            assert read_record(path).sha256 == files[f"{r}/{name}"], path
+    files["final"] = tensors_sha256(_fedadam_xcom(stack, run_id, "publish")["final_model"])
+    return files
+
+
+def _fedadam_xcom(stack: AirflowStack, run_id: str, task_id: str) -> dict[str, Any]:
+    body = stack.api("GET", f"/dags/{FEDADAM_DAG}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value")
+    value = body["value"]
+    return dict(json.loads(value) if isinstance(value, str) else value)
+
+
+@pytest.fixture(scope="module")
+def fedadam_reference(stack: AirflowStack) -> dict[str, str]:
+    """One uninterrupted FedAdam run: what the drills must reproduce byte for byte."""
+    (stack.root.parent / "site-2-may-run").touch()
+    run_id = stack.trigger(FEDADAM_DAG)
+    assert stack.wait_for_run(FEDADAM_DAG, run_id, timeout=300) == "success"
+    tis = stack.task_instances(FEDADAM_DAG, run_id)
+    # Every task succeeded (a try lost to a loaded machine's missed heartbeat may have been retried:
+    # a retry writes the same bytes, which is what the drills below assert).
+    assert {t: ti["state"] for t, ti in tis.items() if ti["state"] != "success"} == {}
+    summary = _fedadam_xcom(stack, run_id, f"round_2.{AGGREGATE_TASK}")
+    assert summary["strategy"] == "fedadam" and summary["accepted"] == ["site-1", "site-2"]
+    return fedadam_files(stack, run_id)
+
+
+def test_kill_9_of_the_fedadam_aggregation_task_mid_aggregation(
+    stack: AirflowStack, fedadam_reference: dict[str, str]
+) -> None:
+    """The real aggregation task of round 2 (its process, as Airflow records it) is stopped the moment
+    it starts writing round 2's server state, then killed with SIGKILL: neither the state nor the
+    global model of round 2 is complete. Airflow retries the task, which starts again from round 1's
+    state; every round's model and state file, and the final model, are the uninterrupted run's."""
+    import signal
+
+    from flare_airflow.core.store import run_component
+
+    (stack.root.parent / "site-2-may-run").touch()
+    run_id = stack.trigger(FEDADAM_DAG)
+    task = f"round_2.{AGGREGATE_TASK}"
+    round_dir = store_root(stack) / FEDADAM_JOB / run_component(run_id) / "round-0002"
+    deadline = time.monotonic() + 240
+    pid = None
+    while pid is None:
+        assert time.monotonic() < deadline, f"{task} never ran"
+        ti = stack.task_instances(FEDADAM_DAG, run_id).get(task, {})
+        assert ti.get("state") not in ("success", "failed"), f"{task} ended before the drill saw it run: {ti}"
+        if ti.get("state") == "running" and ti.get("pid"):
+            pid = int(ti["pid"])
+        else:
+            time.sleep(0.2)
+    assert "airflow" in cmdline(pid), cmdline(pid)
+    while True:  # a tight loop: the state's temporary file is there for a fraction of a second
+        assert alive(pid) and time.monotonic() < deadline, f"{task} (pid {pid}) never wrote its server state"
+        with contextlib.suppress(FileNotFoundError):
+            if any(n.startswith(".server_state.safetensors.") for n in os.listdir(round_dir)):
+                os.kill(pid, signal.SIGSTOP)
+                break
+        time.sleep(0.001)
+    writing = [
+        link for fd in os.listdir(f"/proc/{pid}/fd")
+        if ".server_state.safetensors." in (link := os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ]  # fmt: skip
+    complete = sorted(p.name for p in round_dir.glob("*.json"))
+    kill9(pid)
+    assert complete == [], f"round 2 had complete artifacts when the task was killed: {complete}"
+    print(f"aggregation task {pid} killed {'while writing ' + writing[0] if writing else 'after its state write'}")
+
+    assert stack.wait_for_run(FEDADAM_DAG, run_id, timeout=240) == "success"
+    tis = stack.task_instances(FEDADAM_DAG, run_id)
+    assert {t: ti["state"] for t, ti in tis.items() if ti["state"] != "success"} == {}
+    tries = stack.api("GET", f"/dags/{FEDADAM_DAG}/dagRuns/{run_id}/taskInstances/{task}/tries")["task_instances"]
+    assert [t["state"] for t in sorted(tries, key=lambda t: t["try_number"])] == ["failed", "success"]
+    assert fedadam_files(stack, run_id) == fedadam_reference
+
+
+def test_resume_of_a_fedadam_run_failed_in_a_middle_round(
+    stack: AirflowStack, fedadam_reference: dict[str, str]
+) -> None:
+    """site-2 fails round 2, so round 2's aggregation fails (quorum 2) and the run fails; once the
+    site is fixed, `flare-airflow resume` runs round 2 on from round 1's state: the uninterrupted
+    run's files, byte for byte."""
+    may_run = stack.root.parent / "site-2-may-run"
+    may_run.unlink()
+    run_id = stack.trigger(FEDADAM_DAG)
+    assert stack.wait_for_run(FEDADAM_DAG, run_id, timeout=300) == "failed"
+    tis = stack.task_instances(FEDADAM_DAG, run_id)
+    assert tis[f"round_2.{AGGREGATE_TASK}"]["state"] == "failed" and tis["round_2.site-2"]["state"] == "failed"
+    assert tis[f"round_1.{AGGREGATE_TASK}"]["state"] == "success"
+    may_run.touch()
+    out = subprocess.run(
+        [str(BIN / "flare-airflow"), "resume", FEDADAM_DAG, run_id, "--timeout", "300"],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    tis = stack.task_instances(FEDADAM_DAG, run_id)
+    assert {t: ti["state"] for t, ti in tis.items() if ti["state"] != "success"} == {}
+    assert tis[f"round_1.{AGGREGATE_TASK}"]["try_number"] == 1  # a completed round is not run again
+    assert fedadam_files(stack, run_id) == fedadam_reference

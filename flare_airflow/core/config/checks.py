@@ -6,6 +6,7 @@ run starts (the CLI, the run's ``prepare`` task).
 
 from __future__ import annotations
 
+import fnmatch
 import pathlib
 from typing import Any
 
@@ -21,7 +22,23 @@ def load_initial_model(job: JobConfig) -> dict[str, Any]:
     it. Raises ``ConfigError`` naming the field, the file and what is wrong.
     """
     path = job.initial_model_path()
-    return load_model_file(path, f"initial_model {job.initial_model!r} ({path})")
+    params = load_model_file(path, f"initial_model {job.initial_model!r} ({path})")
+    check_exclude(job, params, f"initial_model {job.initial_model!r}")
+    return params
+
+
+def check_exclude(job: JobConfig, params: dict[str, Any], model: str) -> None:
+    """Every ``aggregator.exclude`` pattern names at least one tensor of the model: a pattern that
+    matches nothing (a typo, another model's names) would let the server optimizer move the very
+    tensors (batch-norm statistics ...) it was meant to leave to plain averaging."""
+    names = sorted(params)
+    for pattern in job.aggregator.exclude or ():
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ConfigError(
+                f"aggregator.exclude: pattern {pattern!r} matches no tensor of {model} (its tensors: "
+                f"{clip(', '.join(names), 200)}); patterns are case-sensitive globs over whole names, "
+                "e.g. '*running_mean': fix it or remove it"
+            )
 
 
 def load_model_file(path: pathlib.Path, where: str) -> dict[str, Any]:

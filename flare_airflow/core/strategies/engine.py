@@ -14,7 +14,8 @@
   files as they now are.
 
 Then each post-aggregation step (server optimizer, ...) runs on the rule's aggregate with its state
-from the previous round; the caller stores the new state next to the round's global model.
+from the previous round -- a server optimizer right after streaming FedAvg inside FedAvg's result
+pass, a piece of the mean at a time; the caller stores the new state next to the round's global model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from flare_airflow.core.aggregation import (
     _GROUP,
+    FedAvg,
     RoundOutcome,
     UpdateReader,
     round_metrics,
@@ -39,8 +41,9 @@ from flare_airflow.core.aggregation import (
 from flare_airflow.core.errors import FlareAirflowError, ModelFormatError, QuorumNotReached
 from flare_airflow.core.model import ArtifactRecord, Params, ParamsType, read_record, tensor_spec
 from flare_airflow.core.store import WritablePath, open_for_reading
-from flare_airflow.core.strategies.base import ChunkRule, StepContext, Strategy, StreamingRule, cast_back
+from flare_airflow.core.strategies.base import ChunkRule, PostStep, StepContext, Strategy, StreamingRule, cast_back
 from flare_airflow.core.strategies.norm_bound import clip_factor, update_norm
+from flare_airflow.core.strategies.server_optimizers import ServerOptimizer
 
 CHUNK_BYTES = (
     8 << 20
@@ -100,21 +103,44 @@ def aggregate_from_store(
     accepted_blake3: Mapping[str, str] | None = None,
     state: Params | None = None,
     context: StepContext | None = None,
+    consume_state: bool = False,
 ) -> tuple[RoundOutcome, Params]:
     """The round's outcome and the strategy's new server state (empty without post-aggregation steps).
 
     ``updates``, ``accepted_sha256`` and ``accepted_blake3`` as for
     :func:`flare_airflow.core.aggregation.fedavg_from_store`; ``state`` is the previous round's
-    server state (empty in round 1). Raises ``QuorumNotReached`` when fewer than ``min_clients``
+    server state (empty in round 1); with ``consume_state`` the caller hands its arrays over (e.g.
+    just read from the store) and the new state is written over them -- no model-sized allocation.
+    A server optimizer after FedAvg runs inside FedAvg's result pass (one pass over the mean, the
+    same bytes as after it). Raises ``QuorumNotReached`` when fewer than ``min_clients``
     valid updates arrived or the rule's own minimum is not met.
     """
     if min_clients < 1:
         raise FlareAirflowError(f"min_clients must be >= 1, got {min_clients}")
     weights = dict(site_weights or {})
     rule = strategy.rule
+    steps = strategy.steps
+    new_state: Params = {}
+
+    def state_of(step: PostStep) -> Params:
+        prefix = f"{step.name}/"
+        return {k[len(prefix) :]: v for k, v in (state or {}).items() if k.startswith(prefix)}
+
     if strategy.streams() and isinstance(rule, StreamingRule):
         agg = rule.start(global_params, min_clients=min_clients, site_weights=weights)
-        outcome = stream_from_store(agg, updates, accepted_sha256=accepted_sha256, accepted_blake3=accepted_blake3)  # type: ignore[arg-type]
+        fused = None
+        if steps and isinstance(steps[0], ServerOptimizer) and isinstance(agg, FedAvg):
+            fused = steps[0].pieces(global_params, state_of(steps[0]), in_place=consume_state)
+        outcome = stream_from_store(
+            agg,  # type: ignore[arg-type]
+            updates,
+            accepted_sha256=accepted_sha256,
+            accepted_blake3=accepted_blake3,
+            step=fused,
+        )
+        if fused is not None:
+            new_state.update({f"{steps[0].name}/{k}": v for k, v in fused.state().items()})
+            steps = steps[1:]
         problem = strategy.quorum_problem(len(outcome.accepted))
         if problem is not None:
             raise QuorumNotReached(f"{problem}. The global model was not updated.")
@@ -129,15 +155,12 @@ def aggregate_from_store(
             accepted_blake3=accepted_blake3,
             norm_bound=strategy.norm_bound,
         )
-    new_state: Params = {}
-    if strategy.steps:
+    if steps:
         context = context or StepContext(job="", run_id="", round=0)
         params = outcome.params
-        for step in strategy.steps:
-            prefix = f"{step.name}/"
-            mine = {k[len(prefix) :]: v for k, v in (state or {}).items() if k.startswith(prefix)}
-            params, step_state = step.apply(global_params, params, mine, context)
-            new_state.update({prefix + k: v for k, v in step_state.items()})
+        for step in steps:
+            params, step_state = step.apply(global_params, params, state_of(step), context)
+            new_state.update({f"{step.name}/{k}": v for k, v in step_state.items()})
         outcome.params = params
     return outcome, new_state
 

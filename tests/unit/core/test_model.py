@@ -509,3 +509,47 @@ def test_a_malformed_blake3_makes_the_record_unreadable(tmp_path: pathlib.Path, 
     record_path(path).write_text(json.dumps(raw))
     with pytest.raises(ModelFormatError, match=r"unreadable artifact record \(blake3 must be 64 hex digits"):
         read_artifact(path)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"w": np.arange(12, dtype=np.float32).reshape(3, 4)},
+        {
+            "z.bias": np.ones(3, np.float16),
+            "a": np.arange(5, dtype=np.int8),
+            "m": np.array(2.5),  # 0-d float64
+            "flag": np.array([True, False]),
+            "q": np.arange(4, dtype=np.uint8),
+            "empty": np.zeros((0, 3), np.float32),
+            "cx": np.ones(2, np.complex64),
+            "i64": np.arange(3, dtype=np.int64),
+            "u32": np.arange(3, dtype=np.uint32),
+            'caf\u00e9 "quoted"': np.ones(1, np.float32),
+            "big-endian": np.arange(3, dtype=">f4"),
+            "strided": np.arange(10, dtype=np.float64)[::2],
+        },
+        {},
+    ],
+    ids=["one", "every-dtype", "none"],
+)
+def test_written_files_are_byte_for_byte_what_safetensors_writes(tmp_path: pathlib.Path, params) -> None:
+    """write_artifact streams the arrays' memory instead of serialising a copy; the file must stay
+    exactly safetensors' own serialisation (its digests are published and compared across runs)."""
+    record = write_artifact(tmp_path / "m.safetensors", FLModel(params=params, params_type=ParamsType.DIFF))
+    expected = safetensors.numpy.save(
+        {k: np.ascontiguousarray(v) if v.ndim else v for k, v in params.items()}, metadata={"params_type": "DIFF"}
+    )
+    data = (tmp_path / "m.safetensors").read_bytes()
+    assert data == expected and record.size == len(data)
+    assert record.sha256 == hashlib.sha256(data).hexdigest()
+    back, _ = read_artifact(tmp_path / "m.safetensors")
+    assert sorted(back) == sorted(params) and all(np.array_equal(back[k], v) for k, v in params.items())
+
+
+def test_a_bad_metric_is_refused_before_the_tensors_file_is_replaced(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.safetensors"
+    first = write_artifact(path, FLModel(params={"w": np.ones(2, np.float32)}))
+    with pytest.raises(ModelFormatError, match="metric"):
+        write_artifact(path, FLModel(params={"w": np.zeros(2, np.float32)}, metrics={"loss": float("nan")}))
+    assert read_artifact(path)[1] == first

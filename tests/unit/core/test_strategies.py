@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from flare_airflow.core.accumulate import ACC_CHUNK
 from flare_airflow.core.aggregation import fedavg_from_store
 from flare_airflow.core.config.aggregator import AggregatorSpec
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
@@ -252,6 +253,58 @@ def test_an_update_republished_between_the_phases_fails_the_round(
         FlareAirflowError, match=r"site 'site-1': its update .* was replaced while the round was aggregated"
     ):
         aggregate_from_store(Strategy(rule=Median()), glob, paths, min_clients=3)
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad", "fedavgm"])
+def test_the_step_fused_into_fedavgs_pass_gives_the_bytes_of_the_step_after_it(tmp_path: pathlib.Path, name) -> None:
+    """The store engine runs a server optimizer inside FedAvg's result pass, a piece of the mean at a
+    time; model and state must be bitwise those of the step applied to the whole mean afterwards,
+    over several pieces (ACC_CHUNK), mixed FULL/DIFF updates, excluded, float16 and integer tensors;
+    a state handed over (consume_state) is written over, one kept is left alone."""
+    rng = np.random.default_rng(11)
+    glob = {
+        "w": rng.standard_normal(ACC_CHUNK * 2 + 17).astype(np.float32),
+        "h": rng.standard_normal((5, 3)).astype(np.float16),
+        "bn.mean": rng.standard_normal(4).astype(np.float32),
+        "steps": np.arange(3, dtype=np.int64),
+    }
+    ups = [{k: v + rng.standard_normal(v.shape).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in glob.items()}
+           for _ in range(3)]  # fmt: skip
+    paths = write_updates(tmp_path, ups, [3, 1, 2])
+    diff = {k: (v - glob[k]) for k, v in ups[1].items()}
+    write_artifact(paths[1][1], FLModel(params=diff, params_type=ParamsType.DIFF, meta={"num_samples": 1}))
+    strategy = AggregatorSpec.model_validate({"name": name, "exclude": ["bn.*"]}).strategy()
+    (opt,) = strategy.steps
+    plain = fedavg_from_store(glob, paths, min_clients=3)
+    state = {f"{name}/{slot}/{k}": (np.abs(v) * 0.1).astype(v.dtype) for slot in opt.slots for k, v in glob.items()
+             if k in ("w", "h")}  # fmt: skip
+    kept = {k: v.copy() for k, v in state.items()}
+    expected, expected_state = opt.apply(glob, plain.params, {k.split("/", 1)[1]: v for k, v in state.items()}, CTX)
+    for consume in (False, True):
+        outcome, new_state = aggregate_from_store(
+            strategy, glob, paths, min_clients=3, state=state, context=CTX, consume_state=consume
+        )
+        assert sorted(outcome.params) == sorted(expected)
+        assert all(outcome.params[k].tobytes() == expected[k].tobytes() for k in expected)
+        assert {k: v.tobytes() for k, v in new_state.items()} == {
+            f"{name}/{k}": v.tobytes() for k, v in expected_state.items()
+        }
+        same = all(np.array_equal(state[k], kept[k]) for k in state)
+        assert same is not consume  # handed over: written over; kept: untouched
+        assert all((new_state[k] is state[k]) is consume for k in state)
+    # round 1 (no state) fused and not
+    first, first_state = aggregate_from_store(strategy, glob, paths, min_clients=3, context=CTX)
+    alone, alone_state = opt.apply(glob, plain.params, {}, CTX)
+    assert all(first.params[k].tobytes() == alone[k].tobytes() for k in alone)
+    assert {k: v.tobytes() for k, v in first_state.items()} == {
+        f"{name}/{k}": v.tobytes() for k, v in alone_state.items()
+    }
+
+
+def test_a_server_state_of_another_shape_is_refused_by_name() -> None:
+    opt = FedAdam()
+    with pytest.raises(FlareAirflowError, match=r"'m' of tensor 'w' has shape \(2,\).*another model"):
+        opt.apply({"w": np.zeros(3, np.float32)}, {"w": np.ones(3, np.float32)}, {"m/w": np.zeros(2, np.float32)}, CTX)
 
 
 # --- server state in the store: retries and kill -9 --------------------------------------------------

@@ -86,6 +86,7 @@ def test_fedadam_state_is_stored_per_round_pinned_and_a_retry_writes_the_same_by
     state_1 = store.server_state(job.job, RUN_ID, 1)
     state, record = read_artifact(state_1)
     assert first["strategy"] == "fedadam" and first["state_sha256"] == record.sha256
+    assert first["state_blake3"] == record.blake3 and record.blake3
     assert set(state) == {"fedadam/m/w", "fedadam/v/w"}
     params, _ = read_artifact(store.global_model(job.job, RUN_ID, 1))
     np.testing.assert_allclose(params["w"], [0.1 * 0.2 / (0.2 + 1e-3)] * 3, rtol=1e-6)  # Adam's first step, d = 2
@@ -111,6 +112,13 @@ def test_fedadam_state_is_stored_per_round_pinned_and_a_retry_writes_the_same_by
     x2, _ = read_artifact(store.global_model(job.job, RUN_ID, 2))
     assert second["state_sha256"] != first["state_sha256"] and (x2["w"] > params["w"]).all()
 
+    # A record naming the published sha256 but another BLAKE3 (the digest the file is verified by): refused.
+    rec_path = state_1.with_name("server_state.json")
+    kept = rec_path.read_text()
+    rec_path.write_text(kept.replace(str(record.blake3), "0" * 64))
+    with pytest.raises(AirflowFailException, match=r"was replaced after round 1 published it \(blake3 000000000000"):
+        round_2.execute(context(ti))
+    rec_path.write_text(kept)
     write_artifact(state_1, FLModel(params={k: v * 0 for k, v in state.items()}))  # replaced behind our back
     with pytest.raises(AirflowFailException, match=r"the server state .* was replaced after round 1 published it"):
         round_2.execute(context(ti))
