@@ -89,6 +89,13 @@ class DetachedBefore:
         return status.return_code, status.reason
 
 
+def _floor(argv: list[str]) -> float:
+    """Wall time of one bare start and exit: no trainer, no launcher -- the machine's own cost."""
+    started = time.monotonic()
+    subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=300, check=True)
+    return time.monotonic() - started
+
+
 def _timed(launcher: ContainerLauncher | ProcessLauncher | DetachedBefore | Any, job: SiteJob) -> tuple[float, str]:
     started = time.monotonic()
     if isinstance(launcher, DetachedBefore):
@@ -168,14 +175,25 @@ def run(reps: int = 3, keep: bool = False, tmp_base: str | None = None) -> list[
                     [sys.executable, "/opt/trainer/trainer.py", *ARGS],
                 ),
             }
-            times: dict[str, list[float]] = {name: [] for name in cases}
+            # The engine's own floor, with the launcher's security options: what no launcher can cut.
+            floors = {
+                "floor: `python -c pass` as a process": [sys.executable, "-c", "pass"],
+                "floor: `podman run --rm` of the image, `python -c pass`": [
+                    "podman", "run", "--rm", "--pull=never", "--network=none", "--read-only", "--cap-drop=all",
+                    "--security-opt=no-new-privileges", "--user=1000:1000", image, "python", "-c", "pass",
+                ],
+            }  # fmt: skip
+            times: dict[str, list[float]] = {name: [] for name in [*cases, *floors]}
             digests: dict[str, set[str]] = {name: set() for name in cases}
             for rep in range(reps):
-                for index, name in rotate(list(enumerate(cases)), rep):
-                    launcher, argv = cases[name]
-                    seconds, digest = _timed(launcher, _job(store, f"case{index}", rep, argv))
+                for index, name in rotate(list(enumerate([*cases, *floors])), rep):
+                    if name in floors:
+                        seconds = _floor(floors[name])
+                    else:
+                        launcher, argv = cases[name]
+                        seconds, digest = _timed(launcher, _job(store, f"case{index}", rep, argv))
+                        digests[name].add(digest)
                     times[name].append(seconds)
-                    digests[name].add(digest)
                     log(f"[containers] {name} rep {rep + 1}: {seconds:.2f} s")
         base = median(times["process site"])
         table = Table(
@@ -187,6 +205,13 @@ def run(reps: int = 3, keep: bool = False, tmp_base: str | None = None) -> list[
             engine_calls = next((n for prefix, n in calls.items() if name.startswith(prefix)), "-")
             table.add(name, engine_calls, f"{median(values):.2f}", spread(values), f"{median(values) / base:.2f}")
         same = len(set().union(*digests.values())) == 1
+        process_floor, engine_run = (median(times[name]) for name in floors)
+        engine_floor = engine_run - process_floor
+        table.notes.append(
+            f"Bound: a container site job costs at least the process site's plus the engine's own start and "
+            f"removal beyond a process's ({engine_floor:.2f} s, the floor rows), i.e. "
+            f"{(base + engine_floor) / base:.2f}x process on this machine whatever the launcher does."
+        )
         table.notes.append(
             f"{reps} repetitions per case, alternating. The update is {'bitwise the same' if same else 'NOT the same'} "
             f"from every case (sha256). Goal: container <= 1.5x process. Image {image}; the worker's "
