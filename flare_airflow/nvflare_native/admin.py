@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flare_airflow.launchers.process.tree import child_preexec
 from flare_airflow.nvflare_native import bridge as _bridge
 from flare_airflow.nvflare_native.errors import (
     FlareAdminError,
@@ -78,6 +79,7 @@ class FlareAdmin:
                 text=True,
                 timeout=call_timeout,
                 check=False,
+                preexec_fn=child_preexec(),  # a task killed with -9 takes its bridge call along
             )
         except FileNotFoundError:
             raise FlareCredentialError(

@@ -26,6 +26,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from flare_airflow.core.spec import JobReturnCode, JobState
 from flare_airflow.hooks.flare_admin import FlareAdminHook
+from flare_airflow.launchers.process.tree import child_preexec
 from flare_airflow.nvflare_native.admin import PREFIX, FlareAdmin, parse_answers
 from flare_airflow.nvflare_native.errors import FlareAdminError
 from flare_airflow.nvflare_native.states import map_status
@@ -91,6 +92,7 @@ class FlareJobTrigger(BaseTrigger):
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,  # one pipe, always drained: NVFlare's output cannot block it
+            preexec_fn=child_preexec(),  # a triggerer killed with -9 takes its watcher along
         )
         last: dict[str, Any] = {}
         other: list[str] = []
