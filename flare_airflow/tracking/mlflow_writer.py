@@ -55,6 +55,20 @@ def preload_mlflow() -> None:
 
 
 @dataclass(frozen=True)
+class TrackedRun:
+    """An MLflow run and, per metric key, the highest step it holds (MLflow keeps a key's point of
+    the highest step as its latest, and a search returns it): a key's points above that step are
+    new without reading the key's history -- the common case, one round after another."""
+
+    run_id: str
+    latest: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, run: Any) -> TrackedRun:
+        return cls(str(run.info.run_id), {m.key: int(m.step) for m in run.data.to_proto().metrics})
+
+
+@dataclass(frozen=True)
 class RunIdentity:
     """Which DAG run the tracked run stands for, and what it was asked to do."""
 
@@ -173,16 +187,16 @@ class MlflowWriter:
         assert self._experiment_id is not None
         return self._experiment_id
 
-    def parent_run(self, who: RunIdentity) -> str:
+    def parent_run(self, who: RunIdentity) -> TrackedRun:
         """The MLflow run of this DAG run: found by its tag, else created with tags and params."""
         exp = self.experiment_id()
         runs = self.client.search_runs([exp], filter_string=f"tags.`{TAG_RUN_KEY}` = '{who.key}'", max_results=1)
         if runs:
-            return str(runs[0].info.run_id)
+            return TrackedRun.of(runs[0])
         run = self.client.create_run(exp, tags=who.tags(), run_name=who.run_id)
         run_id = str(run.info.run_id)
         self._params(run_id, who.params)
-        return run_id
+        return TrackedRun(run_id)
 
     def _params(self, run_id: str, params: Mapping[str, str]) -> None:
         from mlflow.entities import Param
@@ -191,30 +205,38 @@ class MlflowWriter:
         for start in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[start : start + 100])
 
-    def site_runs(self, parent: str, who: RunIdentity, sites: list[str]) -> dict[str, str]:
-        """Site -> child run id under ``parent``; created for the sites that have none."""
+    def site_runs(self, parent: str, who: RunIdentity, sites: list[str]) -> dict[str, TrackedRun]:
+        """Site -> child run under ``parent``; created for the sites that have none."""
         exp = self.experiment_id()
-        found: dict[str, str] = {}
+        found: dict[str, TrackedRun] = {}
         for run in self.client.search_runs([exp], filter_string=f"tags.`{TAG_PARENT}` = '{parent}'", max_results=1000):
             site = run.data.tags.get(TAG_SITE)
             if site and site not in found:
-                found[site] = str(run.info.run_id)
+                found[site] = TrackedRun.of(run)
         for site in sites:
             if site not in found:
                 tags = {TAG_PARENT: parent, TAG_SITE: site, "flare_airflow.job": who.job}
-                found[site] = str(self.client.create_run(exp, tags=tags, run_name=site).info.run_id)
+                found[site] = TrackedRun(str(self.client.create_run(exp, tags=tags, run_name=site).info.run_id))
         return found
 
-    def log_points(self, run_id: str, points: Points) -> list[str]:
-        """Log the points ``run_id`` does not hold yet; returns the ones logged before with another value."""
+    def log_points(self, run: TrackedRun, points: Points) -> list[str]:
+        """Log the points ``run`` does not hold yet; returns the ones logged before with another value.
+
+        A key's history is read only when a wanted step is at or below the highest step the run
+        holds for it (a retried round, a publish filling gaps); otherwise every point is new.
+        """
         from mlflow.entities import Metric
 
-        logged = {key: {m.step: m.value for m in self.client.get_metric_history(run_id, key)} for key in points}
+        logged = {
+            key: {m.step: m.value for m in self.client.get_metric_history(run.run_id, key)}
+            for key, steps in points.items()
+            if key in run.latest and steps and min(steps) <= run.latest[key]
+        }
         todo, differ = missing_points(points, logged)
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, step, value in sorted_steps(todo)]
         for start in range(0, len(metrics), BATCH):
-            self.client.log_batch(run_id, metrics=metrics[start : start + BATCH])
+            self.client.log_batch(run.run_id, metrics=metrics[start : start + BATCH])
         return differ
 
     def write(
@@ -232,8 +254,9 @@ class MlflowWriter:
         Returns the MLflow ids and what was already logged with another value (kept: MLflow cannot
         replace a point).
         """
-        parent = self.parent_run(who)
-        differ = self.log_points(parent, run_points)
+        tracked = self.parent_run(who)
+        parent = tracked.run_id
+        differ = self.log_points(tracked, run_points)
         children = self.site_runs(parent, who, sorted(site_points)) if site_points else {}
         for site, points in sorted(site_points.items()):
             differ += [f"{site}: {d}" for d in self.log_points(children[site], points)]
@@ -241,7 +264,7 @@ class MlflowWriter:
             for key, value in sorted(final.items()):
                 self.client.set_tag(parent, f"flare_airflow.final_model.{key}", value)
             for child in children.values():
-                self.client.set_terminated(child, "FINISHED")
+                self.client.set_terminated(child.run_id, "FINISHED")
             self.client.set_terminated(parent, "FINISHED")
         version = None
         if final is not None and register_model is not None:

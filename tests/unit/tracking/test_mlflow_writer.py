@@ -46,6 +46,32 @@ def test_writing_twice_logs_each_point_once_and_reports_a_changed_value(db: path
     assert other["run_id"] != first["run_id"] and other["experiment_id"] == first["experiment_id"]
 
 
+def test_round_after_round_reads_no_history_and_publish_still_fills_a_gap(
+    db: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    who = RunIdentity("flare_demo", "manual__3", "demo", "file:///store")
+    reads: list[str] = []
+    with _writer(db).session() as writer:
+        client = writer.client
+        real = client.get_metric_history
+        monkeypatch.setattr(client, "get_metric_history", lambda run_id, key: reads.append(key) or real(run_id, key))
+        writer.write(who, {"global_accuracy": {1: 0.5}}, {"site-1": {"train_loss": {1: 0.9}}})
+        # Round 2's write was lost (the tracker was down); round 3's goes on.
+        writer.write(who, {"global_accuracy": {3: 0.7}}, {"site-1": {"train_loss": {3: 0.7}}})
+        assert reads == [], "one round after another needs no history read"
+        # Publish writes every round: the keys holding steps at or above the wanted ones are read.
+        done = writer.write(
+            who, {"global_accuracy": {1: 0.5, 2: 0.6, 3: 0.7}}, {"site-1": {"train_loss": {1: 0.9, 2: 0.8, 3: 0.7}}}
+        )
+        again = writer.write(who, {"global_accuracy": {3: 0.7}}, {"site-1": {"train_loss": {3: 0.7}}})  # a retry
+    assert sorted(reads) == ["global_accuracy", "global_accuracy", "train_loss", "train_loss"]
+    assert done["differ"] == [] and again["differ"] == []
+    history = sorted((m.step, m.value) for m in real(done["run_id"], "global_accuracy"))
+    assert history == [(1, 0.5), (2, 0.6), (3, 0.7)]
+    (child,) = client.search_runs([done["experiment_id"]], f"tags.`mlflow.parentRunId` = '{done['run_id']}'")
+    assert sorted((m.step, m.value) for m in real(child.info.run_id, "train_loss")) == [(1, 0.9), (2, 0.8), (3, 0.7)]
+
+
 def test_a_tracker_that_is_down_raises_tracking_error_quickly(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
