@@ -252,11 +252,7 @@ class FedAvg:
         step gives applied to the whole mean, without reading the mean from memory again.
         """
         if len(self.accepted) < self.min_clients:
-            failed = "; ".join(f"{s}: {r}" for s, r in sorted(self.rejected.items())) or "none reported"
-            raise QuorumNotReached(
-                f"{len(self.accepted)} valid update(s) from {sorted(self.accepted)}, min_clients is "
-                f"{self.min_clients}. Failed sites: {failed}. The global model was not updated."
-            )
+            raise below_quorum(sorted(self.accepted), self.min_clients, self.rejected)
         if self._outcome is not None:
             return self._outcome
         if self._consumed:
@@ -318,6 +314,19 @@ class FedAvg:
             metrics_dropped=dropped,
         )
         return self._outcome
+
+
+def failed_sites(rejected: Mapping[str, str]) -> str:
+    """Every rejected site with its reason, for a round's failure message."""
+    return "; ".join(f"{s}: {r}" for s, r in sorted(rejected.items())) or "none reported"
+
+
+def below_quorum(valid: Sequence[str], min_clients: int, rejected: Mapping[str, str]) -> QuorumNotReached:
+    """The one message of a round with fewer valid updates than ``min_clients``, whatever the rule."""
+    return QuorumNotReached(
+        f"{len(valid)} valid update(s) from {list(valid)}, min_clients is {min_clients}. "
+        f"Failed sites: {failed_sites(rejected)}. The global model was not updated."
+    )
 
 
 def round_metrics(sums: Mapping[str, float], weights: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flare_airflow.core.aggregation import RoundOutcome, round_metrics, update_weight
-from flare_airflow.core.errors import AggregateNotFinite, FlareAirflowError, QuorumNotReached
+from flare_airflow.core.aggregation import RoundOutcome, below_quorum, round_metrics, update_weight
+from flare_airflow.core.errors import AggregateNotFinite, FlareAirflowError
 from flare_airflow.core.model import ParamsType, tensor_spec
 from flare_airflow.core.privacy.central import CentralDP
 from flare_airflow.core.strategies.base import RuleKind, Strategy
@@ -88,11 +88,7 @@ class CentralDPRound:
     def result(self) -> RoundOutcome:
         """The noisy release; raises ``QuorumNotReached`` (every failed site's reason) below ``min_clients``."""
         if len(self.accepted) < self.min_clients:
-            failed = "; ".join(f"{s}: {r}" for s, r in sorted(self.rejected.items())) or "none reported"
-            raise QuorumNotReached(
-                f"{len(self.accepted)} valid update(s) from {sorted(self.accepted)}, min_clients is "
-                f"{self.min_clients}. Failed sites: {failed}. The global model was not updated."
-            )
+            raise below_quorum(sorted(self.accepted), self.min_clients, self.rejected)
         params = self._dp.result()
         for name, values in params.items():
             if values.dtype.kind == "f" and not np.isfinite(values).all():

@@ -33,6 +33,8 @@ from flare_airflow.core.aggregation import (
     FedAvg,
     RoundOutcome,
     UpdateReader,
+    below_quorum,
+    failed_sites,
     round_metrics,
     side_by_side_runner,
     stream_from_store,
@@ -89,7 +91,7 @@ class _Tally:
         return round_metrics(self._sums, self._weights)
 
     def failed(self) -> str:
-        return "; ".join(f"{s}: {r}" for s, r in sorted(self.rejected.items())) or "none reported"
+        return failed_sites(self.rejected)
 
 
 def aggregate_from_store(
@@ -231,10 +233,7 @@ def chunked_from_store(
 
     sites = [c.site for c in counted]
     if len(counted) < min_clients:
-        raise QuorumNotReached(
-            f"{len(counted)} valid update(s) from {sites}, min_clients is {min_clients}. "
-            f"Failed sites: {tally.failed()}. The global model was not updated."
-        )
+        raise below_quorum(sites, min_clients, tally.rejected)
     problem = rule.quorum_problem(len(counted))
     if problem is not None:
         raise QuorumNotReached(
