@@ -53,4 +53,36 @@ def get_provider_info() -> dict[str, Any]:
         "connection-types": [
             {"connection-type": "nvflare", "hook-class-name": "flare_airflow.hooks.flare_admin.FlareAdminHook"}
         ],
+        # `airflow config list` shows these; each is read with an empty fallback where it is used.
+        "config": {
+            "flare_airflow": {
+                "description": "flare-airflow's deployment settings (docs/ui.md, docs/tracking.md).",
+                "options": {
+                    "tracking": _option(
+                        "The tracking of every job that leaves `tracking` out (docs/tracking.md): mlflow, "
+                        "tensorboard, both comma-separated, or a JSON tracking block.",
+                        "mlflow,tensorboard",
+                    ),
+                    "mlflow_ui_url": _option(
+                        "Where people browse the embedded MLflow store (e.g. an `mlflow ui` behind your proxy); "
+                        "the Federated runs page links each run there.",
+                        "https://mlflow.example.org",
+                    ),
+                    "store_roots": _option(
+                        "Comma-separated model-store URIs the Federated runs page serves files from (default: "
+                        "the store under AIRFLOW_HOME); jobs with their own store must be listed (docs/ui.md).",
+                        "s3://flare/store",
+                    ),
+                    "api_url": _option(
+                        "The REST API base the Federated runs page calls when the api-server is not reachable on "
+                        "the address a request came in on (docs/ui.md).",
+                        "http://127.0.0.1:8080",
+                    ),
+                },
+            }
+        },
     }
+
+
+def _option(description: str, example: str) -> dict[str, Any]:
+    return {"description": description, "version_added": None, "type": "string", "example": example, "default": None}

@@ -56,3 +56,28 @@ def test_package_name_and_version() -> None:
 
     assert INFO["package-name"] == "flare-airflow"
     assert INFO["versions"] == [__version__]
+
+
+def test_the_metadata_is_valid_for_airflow() -> None:
+    import json
+    import pathlib
+
+    import airflow
+    import jsonschema
+
+    schema = json.loads((pathlib.Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    jsonschema.validate(INFO, schema)
+
+
+def test_every_flare_airflow_setting_read_is_declared() -> None:
+    import pathlib
+    import re
+
+    package = pathlib.Path(flare_airflow.operators.__file__).parent.parent
+    read = {
+        match
+        for path in package.rglob("*.py")
+        for match in re.findall(r"""conf\.get\(\s*["']flare_airflow["'],\s*["'](\w+)["']""", path.read_text())
+    }
+    assert read, "the pattern found no setting: the test would pass on anything"
+    assert read == set(INFO["config"]["flare_airflow"]["options"])
