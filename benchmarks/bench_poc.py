@@ -131,44 +131,12 @@ class PocRun:
 
 
 # --- NVFlare's POC system ------------------------------------------------------------------------------
+# Its process helpers are the test machinery's (flare_airflow_testing/nvflare_poc.py).
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pids_of_group(pgid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            found.append(int(entry))
-    return found
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(int(entry))
-    return found
+def _repo_on_path() -> None:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
 
 
 class Poc:
@@ -196,13 +164,16 @@ class Poc:
     def prepare(self) -> None:
         import yaml
 
+        _repo_on_path()
+        from flare_airflow_testing.nvflare_poc import free_port
+
         self._nvflare("poc", "prepare", "-n", str(self.n), "--force")
         project = yaml.safe_load((self.ws / "project.yml").read_text())
         for participant in project["participants"]:
             if participant["type"] == "server":
                 # NVFlare's defaults are fixed ports (8002/8003): another POC system would collide.
-                participant["fed_learn_port"] = _free_port()
-                participant["admin_port"] = _free_port()
+                participant["fed_learn_port"] = free_port()
+                participant["admin_port"] = free_port()
         project_file = self.root / "project.yml"
         project_file.write_text(yaml.safe_dump(project))
         self._nvflare("poc", "prepare", "-i", str(project_file), "--force")
@@ -243,12 +214,15 @@ class Poc:
         self.start_s = time.monotonic() - started
 
     def stop(self) -> None:
+        _repo_on_path()
+        from flare_airflow_testing.nvflare_poc import pids_mentioning, pids_of_group
+
         with contextlib.suppress(BenchmarkFailed, subprocess.TimeoutExpired):
             self._nvflare("poc", "stop", timeout=120)
         deadline = time.monotonic() + 30
         left: list[int] = []
         while time.monotonic() < deadline:
-            left = sorted(set(_pids_of_group(self.pgid) if self.pgid else []) | set(_pids_mentioning(str(self.ws))))
+            left = sorted(set(pids_of_group(self.pgid) if self.pgid else []) | set(pids_mentioning(str(self.ws))))
             if not left:
                 return
             time.sleep(0.5)
