@@ -41,11 +41,10 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {
                 "integration-name": "Federated learning",
+                # Each watchable backend's trigger module (the registry's), then NVFlare native mode's.
                 "python-modules": [
-                    "flare_airflow.triggers.pod_state",
-                    "flare_airflow.triggers.slurm_state",
+                    *(b.trigger_module for b in BACKENDS.values() if b.trigger_module is not None),
                     "flare_airflow.triggers.flare_job",
-                    "flare_airflow.triggers.container_state",
                 ],
             }
         ],

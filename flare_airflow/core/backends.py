@@ -33,6 +33,7 @@ class Backend:
         building the site's launcher on this worker, or ``None`` when the site's jobs end with the
         task that launched them (no ``watch: sensor``; a process job never outlives its task).
     :param trigger: a function ``(job, site, handle, round_num) -> trigger`` for a deferrable sensor.
+    :param trigger_module: the module holding that trigger's class (the provider info lists it).
     :param sweep: ``(task_id, operator class)`` of the run's teardown ending jobs the run left
         behind, or ``None`` when the backend's jobs cannot outlive their task.
     :param on_worker: the job runs as a process of this worker (working directory, host GPU
@@ -56,6 +57,7 @@ class Backend:
     aliases: tuple[str, ...] = ()
     launcher: str | None = None
     trigger: str | None = None
+    trigger_module: str | None = None
     sweep: tuple[str, str] | None = None
     on_worker: bool = False
     site_env: bool = True
@@ -90,6 +92,7 @@ BACKENDS: Mapping[str, Backend] = {
             site_task="flare_airflow.operators.pod.SitePodOperator",
             launcher="flare_airflow.operators.pod.kubernetes_launcher",
             trigger="flare_airflow.operators.pod.pod_trigger",
+            trigger_module="flare_airflow.triggers.pod_state",
             sweep=("sweep_pods", "flare_airflow.operators.run.SweepPodsOperator"),
             site_env=False,
             worker_secrets=False,
@@ -103,6 +106,7 @@ BACKENDS: Mapping[str, Backend] = {
             site_task="flare_airflow.operators.slurm.SiteSlurmOperator",
             launcher="flare_airflow.operators.slurm.slurm_launcher",
             trigger="flare_airflow.operators.slurm.slurm_trigger",
+            trigger_module="flare_airflow.triggers.slurm_state",
             sweep=("sweep_slurm_jobs", "flare_airflow.operators.slurm.SweepSlurmJobsOperator"),
             argv="cluster",
             confined_by="the cluster (cgroups, the submitting user)",
@@ -114,6 +118,7 @@ BACKENDS: Mapping[str, Backend] = {
             site_task="flare_airflow.operators.container.SiteContainerOperator",
             launcher="flare_airflow.operators.container.container_launcher",
             trigger="flare_airflow.operators.container.container_trigger",
+            trigger_module="flare_airflow.triggers.container_state",
             sweep=("sweep_containers", "flare_airflow.operators.container.SweepContainersOperator"),
             argv="image",
             needs_image=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import typing
 
 import pytest
 from airflow.sdk import BaseOperator
@@ -67,6 +68,12 @@ def test_every_entry_names_what_exists(entry: backends.Backend) -> None:
         assert issubclass(sweep, BaseOperator) and sweep.sweep_doc
     operators = get_provider_info()["operators"][0]["python-modules"]
     assert entry.site_task.rpartition(".")[0] in operators
+    # A backend with a sensor trigger names the trigger's module, and the provider info lists it.
+    assert (entry.trigger is None) == (entry.trigger_module is None)
+    if entry.trigger is not None:
+        made = typing.get_type_hints(backends.load(entry.trigger))["return"]
+        assert made.__module__ == entry.trigger_module
+        assert entry.trigger_module in get_provider_info()["triggers"][0]["python-modules"]
 
 
 def test_aliases_resolve_and_unknown_names_are_refused() -> None:
