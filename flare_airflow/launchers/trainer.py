@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from flare_airflow.core.nvflare.run import wrapper_argv
 
 if TYPE_CHECKING:  # the configuration layer (pydantic) is not loaded by the process backend
-    from flare_airflow.core.config import ContainerLaunchSpec, JobConfig, KubernetesLaunchSpec, SlurmLaunchSpec
+    from flare_airflow.core.config import JobConfig, SlurmLaunchSpec
     from flare_airflow.core.spec import SiteJob
 
 # What the trainer image runs the script with when the site names no trainer_command.
 IMAGE_DEFAULT_COMMAND = ("python",)
 
 
+class TrainerImage(Protocol):
+    """What an image backend's block says about the trainer inside its image."""
+
+    @property
+    def trainer_command(self) -> Sequence[str] | None: ...
+
+    @property
+    def trainer_script(self) -> str | None: ...
+
+
 def trainer_argv(
     job: JobConfig,
-    image: KubernetesLaunchSpec | ContainerLaunchSpec | None = None,
+    image: TrainerImage | None = None,
     *,
     cluster: SlurmLaunchSpec | None = None,
 ) -> list[str]:
@@ -25,9 +36,10 @@ def trainer_argv(
 
     On this host (``image`` is ``None``): the job's ``trainer.command``, by default this Python,
     and the trainer script resolved against the job file's directory. In a site's image
-    (``image``, the site's ``launcher_spec.k8s`` or ``.container`` block): ``image.trainer_command``, by default
-    ``python`` (the job's ``trainer.command`` names the worker's interpreter, which the image
-    does not have), and ``image.trainer_script``, by default ``trainer.script`` as given.
+    (``image``, the block of an image backend: ``launcher_spec.k8s``, ``.container``):
+    ``image.trainer_command``, by default ``python`` (the job's ``trainer.command`` names the
+    worker's interpreter, which the image does not have), and ``image.trainer_script``, by
+    default ``trainer.script`` as given.
 
     A job with ``trainer.nvflare`` runs the script through the NVFlare compatibility runner
     (``command -m flare_airflow.core.nvflare.run --params-exchange .. --transfer .. script args``), the
