@@ -25,10 +25,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,9 @@ from bench_nvflare import DIGITS, HELLO_KEY, HELLO_R1, HELLO_R3, HELLO_R10, JOBS
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
+sys.path.insert(0, str(REPO))  # flare_airflow_testing (the POC harness)
+import flare_airflow_testing.nvflare_poc as testing_poc  # noqa: E402
+
 RUN_TIMEOUT = 300.0
 POLL = 0.2  # both sides poll the run's / job's state this often
 TARGET = 0.5
@@ -134,108 +135,30 @@ class PocRun:
 # Its process helpers are the test machinery's (flare_airflow_testing/nvflare_poc.py).
 
 
-def _repo_on_path() -> None:
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+class Poc(testing_poc.Poc):
+    """The test machinery's POC system, with its start-up timed and its failures a benchmark's."""
 
+    start_s = 0.0
 
-class Poc:
-    """NVFlare's POC system for ``n`` sites in a workspace of its own, with free ports and its own HOME."""
-
-    def __init__(self, nv: NvflareEnv, root: Path, n: int) -> None:
-        self.nv = nv
-        self.n = n
-        self.root = root
-        self.ws = root / "poc"
-        self.home = root / "home"  # nvflare writes ~/.nvflare/config.conf: keep it out of the user's HOME
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.env = {**nv.env(), "HOME": str(self.home), "NVFLARE_POC_WORKSPACE": str(self.ws)}
-        self.pgid: int | None = None
-        self.leftovers: list[str] = []
-        self.start_s = 0.0
-
-    def _nvflare(self, *args: str, timeout: float = 120) -> str:
-        argv = [str(self.nv.venv / "bin" / "nvflare"), *args]
-        proc = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, check=False)
-        if proc.returncode != 0:
-            raise BenchmarkFailed(f"`nvflare {' '.join(args)}` exited {proc.returncode}: {proc.stdout[-1500:]}")
-        return proc.stdout
-
-    def prepare(self) -> None:
-        import yaml
-
-        _repo_on_path()
-        from flare_airflow_testing.nvflare_poc import free_port
-
-        self._nvflare("poc", "prepare", "-n", str(self.n), "--force")
-        project = yaml.safe_load((self.ws / "project.yml").read_text())
-        for participant in project["participants"]:
-            if participant["type"] == "server":
-                # NVFlare's defaults are fixed ports (8002/8003): another POC system would collide.
-                participant["fed_learn_port"] = free_port()
-                participant["admin_port"] = free_port()
-        project_file = self.root / "project.yml"
-        project_file.write_text(yaml.safe_dump(project))
-        self._nvflare("poc", "prepare", "-i", str(project_file), "--force")
-
-    @property
-    def prod(self) -> Path:
-        found = sorted(self.ws.glob("*/prod_*"))
-        if not found:
-            raise BenchmarkFailed(f"no provisioned POC kit under {self.ws}")
-        return found[-1]
-
-    @property
-    def admin_kit(self) -> Path:
-        return self.prod / "admin@nvidia.com"
+    def _run(self, *args: str, timeout: float = 120) -> str:
+        try:
+            return super()._run(*args, timeout=timeout)
+        except testing_poc.PocError as exc:
+            raise BenchmarkFailed(str(exc)) from None
 
     def start(self) -> None:
         started = time.monotonic()
-        out = open(self.root / "poc-start.log", "wb")  # noqa: SIM115 - closed below
-        # Its own session: the server and clients it starts stay in this process group, so the
-        # group id finds them even after `nvflare poc start` itself has exited.
-        proc = subprocess.Popen(
-            [str(self.nv.venv / "bin" / "nvflare"), "poc", "start"],
-            env=self.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.pgid = proc.pid
         try:
-            rc = proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            rc = -1
-        out.close()
-        text = (self.root / "poc-start.log").read_text(errors="replace")
-        if rc != 0 or f"Clients ready: {self.n}/{self.n}" not in text:
-            self.stop()
-            raise BenchmarkFailed(f"`nvflare poc start` ({self.n} clients) exited {rc}: {text[-2000:]}")
+            super().start()
+        except testing_poc.PocError as exc:
+            raise BenchmarkFailed(str(exc)) from None
         self.start_s = time.monotonic() - started
 
-    def stop(self) -> None:
-        _repo_on_path()
-        from flare_airflow_testing.nvflare_poc import pids_mentioning, pids_of_group
-
-        with contextlib.suppress(BenchmarkFailed, subprocess.TimeoutExpired):
-            self._nvflare("poc", "stop", timeout=120)
-        deadline = time.monotonic() + 30
-        left: list[int] = []
-        while time.monotonic() < deadline:
-            left = sorted(set(pids_of_group(self.pgid) if self.pgid else []) | set(pids_mentioning(str(self.ws))))
-            if not left:
-                return
-            time.sleep(0.5)
-        for pid in left:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")[:160]
-            except OSError:
-                cmd = "?"
-            self.leftovers.append(f"{pid}: {cmd}")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        log(f"[poc] `nvflare poc stop` left {len(left)} processes; killed them by id: {self.leftovers}")
+    def stop(self) -> list[str]:
+        leftovers = super().stop()
+        if leftovers:
+            log(f"[poc] `nvflare poc stop` left {len(leftovers)} processes; killed them by id: {leftovers}")
+        return leftovers
 
 
 def export_jobs(nv: NvflareEnv, root: Path, cases: list[JobCase], trainer: Any) -> dict[str, Path]:
@@ -255,7 +178,7 @@ def run_nvflare(poc: Poc, case: JobCase, job: Path, count: int, trainer: Any, sp
     download = poc.root / "results" / f"{count:03d}-{case.name}"
     download.mkdir(parents=True, exist_ok=True)
     argv = [
-        str(poc.nv.python),
+        str(poc.side.python),
         str(JOBS_DIR / "poc_submit.py"),
         "--startup-kit",
         str(poc.admin_kit),

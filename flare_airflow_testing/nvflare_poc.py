@@ -18,10 +18,11 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Protocol
 
 import yaml
 
-from flare_airflow_testing.side_venvs import SideVenv, tail
+from flare_airflow_testing.side_venvs import tail
 
 
 class PocError(RuntimeError):
@@ -63,10 +64,19 @@ def pids_mentioning(text: str) -> list[int]:
     return found
 
 
+class NvflareVenv(Protocol):
+    """An environment with NVFlare installed (:class:`~flare_airflow_testing.side_venvs.SideVenv`,
+    or a benchmark's own record of the same venv)."""
+
+    venv: Path
+
+    def env(self) -> dict[str, str]: ...
+
+
 class Poc:
     """NVFlare's POC system with ``n`` clients (``site-1`` ... ``site-n``) under ``root``."""
 
-    def __init__(self, side: SideVenv, root: Path, n: int = 2) -> None:
+    def __init__(self, side: NvflareVenv, root: Path, n: int = 2) -> None:
         self.side = side
         self.root = root
         self.n = n
