@@ -16,7 +16,8 @@ own (VmHWM above the RSS after imports and the global model):
   same arrays loaded with ``safetensors.numpy.load_file`` (no verification): the load and the
   aggregation are timed apart. Flower needs every update in memory; a Flower case whose estimated
   peak exceeds the machine's available memory minus 4 GiB runs once with its address space capped
-  (``FLOWER_CAP_MIB``, RLIMIT_AS) and the table reports where it failed and its peak until then.
+  (``FLOWER_CAP_MIB``, RLIMIT_AS) and a wall-time limit (``FLOWER_CAPPED_WALL_S``), and the table
+  reports where it failed or stopped and its peak until then.
 
 beta = 0.25 makes beta x n an integer at 16 and 64 sites, where Flower's ``int(beta n)`` and our
 ``ceil(beta n)`` cut the same number. The results are compared (largest absolute difference).
@@ -54,6 +55,9 @@ OPTIMIZERS = {"fedavgm": ("momentum",), "fedadam": ("m", "v"), "fedyogi": ("m", 
 FLOWER_FACTOR = {"median": 2.2, "trimmed_mean": 2.2, "krum": 3.2}
 # A Flower case that cannot fit runs with its address space capped here (the machine is shared).
 FLOWER_CAP_MIB = 8192
+# ... and a wall-time limit: at 256 MiB x 64 Flower's loads sat at the cap (7.96 GB RSS, 4-8 % CPU)
+# for over 8 min without failing or finishing; such a case is stopped and reported as not finished.
+FLOWER_CAPPED_WALL_S = 300.0
 
 
 def _status_kib(key: str) -> int:
@@ -200,7 +204,16 @@ def run_worker(
             limit = int(cap_mib) << 20
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    out = subprocess.run(argv, capture_output=True, text=True, check=False, env=env, preexec_fn=cap)
+    try:
+        out = subprocess.run(
+            argv, capture_output=True, text=True, check=False, env=env, preexec_fn=cap,
+            timeout=FLOWER_CAPPED_WALL_S if cap_mib is not None else None,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:  # subprocess.run has killed it
+        stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        progress = json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else {"loaded": 0, "peak_mib": 0.0}
+        return {"failed": f"did not finish in {FLOWER_CAPPED_WALL_S:.0f} s; had loaded {progress['loaded']} of "
+                          f"{sites} updates", "peak_mib": progress["peak_mib"]}  # fmt: skip
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0:
         if cap_mib is None:
