@@ -7,14 +7,17 @@ another). A build that fails fails the tests that need the images: nothing is sk
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES_SCRIPT = ROOT / "docker" / "images.py"
@@ -96,3 +99,81 @@ def docker_api(run_dir: Path, timeout: float = 60.0) -> Iterator[dict[str, str]]
         except subprocess.TimeoutExpired:
             os.killpg(service.pid, signal.SIGKILL)
             service.wait()
+
+
+def containers_left(label: str) -> list[str]:
+    """Names of the containers with ``label`` (``key=value``) on the engine, running or not."""
+    out = subprocess.run(
+        [engine(), "ps", "--all", "--format", "{{.Names}}", "--filter", f"label={label}"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    return out.split()
+
+
+class CreatedContainers:
+    """Every container the engine creates with ``label`` (``key=value``) while the block runs, and
+    the host paths it was given: the engine's event stream (``podman events``) names each new
+    container, and its OCI runtime spec (the ``config.json`` podman writes into the container's
+    storage when it starts it) is read at once -- the mounts the runtime really made, not what a
+    caller asked for. ``created``: one dict per container, ``{"id", "labels", "mounts"}`` with
+    ``mounts`` the bind mounts from the host as ``(source, destination, read_only)`` (podman's own,
+    such as ``/etc/hosts`` from the container's storage, left out), or ``"error"`` when the
+    container was gone before its spec could be read. Rootful podman only (its storage layout)."""
+
+    def __init__(self, label: str, timeout: float = 60.0) -> None:
+        self.label = label
+        self.timeout = timeout
+        self.created: list[dict[str, Any]] = []
+        self._proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+        self._stores: list[str] = []
+
+    def __enter__(self) -> CreatedContainers:
+        info = subprocess.run(
+            [engine(), "info", "--format", "{{.Store.GraphRoot}} {{.Store.RunRoot}}"],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+        self._stores = info.split()
+        argv = [engine(), "events", "--format", "json", "--filter", "event=create", "--filter", f"label={self.label}"]
+        self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip():
+                event = json.loads(line)
+                found = {"id": event["ID"], "labels": event.get("Attributes") or {}}
+                self.created.append({**found, **self._spec_mounts(event["ID"])})
+
+    def _spec_mounts(self, container: str) -> dict[str, Any]:
+        userdata = [Path(store, "overlay-containers", container, "userdata") for store in self._stores]
+        config = userdata[0] / "config.json"
+        started = time.monotonic()
+        while time.monotonic() < started + self.timeout:
+            try:
+                spec = json.loads(config.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):  # not started yet, or being written
+                # Its storage exists from its creation on (before the event): gone means removed.
+                if not userdata[0].parent.exists() and time.monotonic() > started + 2:
+                    return {"error": f"container {container} was removed before its spec could be read"}
+                time.sleep(0.005)
+                continue
+            mounts = []
+            for mount in spec.get("mounts", []):
+                options = mount.get("options") or []
+                own = any(Path(mount.get("source", "/")).is_relative_to(u) for u in userdata)
+                if {"bind", "rbind"} & set(options) and not own:
+                    mounts.append((mount["source"], mount["destination"], "ro" in options))
+            return {"mounts": mounts}
+        return {"error": f"no runtime spec of container {container} within {self.timeout}s"}
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.wait(15)
+        if self._reader is not None:
+            self._reader.join(self.timeout + 10)

@@ -1,7 +1,8 @@
 """docs/deploy-across-sites.md, read as the Edge e2e test (flare_airflow_testing/edge_sites.py) uses it.
 
 The guide's blocks -- the job's keys, the central side's ``airflow.cfg`` lines, a site worker's
-environment, its policy and the command that starts it -- are taken from the page and used as
+environment, its policy (a process site's or a container site's) and the command that starts it --
+are taken from the page and used as
 written. Only the guide's placeholders are put in place: the central address
 (``https://airflow.example.org``), the site's directories (``/srv/flare``, ``/etc/flare``), ``site-1``
 for each site, and the values the page leaves open (``<...>``, ``...``). A placeholder the page no
@@ -127,6 +128,17 @@ def site_policy(site: str, root: pathlib.Path) -> dict[str, Any]:
     text = _put(text, EXAMPLE_SITE, site, "the site policy").replace("/srv/flare", str(root))
     policy = yaml.safe_load(text)
     assert isinstance(policy, dict), policy
+    return copy.deepcopy(policy)
+
+
+def container_site_policy(site: str, root: pathlib.Path, image: str) -> dict[str, Any]:
+    """'Container sites at a site': the policy example, for ``site`` running ``image``."""
+    text = block("Container sites at a site", "yaml")
+    text = _put(text, EXAMPLE_SITE, site, "the container site policy").replace("/srv/flare", str(root))
+    policy = yaml.safe_load(text)
+    assert isinstance(policy, dict), policy
+    container = policy["sites"][site]["launcher_spec"]["container"]
+    container.update(_filled({"image": str(container.get("image"))}, {"image": image}, "the container site policy"))
     return copy.deepcopy(policy)
 
 

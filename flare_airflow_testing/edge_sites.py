@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -44,8 +45,9 @@ FASTER_CENTRAL = {
 FASTER_WORKER = {"AIRFLOW__EDGE__JOB_POLL_INTERVAL": "1", "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2"}
 
 
-def edge_job(dags: pathlib.Path, *, rounds: int) -> pathlib.Path:
-    """The demo job (dags/digits.yaml) with the keys of the guide's 'The job' block."""
+def edge_job(dags: pathlib.Path, *, rounds: int, container_sites: Mapping[str, str] | None = None) -> pathlib.Path:
+    """The demo job (dags/digits.yaml) with the keys of the guide's 'The job' block; the sites of
+    ``container_sites`` (site -> trainer image) run containers (the guide's 'Container sites at a site')."""
     shutil.copytree(REPO / "dags", dags, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "examples", dags.parent / "examples", ignore=shutil.ignore_patterns("__pycache__"))
     path = dags / "digits.yaml"
@@ -54,6 +56,8 @@ def edge_job(dags: pathlib.Path, *, rounds: int) -> pathlib.Path:
     job.update({k: v for k, v in keys.items() if k != "sites"}, rounds=rounds)
     for site, entry in keys["sites"].items():
         job["sites"].setdefault(site, {}).update(entry)
+    for site, image in (container_sites or {}).items():
+        job["sites"][site].update(launcher="container", launcher_spec={"container": {"image": image}})
     # No retries: a site whose worker is gone fails at once and the round goes on within quorum.
     job["sites"]["@default"]["retries"] = 0
     path.write_text(yaml.safe_dump(job, sort_keys=False))
@@ -79,6 +83,7 @@ class EdgeWorker:
         prefix: list[str] | None = None,
         central: str | None = None,
         private_data: bool = False,
+        container_image: str | None = None,
     ) -> None:
         # ``prefix``: run in the site's network namespace; ``central``: the central side's address
         # as seen from there (default: the test process's view, the API's base URL).
@@ -86,7 +91,8 @@ class EdgeWorker:
         self.central = central
         # ``private_data`` (inside its namespaces only): the site's shard of the demo data on a
         # tmpfs that only this worker's mount namespace has (flare_airflow_testing/site_data.py); its policy
-        # points the trainer there.
+        # points the trainer there. ``container_image``: a container site running that image (its
+        # policy is the guide's container site policy; the trainer reads the image's demo data).
         self.private_data = private_data
         self.site = site
         self.name = f"{site}-worker"
@@ -98,13 +104,16 @@ class EdgeWorker:
         shutil.copytree(stack.dags, self.root / "dags", ignore=shutil.ignore_patterns("__pycache__"))
         self.data = self.root / "data"
         self.data.mkdir()
-        policy = guide.site_policy(site, self.root)
-        process = policy["sites"][site]["launcher_spec"]["process"]
-        pathlib.Path(process["cwd"]).mkdir(parents=True, exist_ok=True)
-        if not private_data:
-            # The guide's policy points the trainer at the site's own shard (on a tmpfs only the
-            # worker's namespace has); without namespaces the trainer reads the shared demo data.
-            process.get("env", {}).pop(SITE_DATA_ENV, None)
+        if container_image is not None:
+            policy = guide.container_site_policy(site, self.root, container_image)
+        else:
+            policy = guide.site_policy(site, self.root)
+            process = policy["sites"][site]["launcher_spec"]["process"]
+            pathlib.Path(process["cwd"]).mkdir(parents=True, exist_ok=True)
+            if not private_data:
+                # The guide's policy points the trainer at the site's own shard (on a tmpfs only the
+                # worker's namespace has); without namespaces the trainer reads the shared demo data.
+                process.get("env", {}).pop(SITE_DATA_ENV, None)
         self.policy = self.root / "site.yaml"
         self.policy.write_text(yaml.safe_dump(policy))
         self.queue = site_queue(stack.dags / "digits.yaml", site)
@@ -203,9 +212,19 @@ def _free_port() -> int:
 class EdgeDeployment:
     """PostgreSQL, the central Airflow, the S3 endpoint and one worker per site."""
 
-    def __init__(self, root: pathlib.Path, sites: list[str], rounds: int, *, isolated: bool = False) -> None:
+    def __init__(
+        self,
+        root: pathlib.Path,
+        sites: list[str],
+        rounds: int,
+        *,
+        isolated: bool = False,
+        container_sites: Mapping[str, str] | None = None,
+    ) -> None:
         """``isolated``: the central side in a network namespace, each site's worker in one of its
-        own that reaches only the central side's API and S3 endpoint (flare_airflow_testing/netns.py)."""
+        own that reaches only the central side's API and S3 endpoint (flare_airflow_testing/netns.py).
+        ``container_sites``: site -> trainer image, the sites whose jobs run as containers."""
+        container_sites = dict(container_sites or {})
         self.ns = Namespaces(sites) if isolated else None
         central = Namespaces.prefix(self.ns.central) if self.ns else None
         host = self.ns.central_addr if self.ns else "127.0.0.1"
@@ -222,7 +241,7 @@ class EdgeDeployment:
             raise
         # The central tasks reach the store on their own loopback.
         self.stack.env["AIRFLOW_CONN_" + CENTRAL_CONN.upper()] = self.s3.connection(host="127.0.0.1")
-        self.job = edge_job(self.stack.dags, rounds=rounds)
+        self.job = edge_job(self.stack.dags, rounds=rounds, container_sites=container_sites)
         self.workers = {
             site: EdgeWorker(
                 root,
@@ -232,6 +251,7 @@ class EdgeDeployment:
                 prefix=Namespaces.prefix(self.ns.site_ns[site]) if self.ns else None,
                 central=self.ns.site_peer[site] if self.ns else None,
                 private_data=isolated,
+                container_image=container_sites.get(site),
             )
             for site in sites
         }

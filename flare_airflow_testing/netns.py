@@ -59,7 +59,15 @@ class Namespaces:
 
     @staticmethod
     def prefix(ns: str) -> list[str]:
-        return ["ip", "netns", "exec", ns]
+        """The argv prefix that runs a command in namespace ``ns`` with a mount namespace of its own.
+
+        Not ``ip netns exec``: it remounts /sys as a fresh sysfs, without the cgroup hierarchies
+        under /sys/fs/cgroup, and a container engine's runtime then fails (runc: "no cgroup mount
+        found in mountinfo") -- docs/deploy-across-sites.md, "Container sites at a site". The
+        private mount namespace (``unshare --mount``, mounts propagating in from the host but never
+        out) keeps what a worker mounts, such as a site's data tmpfs, to its own processes.
+        """
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--propagation", "slave"]
 
     def remove(self) -> None:
         """Delete the namespaces (their veth ends go with them); call after their processes ended."""

@@ -2,8 +2,9 @@
 
     python flare_airflow_testing/site_data.py DIR SITE TRAINER [TRAINER ARGS...] -- WORKER ARGV...
 
-Mounts a fresh tmpfs (mode 0700) at DIR -- in the mount namespace that ``ip netns exec`` gave this
-process, whose mounts do not propagate back -- writes SITE's training shard there with the
+Mounts a fresh tmpfs (mode 0700) at DIR -- in the mount namespace of its own that the site's
+prefix (``unshare --mount``, flare_airflow_testing/netns.py) gave this process, whose mounts do not
+propagate back -- writes SITE's training shard there with the
 trainer's ``--export-site``, then becomes the worker. Processes outside the namespace see DIR as
 the empty directory it is on the host: the site's data file can be opened only by the worker and
 the task processes it starts.

@@ -49,6 +49,9 @@ class Backend:
     :param confined_by: what confines this backend's trainers, when it is not the site policy's
         ``confinement`` (bubblewrap, for trainers that run as processes of the worker); a site
         policy giving ``confinement`` to such a site is refused with this text.
+    :param store_as_files: the job sees the model store only as files of the worker handed to it
+        (a container's bind mounts): with an object store, only the site task that staged them can
+        publish its update, so such a job cannot outlive that task (``watch: sensor`` is refused).
     """
 
     name: str
@@ -65,6 +68,7 @@ class Backend:
     argv: Literal["host", "image", "cluster"] = "host"
     needs_image: bool = False
     confined_by: str | None = None
+    store_as_files: bool = False
 
     @property
     def watchable(self) -> bool:
@@ -123,6 +127,7 @@ BACKENDS: Mapping[str, Backend] = {
             argv="image",
             needs_image=True,
             confined_by="their container",
+            store_as_files=True,
         ),
     )
 }

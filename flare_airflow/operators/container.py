@@ -29,7 +29,12 @@ def container_launcher(
     """A container site's launcher: the site's engine on this worker."""
     spec = job.sites[site]
     return ContainerLauncher(
-        spec.launcher_spec.container, spec.resource_spec, try_number=try_number, sink=sink, hidden=hidden
+        spec.launcher_spec.container,
+        spec.resource_spec,
+        try_number=try_number,
+        sink=sink,
+        hidden=hidden,
+        shutdown_timeout=job.trainer.shutdown_timeout,  # what this try's own terminate gives its container
     )
 
 

@@ -32,6 +32,7 @@ class Bad:
 
     container: dict[str, Any] = field(default_factory=dict)  # keys set in launcher_spec.container
     site: dict[str, Any] = field(default_factory=dict)  # keys set in the site entry
+    job: dict[str, Any] = field(default_factory=dict)  # keys set at the job's top level
 
 
 CASES: list[Case] = []
@@ -107,6 +108,16 @@ case(
 )
 
 
+case(
+    "container-sensor-object-store",
+    "`watch: sensor` on a container site of a job whose store is `s3://`",
+    "sites.site-1.watch: sensor cannot publish a container site's update to the object store 's3://flare/store': "
+    "its job sees only the files its site task stages on the worker",
+    site={"watch": "sensor"},
+    job={"store": "s3://flare/store", "store_conn_id": "flare_store"},
+)
+
+
 def _job(bad: Bad) -> dict[str, Any]:
     block = {key: value for key, value in {**BASE, **bad.container}.items() if value is not DELETE}
     site = {"launcher": "container", "launcher_spec": {"container": block}, **bad.site}
@@ -117,6 +128,7 @@ def _job(bad: Bad) -> dict[str, Any]:
         "initial_model": str(INITIAL_MODEL),
         "trainer": {"script": "trainer.py"},
         "sites": {"site-1": site},
+        **bad.job,
     }
 
 

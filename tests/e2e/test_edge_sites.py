@@ -2,7 +2,8 @@
 
 Real components: api-server, scheduler (LocalExecutor + EdgeExecutor), dag-processor and triggerer
 on PostgreSQL; one ``airflow edge worker --queues site-N`` per site, each with its own Airflow
-home, DAGs copy, site policy and store credentials and no database; moto's S3 server (an emulator,
+home, DAGs copy, site policy and store credentials and no database; one site (``CONTAINER_SITE``)
+runs its jobs as containers of the trainer image under rootful podman on its worker; moto's S3 server (an emulator,
 see flare_airflow_testing/s3_server.py) with signatures enforced. The central side runs in a network namespace,
 each worker in one of its own that reaches only the central side's API and S3 ports
 (flare_airflow_testing/netns.py). Follows docs/deploy-across-sites.md.
@@ -11,6 +12,7 @@ each worker in one of its own that reaches only the central side's API and S3 po
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from flare_airflow_testing.containers import CreatedContainers, containers_left
 from flare_airflow_testing.edge_sites import EdgeDeployment
 from flare_airflow_testing.harness import REPO, AirflowHome
 
@@ -27,12 +30,23 @@ pytestmark = pytest.mark.e2e
 SITES = ["site-1", "site-2", "site-3", "site-4"]
 DAG = "flare_digits"
 ROUNDS = 3
-CENTRAL_TASKS = {"prepare", "publish", "verdict"} | {f"round_{r}.global_model" for r in range(1, ROUNDS + 1)}
+# A container site (the guide's 'Container sites at a site'); the other sites run processes.
+CONTAINER_SITE = "site-2"
+JOB_LABEL = "flare-airflow.job=digits"  # every container of the demo job carries it
+CENTRAL_TASKS = {"prepare", "publish", "verdict", "sweep_containers"} | {
+    f"round_{r}.global_model" for r in range(1, ROUNDS + 1)
+}
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    dep = EdgeDeployment(tmp_path_factory.mktemp("edge"), SITES, rounds=ROUNDS, isolated=True)
+def deployment(tmp_path_factory: pytest.TempPathFactory, trainer_image: str) -> Any:
+    dep = EdgeDeployment(
+        tmp_path_factory.mktemp("edge"),
+        SITES,
+        rounds=ROUNDS,
+        isolated=True,
+        container_sites={CONTAINER_SITE: trainer_image},
+    )
     try:
         dep.start()
         yield dep
@@ -74,7 +88,8 @@ def _xcom(dep: EdgeDeployment, run_id: str, task_id: str, key: str) -> Any:
 def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
     deployment: EdgeDeployment, one_machine_sha256: str
 ) -> None:
-    run_id, tis = _run(deployment)
+    with CreatedContainers(JOB_LABEL) as containers:
+        run_id, tis = _run(deployment)
     assert {t: ti["state"] for t, ti in tis.items()} == dict.fromkeys(
         CENTRAL_TASKS | {f"round_{r}.{s}" for r in range(1, ROUNDS + 1) for s in SITES}, "success"
     )
@@ -91,7 +106,10 @@ def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
                 "EdgeExecutor",
             ), ti
     published = _xcom(deployment, run_id, "publish", "return_value")
+    # The container site's rounds too: its image's trainer computes what a process trainer does.
     assert published["sha256"] == one_machine_sha256, "the edge run's final model differs from the one-machine run"
+    _assert_container_site_saw_only_its_staged_files(containers.created, run_id)
+    assert containers_left(JOB_LABEL) == [], "every container of the job is removed when its task ends"
     assert published["final_model"].startswith("s3://")
     # Every accepted update is in the store with its record; nothing was staged in the bucket.
     keys = deployment.s3.keys("store/digits/")
@@ -177,6 +195,28 @@ def test_a_worker_stopped_mid_round_the_round_completes_within_quorum_and_its_ne
     assert (tis["round_2.site-3"]["state"], tis["round_2.site-3"]["hostname"]) == ("success", "site-3-worker")
     assert all(tis[t]["state"] == "success" for t in ("round_2.global_model", "publish")), tis
     assert {ti["hostname"] for t, ti in tis.items() if t.endswith("site-3")} <= {"site-3-worker", None, ""}
+
+
+def _assert_container_site_saw_only_its_staged_files(created: list[dict[str, Any]], run_id: str) -> None:
+    """One container per round, all of the container site, each mounting exactly the round's global
+    model and its record (read-only) and the try's staging directory (read-write) -- the local
+    copies its site task staged from S3 on the worker, at the paths the Client API's variables
+    name -- and nothing else of the worker or the store."""
+    assert all("error" not in c for c in created), created
+    ours = [c for c in created if c["labels"].get("flare-airflow.run-id") == run_id]
+    assert sorted((c["labels"]["flare-airflow.site"], int(c["labels"]["flare-airflow.round"])) for c in ours) == [
+        (CONTAINER_SITE, r) for r in range(1, ROUNDS + 1)
+    ], created
+    for c in ours:
+        binds = c["mounts"]
+        assert all(src == dst for src, dst, _ in binds), binds
+        written = [src for src, _, read_only in binds if not read_only]
+        round_num = c["labels"]["flare-airflow.round"]
+        pattern = rf"(/.+/flare-{CONTAINER_SITE}-r{round_num}-[^/]+)/staging/{CONTAINER_SITE}/try-1"
+        staged = re.fullmatch(pattern, written[0]) if len(written) == 1 else None
+        assert staged, binds
+        read = sorted(src for src, _, read_only in binds if read_only)
+        assert read == [f"{staged[1]}/global/global.json", f"{staged[1]}/global/global.safetensors"], binds
 
 
 def _reaches(ns: str, host: str, port: int) -> bool:

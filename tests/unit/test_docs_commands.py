@@ -163,6 +163,8 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^make images$", RunBy("flare_airflow_testing/containers.py", '"docker" / "images.py"')),
     # docker sites against podman's Docker-compatible API: the container tests' docker_env fixture
     (r"^podman system service --time=0 unix://", RunBy("flare_airflow_testing/containers.py", '"system", "service"')),
+    # what the Edge test (and the container e2e) asks the engine after a run: none of the job's left
+    (r"^podman ps( -a)?$", RunBy("flare_airflow_testing/containers.py", '"ps", "--all"')),
     # the entrypoints of docker/compose.yaml's Airflow services, which that test brings up
     (
         r"^airflow (db check-migrations|<component>)$",

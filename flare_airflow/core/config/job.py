@@ -294,6 +294,7 @@ class JobConfig(Strict):
                 f"({', '.join(self.sites)}); lower min_clients or add sites"
             )
         self._one_size_per_pool()
+        self._watched_jobs_reach_the_store()
         problem = self.aggregator.quorum_problem(self.min_clients, len(self.sites))
         if problem is not None:
             raise ValueError(problem)
@@ -313,6 +314,22 @@ class JobConfig(Strict):
                 "give a safetensors file, relative to the job file"
             )
         return self
+
+    def _watched_jobs_reach_the_store(self) -> None:
+        """A job watched by a sensor (``watch: sensor``) outlives the task that launched it, so it must
+        reach the store itself; a backend whose jobs see only files staged on the worker cannot,
+        when the store is an object store (nothing would be left to upload the update)."""
+        scheme = self.store.partition("://")[0] if self.store and "://" in self.store else "file"
+        if scheme == "file":
+            return
+        for name, site in self.sites.items():
+            if site.watch == "sensor" and site.backend.store_as_files:
+                raise ValueError(
+                    f"sites.{name}.watch: sensor cannot publish a {site.backend.title} site's update to the object "
+                    f"store {short_repr(self.store)}: its job sees only the files its site task stages on the worker "
+                    "(the global model in, the update out), and with a sensor that task ends at the launch; "
+                    f"use watch: task (the default) for {name}, or a local store (a directory or file:///path)"
+                )
 
     def _one_size_per_pool(self) -> None:
         """Sites sharing a GPU pool (several sites on one GPU host) must agree on its GPUs: the pool's

@@ -69,6 +69,9 @@ class ContainerLauncher(JobLauncherSpec):
     :param sink: receives the trainer's output lines once the job ended.
     :param hidden: values (resolved secrets) replaced by ``***`` in every line and log read.
     :param environ: the environment the engine runs with (default: this process's).
+    :param shutdown_timeout: seconds between SIGTERM and SIGKILL when this launcher ends a job it did
+        not launch (an earlier try's, one found by its identity): the job's ``trainer.shutdown_timeout``,
+        the grace its own ``terminate`` gives.
     """
 
     def __init__(
@@ -80,8 +83,10 @@ class ContainerLauncher(JobLauncherSpec):
         sink: LineSink | None = None,
         hidden: Iterable[str] = (),
         environ: Mapping[str, str] | None = None,
+        shutdown_timeout: float = 10.0,
     ) -> None:
         self.spec = spec
+        self.shutdown_timeout = shutdown_timeout
         self.resources = resources
         self.try_number = try_number
         self.sink = sink
@@ -130,7 +135,7 @@ class ContainerLauncher(JobLauncherSpec):
             return list(json.loads(out))
         return [json.loads(line) for line in out.splitlines() if line.strip()]  # docker: one object a line
 
-    def remove(self, containers: Sequence[str], *, stop_timeout: float = 10.0) -> None:
+    def remove(self, containers: Sequence[str], *, stop_timeout: float) -> None:
         """Stop (SIGTERM, SIGKILL after ``stop_timeout``) and remove ``containers``."""
         if not containers:
             return
@@ -244,23 +249,25 @@ class ContainerLauncher(JobLauncherSpec):
 
     def _remove_quietly(self, identity: JobIdentity) -> None:
         with contextlib.suppress(ContainerEngineError):
-            self.remove([str(c["Id"]) for c in self._containers(site_job_filters(identity, with_try=True))])
+            found = self._containers(site_job_filters(identity, with_try=True))
+            self.remove([str(c["Id"]) for c in found], stop_timeout=self.shutdown_timeout)
 
     def find_job(self, identity: JobIdentity) -> ContainerJobHandle | None:
         """The container launched under ``identity`` (by any process on this host), or ``None``."""
         found = self._containers(site_job_filters(identity, with_try=True))
         if not found:
             return None
-        return ContainerJobHandle(self, identity.site_job(), identity, str(found[0]["Id"]))
+        return ContainerJobHandle(self, identity.site_job(self.shutdown_timeout), identity, str(found[0]["Id"]))
 
     def terminate_earlier_tries(self, identity: JobIdentity) -> list[str]:
-        """Stop and remove the containers of this site job's earlier tries; returns their names."""
+        """Stop (with the shutdown timeout) and remove the containers of this site job's earlier
+        tries; returns their names."""
         earlier = [
             c
             for c in self._containers(site_job_filters(identity, with_try=False))
             if int((c.get("Labels") or {}).get(LABEL_PREFIX + "try", 0)) < identity.try_number
         ]
-        self.remove([str(c["Id"]) for c in earlier])
+        self.remove([str(c["Id"]) for c in earlier], stop_timeout=self.shutdown_timeout)
         return [_name(c) for c in earlier]
 
     def sweep(self, job: str, run_id: str) -> list[str]:

@@ -44,11 +44,21 @@ def containers_of(job: SiteJob) -> list[str]:
 
 
 def launcher(
-    image: str, resources: dict[str, object] | None = None, *, env: dict[str, str] | None = None, **block: object
+    image: str,
+    resources: dict[str, object] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    shutdown_timeout: float = 10.0,
+    **block: object,
 ) -> ContainerLauncher:
     """A launcher on podman, or ``engine="docker"`` with ``env`` (DOCKER_HOST) pointing the CLI at an API."""
     spec = ContainerLaunchSpec.model_validate({"engine": "podman", "image": image, "pull": "never", **block})
-    return ContainerLauncher(spec, ResourceSpec.model_validate(resources or {}), environ={**os.environ, **(env or {})})
+    return ContainerLauncher(
+        spec,
+        ResourceSpec.model_validate(resources or {}),
+        environ={**os.environ, **(env or {})},
+        shutdown_timeout=shutdown_timeout,
+    )
 
 
 @pytest.fixture(params=["podman", "docker"])
@@ -174,6 +184,7 @@ def test_kill_9_of_the_task_then_a_sensor_reattaches_and_the_next_try_ends_it(
     assert found is not None and found.poll() is JobReturnCode.UNKNOWN and found.state is JobState.RUNNING
     assert watcher.find_job(JobIdentity.of(job, 2)) is None
 
-    ended = launcher(trainer_image).terminate_earlier_tries(JobIdentity.of(job, 2))
+    # The trainer (PID 1 in its container) ignores SIGTERM: the job's 1 s grace, then SIGKILL.
+    ended = launcher(trainer_image, shutdown_timeout=1).terminate_earlier_tries(JobIdentity.of(job, 2))
     assert len(ended) == 1 and ended[0].endswith("-t1")
     assert containers_of(job) == []

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
 
 from flare_airflow.core.config import ContainerLaunchSpec, ResourceSpec
 from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState, SiteJob
-from flare_airflow.launchers.container import launch_failure, map_container, run_command
+from flare_airflow.launchers.container import ContainerLauncher, launch_failure, map_container, run_command
 from flare_airflow.launchers.container.naming import container_name, site_job_filters
 from flare_airflow.launchers.container.state import never_started
 
@@ -116,3 +117,40 @@ def test_launch_failures_say_pull_or_refused() -> None:
 def test_an_engine_exit_code_is_a_launch_failure_only_when_the_container_never_started(state, expected) -> None:
     """``run`` exits 125-127 for the engine's failures and for a trainer exiting so: the start time tells."""
     assert never_started(state) is expected
+
+
+class _AnsweringEngine(ContainerLauncher):
+    """The engine's answers given (``ps`` lists ``listed``), its calls recorded: what the launcher
+    asks of an engine, without one (the real engine's side is tests/integration/containers/)."""
+
+    def __init__(self, listed: list[dict[str, object]], **kwargs: object) -> None:
+        super().__init__(ContainerLaunchSpec.model_validate({"image": "trainer:1"}), **kwargs)  # type: ignore[arg-type]
+        self.listed = listed
+        self.calls: list[tuple[str, ...]] = []
+
+    def engine(self, *args: str, env: object = None, timeout: float | None = None) -> str:
+        self.calls.append(args)
+        return json.dumps(self.listed) if args[0] == "ps" else ""
+
+
+def test_earlier_tries_and_found_jobs_get_the_jobs_shutdown_timeout(tmp_path: pathlib.Path) -> None:
+    """Not a fixed 10 s: the grace the try's own terminate gives (``trainer.shutdown_timeout``)."""
+    listed = [{"Id": f"id{t}", "Names": [f"c-t{t}"], "Labels": {"flare-airflow.try": str(t)}} for t in (1, 2, 3)]
+    launcher = _AnsweringEngine(listed, shutdown_timeout=3)
+    identity = JobIdentity.of(_job(tmp_path), 3)
+    assert launcher.terminate_earlier_tries(identity) == ["c-t1", "c-t2"]
+    assert ("stop", "--time", "3", "id1", "id2") in launcher.calls
+    assert ("rm", "--force", "id1", "id2") in launcher.calls
+    found = launcher.find_job(identity)
+    assert found is not None and found.job.shutdown_timeout == 3
+
+
+def test_a_container_sites_launcher_takes_the_jobs_shutdown_timeout(tmp_path: pathlib.Path) -> None:
+    from flare_airflow.operators.container import container_launcher
+    from tests.unit.airflow_layer import make_job
+
+    site = {"launcher": "container", "launcher_spec": {"container": {"image": "trainer:1"}}}
+    trainer = {"script": "train.py", "shutdown_timeout": 4}
+    job = make_job(tmp_path, trainer=trainer, min_clients=1, sites={"site-1": site})
+    launcher = container_launcher(job, "site-1", try_number=2, sink=None, hidden=())
+    assert launcher.shutdown_timeout == 4
