@@ -69,7 +69,7 @@ def _timed(stack: Any, dag_id: str, rounds: int) -> float:
 
 
 def rounds_table(reps: int, root: Path) -> Table:
-    from flare_airflow_testing.edge_sites import EdgeWorker, central_env
+    from flare_airflow_testing.edge_sites import EdgeWorker, central_env, free_port
     from flare_airflow_testing.s3_server import S3Server
     from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
 
@@ -80,8 +80,8 @@ def rounds_table(reps: int, root: Path) -> Table:
     times: dict[tuple[str, int], list[float]] = {}
     try:
         pg = Postgres()
-        stack = AirflowStack(root / "stack", pg.url, extra_env=central_env())
-        stack.env["AIRFLOW__EDGE__API_URL"] = f"{stack.base}/edge_worker/v1/rpcapi"
+        port = free_port()
+        stack = AirflowStack(root / "stack", pg.url, extra_env=central_env(f"http://127.0.0.1:{port}"), port=port)
         for dag_id, edge in (("local_sites", False), ("edge_sites", True)):
             _write_job(stack.dags, dag_id, init, root / "store", edge=edge)
         stack.start()

@@ -70,6 +70,12 @@ def site_queue(job: pathlib.Path, site: str) -> str:
     return str(entry.get("queue") or site)
 
 
+def central_env(base: str) -> dict[str, str]:
+    """The central side's environment: the guide's airflow.cfg for the API at ``base`` with a fresh
+    JWT secret, and this module's shorter timings."""
+    return {**guide.central_config(base=base, jwt_secret=secrets.token_urlsafe(64)), **FASTER_CENTRAL}
+
+
 class EdgeWorker:
     """One site's worker: ``airflow edge worker --queues <site>``, in its own session."""
 
@@ -137,7 +143,7 @@ class EdgeWorker:
             del env["AIRFLOW_CONN_" + SITE_CONN.upper()]
         env.update(FASTER_WORKER)
         env["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
-        env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] = str(_free_port())
+        env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] = str(free_port())
         return env
 
     def start(self, secret: str | None = None, *, connection: bool = True) -> None:
@@ -203,7 +209,7 @@ def _session(sid: int) -> list[int]:
     return found
 
 
-def _free_port() -> int:
+def free_port() -> int:
     from flare_airflow_testing.stack import free_port
 
     return free_port()
@@ -228,13 +234,11 @@ class EdgeDeployment:
         self.ns = Namespaces(sites) if isolated else None
         central = Namespaces.prefix(self.ns.central) if self.ns else None
         host = self.ns.central_addr if self.ns else "127.0.0.1"
-        port = _free_port()
-        # The guide's central airflow.cfg, with this deployment's address and a fresh secret.
-        central_cfg = guide.central_config(base=f"http://{host}:{port}", jwt_secret=secrets.token_urlsafe(64))
+        port = free_port()
         try:
             self.s3 = S3Server(host, prefix=central)
             self.pg = Postgres(prefix=central)
-            extra = {**central_cfg, **FASTER_CENTRAL}
+            extra = central_env(f"http://{host}:{port}")
             self.stack = AirflowStack(root, self.pg.url, extra_env=extra, prefix=central, host=host, port=port)
         except BaseException:
             self._remove_namespaces()
