@@ -27,6 +27,7 @@ from flare_airflow.core.config.validators import FLOAT_PATTERN
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
+from flare_airflow.operators.sweep import sweep_groups
 from flare_airflow.operators.tracking import with_deployment_tracking
 
 AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
@@ -239,11 +240,13 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
     publish >> verdict.as_teardown(on_failure_fail_dagrun=True)
     tasks += [prepare, *aggregates, publish, verdict]
     for task_id, operator in sweeps(job.sites):
-        # A teardown: runs when everything else is done, failed runs included, and does not
-        # change the run's outcome.
-        sweep = load(operator)(task_id=task_id, job=job, doc_md=load(operator).sweep_doc)
-        publish >> sweep.as_teardown()
-        tasks.append(sweep)
+        sweep_cls = load(operator)
+        for sweep_id, sites, where in sweep_groups(job, sweep_cls, task_id):
+            # A teardown: runs when everything else is done, failed runs included, and does not
+            # change the run's outcome.
+            sweep = sweep_cls(task_id=sweep_id, job=job, sites=sites, doc_md=sweep_cls.sweep_doc, **where)
+            publish >> sweep.as_teardown()
+            tasks.append(sweep)
     record_failures(tasks)
     return prepare, publish
 

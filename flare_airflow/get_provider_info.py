@@ -30,6 +30,7 @@ def get_provider_info() -> dict[str, Any]:
                     "flare_airflow.operators.site_job",
                     "flare_airflow.operators.aggregate",
                     "flare_airflow.operators.run",
+                    "flare_airflow.operators.sweep",
                     "flare_airflow.operators.nvflare_native",
                 ],
             }

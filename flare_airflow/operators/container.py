@@ -14,12 +14,12 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 
-from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig
 from flare_airflow.launchers.container import ContainerEngineError, ContainerJobHandle, ContainerLauncher
 from flare_airflow.operators.common import run_id_of
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
 from flare_airflow.operators.site_steps import site_argv, site_task_defaults
+from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.triggers.container_state import ContainerJobTrigger
 
 
@@ -78,26 +78,20 @@ class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):
         return site_argv(self.job, self.site)
 
 
-class SweepContainersOperator(BaseOperator):
+class SweepContainersOperator(SweepOperator):
     """Remove every container of this run still on the worker's engine (the run's teardown).
 
     Such a container belongs to a try that can no longer end it (a worker killed during its last
     try). Best effort: an engine that cannot be reached is logged and the run's result stands.
-    Runs where the builder puts it (the default queue); sites with a queue of their own run their
-    sweep on their worker only when an Airflow admin routes it there.
+    The builder runs one per queue the container sites use: on a site's own worker, its engine.
     """
 
-    ui_color = "#eeeeee"
     sweep_doc = "Remove containers this run left behind."
-
-    def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.job = job
 
     def execute(self, context: Context) -> list[str]:
         run_id = run_id_of(context)
         removed: list[str] = []
-        swept = sites_swept_by(self.job.sites, SweepContainersOperator)
+        swept = self.swept_sites()
         engines = {spec.launcher_spec.container.engine: spec for spec in swept.values()}
         for engine, spec in sorted(engines.items()):
             try:

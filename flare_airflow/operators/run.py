@@ -12,7 +12,6 @@ from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowFailException
 
-from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig, load_initial_model
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.model import FLModel, Params, all_finite, atomic_write, read_artifact, write_artifact
@@ -30,6 +29,7 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.lineage import LineageMixin
+from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
 
 
@@ -445,7 +445,7 @@ class RunVerdictOperator(BaseOperator):
         return f"{head}; every requested round was aggregated: run {resume}, or clear {self.publish_task_id}"
 
 
-class SweepPodsOperator(BaseOperator):
+class SweepPodsOperator(SweepOperator):
     """Delete every pod still labelled with this run in the namespaces of the job's k8s sites.
 
     The builder adds it as the run's teardown (for jobs with Kubernetes sites): it runs when every
@@ -455,19 +455,14 @@ class SweepPodsOperator(BaseOperator):
     be reached is logged. A site that keeps pods for debugging keeps the finished ones.
     """
 
-    ui_color = "#eeeeee"
     sweep_doc = "Delete pods this run left behind."
-
-    def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.job = job
 
     def execute(self, context: Context) -> list[str]:
         return self.sweep_site_pods(context)
 
     def sweep_site_pods(self, context: Context) -> list[str]:
         """The pods deleted, as ``namespace/name``."""
-        specs = [s.launcher_spec.k8s for s in sites_swept_by(self.job.sites, SweepPodsOperator).values()]
+        specs = [s.launcher_spec.k8s for s in self.swept_sites().values()]
         if not specs:
             return []
         from flare_airflow.hooks.kubernetes import site_hook

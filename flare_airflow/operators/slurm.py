@@ -25,7 +25,6 @@ from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import TaskDeferred
 
-from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.spec import JobIdentity, JobLauncherSpec, JobReturnCode, SiteJob
 from flare_airflow.hooks.slurm import slurm_commands
@@ -42,6 +41,7 @@ from flare_airflow.launchers.slurm import (
 from flare_airflow.launchers.trainer import output_prefix, trainer_argv
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
 from flare_airflow.operators.site_steps import site_task_defaults
+from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.triggers.slurm_state import SlurmJobTrigger
 
@@ -241,7 +241,7 @@ class SiteSlurmOperator(SiteTaskLifecycle, BaseOperator):
         return self.finish(context, run, rc, reason=str(event.get("reason") or status))
 
 
-class SweepSlurmJobsOperator(BaseOperator):
+class SweepSlurmJobsOperator(SweepOperator):
     """Cancel every SLURM job of this run still queued or running, on every SLURM site's cluster.
 
     The builder adds it as the run's teardown (for jobs with SLURM sites), as ``sweep_pods`` for
@@ -251,12 +251,7 @@ class SweepSlurmJobsOperator(BaseOperator):
     cluster that cannot be reached is logged and the run's result stands.
     """
 
-    ui_color = "#eeeeee"
     sweep_doc = "Cancel SLURM jobs this run left queued or running."
-
-    def __init__(self, *, job: JobConfig, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.job = job
 
     def execute(self, context: Context) -> list[str]:
         return self.sweep_site_jobs(context)
@@ -267,7 +262,7 @@ class SweepSlurmJobsOperator(BaseOperator):
 
         run_id = run_id_of(context)
         by_connection: dict[str, list[str]] = {}
-        for site, spec in sites_swept_by(self.job.sites, SweepSlurmJobsOperator).items():
+        for site, spec in self.swept_sites().items():
             prefixes = by_connection.setdefault(spec.launcher_spec.slurm.connection, [])
             prefixes += [site_job_prefix(self.job.job, run_id, r, site) for r in range(1, self.job.rounds + 1)]
         cancelled: list[str] = []

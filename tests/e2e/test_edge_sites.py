@@ -33,7 +33,7 @@ ROUNDS = 3
 # A container site (the guide's 'Container sites at a site'); the other sites run processes.
 CONTAINER_SITE = "site-2"
 JOB_LABEL = "flare-airflow.job=digits"  # every container of the demo job carries it
-CENTRAL_TASKS = {"prepare", "publish", "verdict", "sweep_containers"} | {
+CENTRAL_TASKS = {"prepare", "publish", "verdict"} | {
     f"round_{r}.global_model" for r in range(1, ROUNDS + 1)
 }
 
@@ -90,8 +90,10 @@ def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
 ) -> None:
     with CreatedContainers(JOB_LABEL) as containers:
         run_id, tis = _run(deployment)
+    # The container site's sweep runs on its own worker, where its engine is.
+    sweep = f"sweep_containers_{deployment.workers[CONTAINER_SITE].queue}"
     assert {t: ti["state"] for t, ti in tis.items()} == dict.fromkeys(
-        CENTRAL_TASKS | {f"round_{r}.{s}" for r in range(1, ROUNDS + 1) for s in SITES}, "success"
+        CENTRAL_TASKS | {sweep} | {f"round_{r}.{s}" for r in range(1, ROUNDS + 1) for s in SITES}, "success"
     )
     workers = {w.name for w in deployment.workers.values()}
     for task_id, ti in tis.items():
@@ -99,7 +101,7 @@ def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
             # The central side runs the aggregation; never on a site's worker.
             assert ti["hostname"] not in workers and ti["queue"] == "default", ti
         else:
-            site = task_id.split(".", 1)[1]
+            site = CONTAINER_SITE if task_id == sweep else task_id.split(".", 1)[1]
             assert (ti["hostname"], ti["queue"], ti["executor"]) == (
                 f"{site}-worker",
                 deployment.workers[site].queue,
