@@ -86,7 +86,7 @@ def rounds_table(reps: int, root: Path) -> Table:
             _write_job(stack.dags, dag_id, init, root / "store", edge=edge)
         stack.start()
         start_triggerer(stack)
-        workers = [EdgeWorker(root / "workers", site, stack, s3) for site in SITES]
+        workers = [EdgeWorker(root / "workers", site, stack, s3, queue=site) for site in SITES]
         for w in workers:
             # The same launcher and store as the central DAG's sites (no connection of its own).
             w.policy.write_text(json.dumps({"sites": {w.site: {"launcher": "process"}}}))

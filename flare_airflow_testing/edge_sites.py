@@ -90,6 +90,7 @@ class EdgeWorker:
         central: str | None = None,
         private_data: bool = False,
         container_image: str | None = None,
+        queue: str | None = None,
     ) -> None:
         # ``prefix``: run in the site's network namespace; ``central``: the central side's address
         # as seen from there (default: the test process's view, the API's base URL).
@@ -122,7 +123,8 @@ class EdgeWorker:
                 process.get("env", {}).pop(SITE_DATA_ENV, None)
         self.policy = self.root / "site.yaml"
         self.policy.write_text(yaml.safe_dump(policy))
-        self.queue = site_queue(stack.dags / "digits.yaml", site)
+        # ``queue``: the queue it serves (default: the site's queue in the deployment's digits job).
+        self.queue = queue or site_queue(stack.dags / "digits.yaml", site)
         self.stack, self.s3 = stack, s3
         self.proc: subprocess.Popen[bytes] | None = None
 

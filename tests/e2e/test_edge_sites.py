@@ -33,9 +33,7 @@ ROUNDS = 3
 # A container site (the guide's 'Container sites at a site'); the other sites run processes.
 CONTAINER_SITE = "site-2"
 JOB_LABEL = "flare-airflow.job=digits"  # every container of the demo job carries it
-CENTRAL_TASKS = {"prepare", "publish", "verdict"} | {
-    f"round_{r}.global_model" for r in range(1, ROUNDS + 1)
-}
+CENTRAL_TASKS = {"prepare", "publish", "verdict"} | {f"round_{r}.global_model" for r in range(1, ROUNDS + 1)}
 
 
 @pytest.fixture(scope="module")
