@@ -32,7 +32,8 @@
 9. **containers** -- the digits job's round under the real scheduler with all sites process, all
    container (rootful podman, the trainer image), all pod (real kube-apiserver, LOCAL NODE AGENT);
    then one site job of each through its launcher, the container launcher's engine calls before
-   they were cut, and the engine's floors (~25 min at --reps 5; ``benchmarks/results/containers.md``).
+   they were cut, the engine's floors and options (~25 min at --reps 3 on a loaded machine;
+   ``benchmarks/results/containers.md``).
 
 The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details
 (``--only k8s``: to ``benchmarks/results/k8s_api.md``, ``--only fedavg``: ``fedavg.md``, and so on,
