@@ -221,7 +221,7 @@ def _timed_run(stack: Any, dag_id: str, rounds: int = ROUNDS) -> tuple[float, li
         raise BenchmarkFailed(f"{dag_id} run {run_id}: {state}; { ({t: ti['state'] for t, ti in tis.items()}) }")
     ends = [_when(tis[f"round_{r}.global_model"]["end_date"]) for r in range(1, rounds + 1)]
     rounds = [b - a for a, b in itertools.pairwise(ends)]
-    sites = [float(ti["duration"]) for t, ti in tis.items() if t.startswith("round_") and ".site-" in t]
+    sites = [float(ti["duration"]) for t, ti in tis.items() if ".site-" in t and ti["state"] == "success"]
     return elapsed, rounds, sites
 
 
