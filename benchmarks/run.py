@@ -29,9 +29,10 @@
 6. **rounds** -- a run of R of a job's M rounds next to a job of exactly R rounds under the real
    scheduler (PostgreSQL, LocalExecutor): what the rounds a run does not ask for cost (~4 min;
    ``benchmarks/results/skipped_rounds.md``).
-9. **containers** -- one digits site job on a container site (rootful podman, the trainer image)
-   next to a process site and a pod site (real kube-apiserver, LOCAL NODE AGENT), and the container
-   launcher's engine calls before they were cut, through their launchers (~2 min;
+9. **containers** -- the digits job's round under the real scheduler with all sites process, all
+   container (rootful podman, the trainer image), all pod (real kube-apiserver, LOCAL NODE AGENT);
+   then one site job of each through its launcher, the container launcher's engine calls before
+   they were cut, the engine's floors and options (~25 min at --reps 3 on a loaded machine;
    ``benchmarks/results/containers.md``).
 
 The tables go to stdout and to ``benchmarks/results/latest.md`` with the machine's details
@@ -189,9 +190,9 @@ def main(argv: list[str]) -> int:
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Experiment tracking's cost per round", tables))
         if args.only in (None, "containers"):
-            log("[containers] one site job: container site (podman) vs process site vs pod site ...")
+            log("[containers] a round and one site job: container sites (podman) vs process vs pod ...")
             tables = bench_containers.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("9. Container sites: one site job next to a process site", tables))
+            sections.append(("9. Container sites next to process and pod sites: a round, one site job", tables))
         if args.only == "nvflare-aggregation":
             log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
             tables = bench_nvflare.run_aggregation_only(
