@@ -225,14 +225,9 @@ def _timed_run(stack: Any, dag_id: str, rounds: int = ROUNDS) -> tuple[float, li
     return elapsed, rounds, sites
 
 
-def rounds_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: Path) -> Table:
-    """The same digits job with all sites process, all container, all pod, under Airflow's real
-    scheduler; runs alternate."""
-    from flare_airflow_testing.stack import AirflowStack, Postgres
-
-    store = root / "store"
-    store.mkdir(parents=True)
-    cases: dict[str, dict[str, Any]] = {
+def round_cases(image: str, namespace: str, store: Path, kubeconfig: Path) -> dict[str, dict[str, Any]]:
+    """The site spec of every site, per case: all process, all container, all pod."""
+    return {
         "process sites": {"launcher": "process"},
         "container sites (podman)": {
             "launcher": "container",
@@ -243,6 +238,77 @@ def rounds_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: 
             "launcher_spec": {"k8s": pod_block(namespace, store, config_file=str(kubeconfig))},
         },
     }
+
+
+def embedded_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: Path) -> Table:
+    """The same three jobs on the embedded default: ``flare-airflow run`` (``airflow dags test`` on
+    SQLite, every task in one process, one after another); runs alternate."""
+    from flare_airflow_testing.harness import AirflowHome
+
+    home = AirflowHome(root)
+    store = root / "store"
+    store.mkdir()
+    cases = round_cases(image, namespace, store, kubeconfig)
+    dag_ids = {name: f"embedded_{i}" for i, name in enumerate(cases)}
+    for name, site in cases.items():
+        _write_round_job(home.dags, dag_ids[name], store, site)
+
+    def timed(name: str, rounds: int) -> tuple[float, list[float], list[float]]:
+        started = time.monotonic()
+        result = home.run(dag_ids[name], conf={"rounds": rounds})
+        elapsed = time.monotonic() - started
+        tasks = result.state["tasks"]
+        ended = {t["state"] for t in tasks.values()} - ({"skipped"} if rounds < ROUNDS else set())
+        if result.returncode != 0 or ended != {"success"}:
+            raise BenchmarkFailed(f"{dag_ids[name]}: {result.tasks}; {result.log[-2000:]}")
+        ends = [_when(tasks[f"round_{r}.global_model"]["end_date"]) for r in range(1, rounds + 1)]
+        sites = [float(t["duration"]) for tid, t in tasks.items() if ".site-" in tid]
+        return elapsed, [b - a for a, b in itertools.pairwise(ends)], sites
+
+    for name in cases:  # not timed: first imports, the SQLite database's first run of the DAG
+        timed(name, 1)
+    walls: dict[str, list[float]] = {name: [] for name in cases}
+    per_round: dict[str, list[float]] = {name: [] for name in cases}
+    site_tasks: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(reps):
+        for name in rotate(list(cases), rep):
+            elapsed, rounds, sites = timed(name, ROUNDS)
+            walls[name].append(elapsed)
+            per_round[name] += rounds
+            site_tasks[name] += sites
+            log(f"[containers] embedded {name} rep {rep + 1}: {elapsed:.1f} s, rounds {[f'{r:.1f}' for r in rounds]}")
+    base = median(per_round["process sites"])
+    table = Table(
+        "One federated round of the digits job on the embedded default (`flare-airflow run`: `airflow dags "
+        "test`, SQLite, tasks one after another): all sites process vs all container vs all pod",
+        ["sites", "per round, median s", "spread s", "x process", "site task, median s", f"run of {ROUNDS} rounds, s"],
+    )
+    for name in cases:
+        table.add(
+            name,
+            f"{median(per_round[name]):.1f}",
+            spread(per_round[name], "{:.1f}"),
+            f"{median(per_round[name]) / base:.2f}",
+            f"{median(site_tasks[name]):.2f}",
+            f"{median(walls[name]):.1f}",
+        )
+    table.notes.append(
+        "A round as in the table above (rounds 2..N, from one aggregation task's end to the next's), here "
+        "with the 4 site tasks run one after another in the `dags test` process (no task-process start-up, "
+        f"no DAG parse per task); {reps} runs of {ROUNDS} rounds per case after one untimed run each, "
+        "cases alternating."
+    )
+    return table
+
+
+def rounds_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: Path) -> Table:
+    """The same digits job with all sites process, all container, all pod, under Airflow's real
+    scheduler; runs alternate."""
+    from flare_airflow_testing.stack import AirflowStack, Postgres
+
+    store = root / "store"
+    store.mkdir(parents=True)
+    cases = round_cases(image, namespace, store, kubeconfig)
     dag_ids = {name: f"rounds_{i}" for i, name in enumerate(cases)}
     walls: dict[str, list[float]] = {name: [] for name in cases}
     per_round: dict[str, list[float]] = {name: [] for name in cases}
@@ -519,6 +585,7 @@ def run(reps: int = 3, keep: bool = False, tmp_base: str | None = None) -> list[
         with cluster(root / "k8s") as (cp, namespace):
             return [
                 rounds_table(reps, root / "rounds", image, namespace, cp.kubeconfig_path()),
+                embedded_table(reps, root / "embedded", image, namespace, cp.kubeconfig_path()),
                 job_table(reps, root / "jobs", image, cp, namespace),
                 options_table(reps, root / "jobs", image),
             ]

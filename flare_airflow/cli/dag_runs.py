@@ -76,7 +76,14 @@ def run_state(dag_id: str, run_id: str | None = None, *, newer_than: int = 0) ->
             )
         ).all()
         tasks: dict[str, dict[str, Any]] = {
-            ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in tis
+            ti.task_id: {
+                "state": str(ti.state),
+                "try_number": ti.try_number,
+                "start_date": ti.start_date.isoformat() if ti.start_date else None,
+                "end_date": ti.end_date.isoformat() if ti.end_date else None,
+                "duration": ti.duration,
+            }
+            for ti in tis
         }
         for failure in failures:
             if failure.task_id in tasks and tasks[failure.task_id]["state"] not in OK_STATES:
