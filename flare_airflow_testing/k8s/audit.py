@@ -96,6 +96,14 @@ class AuditLog:
             exclude_users=CONTROL_PLANE_USERS | {NODE_AGENT_USER, APISERVER_USER},
         )
 
+    def list_watch_requests(self, namespace: str, since: int) -> list[str]:
+        """The clients' list and watch requests in ``namespace`` since ``since``, once the log has settled:
+        what a pod watch costs the apiserver."""
+        self.settle()
+        return [
+            describe(ev) for ev in self.client_requests(namespace, since=since) if ev.get("verb") in ("list", "watch")
+        ]
+
 
 def describe(ev: dict[str, Any]) -> str:
     ref = ev.get("objectRef") or {}

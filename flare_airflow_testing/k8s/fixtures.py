@@ -8,6 +8,7 @@ $FLARE_K8S_BIN); when the control plane cannot start, every test using it errors
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 from collections.abc import Iterator
@@ -58,10 +59,11 @@ def audit(control_plane: ControlPlane) -> AuditLog:
     return AuditLog(control_plane.audit_log)
 
 
-@pytest.fixture
-def namespace(core: k8s.CoreV1Api, node_agent: NodeAgent, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace per test. At teardown the test FAILS if any pod is left in it; then it is deleted."""
-    slug = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+@contextlib.contextmanager
+def fresh_namespace(core: k8s.CoreV1Api, label: str) -> Iterator[str]:
+    """A new namespace named after ``label``. On exit the test FAILS if any pod is left in it; then it
+    is deleted."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")[:40].strip("-")
     name = f"t-{slug}-{uuid.uuid4().hex[:6]}"
     core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
     # The controller-manager creates the default ServiceAccount shortly after; wait so that tests
@@ -72,3 +74,10 @@ def namespace(core: k8s.CoreV1Api, node_agent: NodeAgent, request: pytest.Fixtur
     core.delete_namespace(name)
     if left:
         pytest.fail(f"pods left in namespace {name} after the test: {', '.join(left)}")
+
+
+@pytest.fixture
+def namespace(core: k8s.CoreV1Api, node_agent: NodeAgent, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace per test (:func:`fresh_namespace`)."""
+    with fresh_namespace(core, request.node.name) as name:
+        yield name

@@ -70,21 +70,29 @@ def documented_dag(job_folder: str) -> str:
 def poc(nvflare_side: SideVenv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("flare-poc")
     jobs = root / "jobs"
-    made = subprocess.run(
+    # The jobs are exported while the POC system is provisioned and started: neither reads the other.
+    made = subprocess.Popen(
         [str(nvflare_side.python), str(HERE / "make_native_jobs.py"), str(jobs), str(HERE / "hello_numpy_client.py")],
         env=nvflare_side.env(),
         cwd=root,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
-        check=False,
     )
-    assert made.returncode == 0, made.stderr[-3000:]
-    folders = json.loads(made.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
     system = Poc(nvflare_side, root, n=2)
-    system.prepare()
-    system.start()
     try:
+        system.prepare()
+        system.start()
+    finally:
+        try:
+            made_out, made_err = made.communicate(timeout=300)
+        finally:
+            if made.poll() is None:
+                made.kill()
+                made.wait()
+    try:
+        assert made.returncode == 0, made_err[-3000:]
+        folders = json.loads(made_out.strip().splitlines()[-1].removeprefix("RESULT "))
         yield {"poc": system, "jobs": folders, "conn": conn_json(nvflare_side, system.admin_kit), "root": root}
     finally:
         leftovers = system.stop()

@@ -10,12 +10,15 @@ every output the section promises are checked, and every task instance's final s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -66,25 +69,43 @@ def command_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def run_script(commands: list[str], home: pathlib.Path) -> list[tuple[str, int, str]]:
-    """Run the commands in one bash, in ``home``; (command, exit status, its output) for each."""
-    script = ["exec 2>&1"]
-    for i, command in enumerate(commands):
-        script += [f"echo '@@CMD {i}@@'", command, f'echo "@@RC {i} $?@@"']
-    out = subprocess.run(
-        ["bash", "-c", "\n".join(script)],
-        cwd=home,
-        env=clean_env(home),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    ).stdout
-    results = []
-    for i, command in enumerate(commands):
-        m = re.search(rf"@@CMD {i}@@\n(.*?)@@RC {i} (\d+)@@", out, re.S)
-        assert m, f"command {command!r} did not run to its end; output:\n{out[-5000:]}"
-        results.append((command, int(m.group(2)), m.group(1)))
-    return results
+class Script:
+    """The commands, started in one bash in ``home``; :meth:`results` waits for them."""
+
+    def __init__(self, commands: list[str], home: pathlib.Path) -> None:
+        self.commands = commands
+        script = ["exec 2>&1"]
+        for i, command in enumerate(commands):
+            script += [f"echo '@@CMD {i}@@'", command, f'echo "@@RC {i} $?@@"']
+        self.proc = subprocess.Popen(
+            ["bash", "-c", "\n".join(script)],
+            cwd=home,
+            env=clean_env(home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    def results(self) -> list[tuple[str, int, str]]:
+        """(command, exit status, its output) for each command."""
+        try:
+            out, _ = self.proc.communicate(timeout=TIMEOUT)
+        finally:
+            self.stop()
+        results = []
+        for i, command in enumerate(self.commands):
+            m = re.search(rf"@@CMD {i}@@\n(.*?)@@RC {i} (\d+)@@", out, re.S)
+            assert m, f"command {command!r} did not run to its end; output:\n{out[-5000:]}"
+            results.append((command, int(m.group(2)), m.group(1)))
+        return results
+
+    def stop(self) -> None:
+        """Ends the script's whole session if it still runs (a timeout, or a test that never waited)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
 
 
 def task_states(output: str) -> dict[str, str]:
@@ -98,7 +119,28 @@ def task_states(output: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def walkthrough(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str]]:
+def client_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pathlib.Path, Script | None]]:
+    """docs/trainer-authors.md's install block, as written, in a home of its own: started before the
+    walkthrough, so that the two installs run side by side (they share nothing but pip's cache).
+    ``None`` when the doc lost the block (the client test fails on that)."""
+    text = (REPO / "docs" / "trainer-authors.md").read_text()
+    m = re.search(r"<!-- client-install -->\n```bash\n(.*?)```", text, re.S)
+    home = tmp_path_factory.mktemp("site-home")
+    if not m:
+        yield home, None
+        return
+    copy_checkout(home / "flare-airflow")
+    script = Script(command_lines(m.group(1)), home)
+    try:
+        yield home, script
+    finally:
+        script.stop()
+
+
+@pytest.fixture(scope="module")
+def walkthrough(
+    tmp_path_factory: pytest.TempPathFactory, client_install: tuple[pathlib.Path, Script | None]
+) -> dict[str, tuple[int, str]]:
     home = tmp_path_factory.mktemp("new-user-home")
     copy_checkout(home / "flare-airflow")
     commands = []
@@ -109,7 +151,7 @@ def walkthrough(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int
             path = home / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-    results = run_script(commands, home)
+    results = Script(commands, home).results()
     return {command: (rc, output) for command, rc, output in results}
 
 
@@ -202,16 +244,13 @@ def test_the_dags_folder_unpause_and_trigger(walkthrough) -> None:
     assert "flare_airflow" in result(walkthrough, "airflow plugins", 0)
 
 
-def test_the_client_api_installs_and_runs_without_airflow(tmp_path: pathlib.Path) -> None:
+def test_the_client_api_installs_and_runs_without_airflow(
+    client_install: tuple[pathlib.Path, Script | None], tmp_path: pathlib.Path
+) -> None:
     """docs/trainer-authors.md's install block, as written: then a real receive() / send() there."""
-    text = (REPO / "docs" / "trainer-authors.md").read_text()
-    m = re.search(r"<!-- client-install -->\n```bash\n(.*?)```", text, re.S)
-    assert m, "docs/trainer-authors.md lost its client-install block"
-    home = tmp_path / "site-home"
-    home.mkdir()
-    copy_checkout(home / "flare-airflow")
-    results = run_script(command_lines(m.group(1)), home)
-    for command, rc, output in results:
+    home, script = client_install
+    assert script is not None, "docs/trainer-authors.md lost its client-install block"
+    for command, rc, output in script.results():
         assert rc == 0, f"{command!r} exited {rc}:\n{output[-3000:]}"
     python = home / "trainer-venv" / "bin" / "python"
     listed = subprocess.run([str(python), "-m", "pip", "list"], capture_output=True, text=True, check=True).stdout

@@ -75,10 +75,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
     )
     write_job(airflow, root / "store")
     write_fedadam_job(airflow, root / "store", root / "site-2-may-run")
-    airflow.start()
-    yield airflow
-    airflow.stop()
-    pg.stop()
+    # The GPU pool is synced while the components start: no task is queued before a run is triggered.
+    synced = subprocess.Popen(
+        [str(BIN / "flare-airflow"), "pools", "sync", str(airflow.dags / JOB / "job.yaml")],
+        env=airflow.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        airflow.start()
+        output, _ = synced.communicate(timeout=120)
+        assert synced.returncode == 0, output
+        yield airflow
+    finally:
+        airflow.stop()
+        pg.stop()
 
 
 def write_job(stack: AirflowStack, store: pathlib.Path) -> None:
@@ -119,14 +131,6 @@ def write_job(stack: AirflowStack, store: pathlib.Path) -> None:
             """
         )
     )
-    synced = subprocess.run(
-        [str(BIN / "flare-airflow"), "pools", "sync", str(folder / "job.yaml")],
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert synced.returncode == 0, synced.stdout + synced.stderr
 
 
 def store_root(stack: AirflowStack) -> pathlib.Path:
@@ -182,12 +186,19 @@ def held_gpu_leases(lock_dir: pathlib.Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def baseline(stack: AirflowStack) -> dict[str, Any]:
-    start = time.monotonic()
-    run_id = stack.trigger(DAG)
-    assert stack.wait_for_run(DAG, run_id, timeout=240) == "success"
-    result = outcome(stack, run_id)
-    result["seconds"] = time.monotonic() - start
+def uninterrupted_runs(stack: AirflowStack) -> dict[str, str]:
+    """The reference runs of both jobs, triggered together (they share no task, pool or store
+    path): ``{dag_id: run_id}`` once both have ended. Each drill's run is compared with its job's."""
+    (stack.root.parent / "site-2-may-run").touch()
+    runs = {dag_id: stack.trigger(dag_id) for dag_id in (DAG, FEDADAM_DAG)}
+    for dag_id, run_id in runs.items():
+        assert stack.wait_for_run(dag_id, run_id, timeout=300) == "success", dag_id
+    return runs
+
+
+@pytest.fixture(scope="module")
+def baseline(stack: AirflowStack, uninterrupted_runs: dict[str, str]) -> dict[str, Any]:
+    result = outcome(stack, uninterrupted_runs[DAG])
     assert set(result["states"].values()) == {"success"}, result["states"]
     assert all(sites == list(SITES) for sites in result["accepted"].values())
     return result
@@ -427,11 +438,9 @@ def _fedadam_xcom(stack: AirflowStack, run_id: str, task_id: str) -> dict[str, A
 
 
 @pytest.fixture(scope="module")
-def fedadam_reference(stack: AirflowStack) -> dict[str, str]:
+def fedadam_reference(stack: AirflowStack, uninterrupted_runs: dict[str, str]) -> dict[str, str]:
     """One uninterrupted FedAdam run: what the drills must reproduce byte for byte."""
-    (stack.root.parent / "site-2-may-run").touch()
-    run_id = stack.trigger(FEDADAM_DAG)
-    assert stack.wait_for_run(FEDADAM_DAG, run_id, timeout=300) == "success"
+    run_id = uninterrupted_runs[FEDADAM_DAG]
     tis = stack.task_instances(FEDADAM_DAG, run_id)
     # Every task succeeded (a try lost to a loaded machine's missed heartbeat may have been retried:
     # a retry writes the same bytes, which is what the drills below assert).

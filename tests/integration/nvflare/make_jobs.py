@@ -6,7 +6,8 @@ Runs in NVFlare's side environment (flare_airflow_testing/side_venvs.py), never 
 
 Writes OUT_DIR/jobs/<name>/ for every job below; with ``--simulate`` also runs the FedAvg jobs in
 NVFlare's simulator (2 clients) and copies each final model to OUT_DIR/<name>.npy. The last
-stdout line is ``RESULT {json}``.
+stdout line is ``RESULT {json}``. The simulations run side by side, one process each (``--simulate-one
+NAME``): a simulation mostly waits on NVFlare's own polling, and each has a workspace of its own.
 
 * ``hello-full``: ``NumpyFedAvgRecipe``, in-process Client API executor (2.9's ScriptRunner), FULL;
 * ``hello-diff``: the same recipe with ``launch_external_process=True`` (the launcher-executor
@@ -17,6 +18,7 @@ stdout line is ``RESULT {json}``.
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -50,15 +52,26 @@ def cyclic_job(script):
     return job
 
 
-def main(out, script, simulate):
-    jobs = os.path.join(out, "jobs")
-    result = {"jobs": {}, "final": {}}
-    fedavg = {
+def fedavg_recipes(script):
+    return {
         "hello-full": recipe("hello-full", script),
         "hello-diff": recipe(
             "hello-diff", script, launch_external_process=True, params_transfer_type=TransferType.DIFF
         ),
     }
+
+
+def simulate_one(out, script, name):
+    workspace = os.path.join(out, "sim", name)
+    fedavg_recipes(script)[name].run(SimEnv(num_clients=SITES, workspace_root=workspace))
+    final = os.path.join(workspace, name, "server", "simulate_job", "models", "server.npy")
+    shutil.copyfile(final, os.path.join(out, f"{name}.npy"))
+
+
+def main(out, script, simulate):
+    jobs = os.path.join(out, "jobs")
+    result = {"jobs": {}, "final": {}}
+    fedavg = fedavg_recipes(script)
     for name, r in fedavg.items():
         r.export(jobs)
         result["jobs"][name] = os.path.join(jobs, name)
@@ -66,14 +79,18 @@ def main(out, script, simulate):
     job.export_job(jobs)
     result["jobs"]["cyclic-filtered"] = os.path.join(jobs, "cyclic-filtered")
     if simulate:
-        for name, r in fedavg.items():
-            workspace = os.path.join(out, "sim", name)
-            r.run(SimEnv(num_clients=SITES, workspace_root=workspace))
-            final = os.path.join(workspace, name, "server", "simulate_job", "models", "server.npy")
-            shutil.copyfile(final, os.path.join(out, f"{name}.npy"))
-            result["final"][name] = os.path.join(out, f"{name}.npy")
+        runs = {
+            name: subprocess.Popen([sys.executable, __file__, out, script, "--simulate-one", name]) for name in fedavg
+        }
+        failed = {name: code for name, proc in runs.items() if (code := proc.wait()) != 0}
+        if failed:
+            sys.exit(f"NVFlare's simulator runs failed (exit codes): {failed}")
+        result["final"] = {name: os.path.join(out, f"{name}.npy") for name in fedavg}
     print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--simulate" in sys.argv[3:])
+    if sys.argv[3:4] == ["--simulate-one"]:
+        simulate_one(sys.argv[1], sys.argv[2], sys.argv[4])
+    else:
+        main(sys.argv[1], sys.argv[2], "--simulate" in sys.argv[3:])
