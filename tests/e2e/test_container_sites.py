@@ -38,6 +38,9 @@ def test_container_sites_match_the_process_run_bitwise(airflow_home: AirflowHome
     assert boxed.returncode == 0, boxed.log[-6000:]
     assert {boxed.tasks[f"round_{r}.{s}"] for r in range(1, 6) for s in SITES} == {"success"}
     assert boxed.tasks["sweep_containers"] == "success"
+    # --json gives every task's dates and duration (benchmarks read rounds from them)
+    for task_id, info in boxed.state["tasks"].items():
+        assert info["start_date"] <= info["end_date"] and info["duration"] >= 0, (task_id, info)
     assert set(boxed.tasks.values()) == {"success"}
     assert boxed.metrics()["rounds"][-1]["evaluation"]["accuracy"] >= 0.90
     left = subprocess.run(
