@@ -34,7 +34,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import BenchmarkFailed, Table, log, median, rotate, spread
-from bench_scale import descendants
+from bench_scale import stop_stack
 from safetensors.numpy import load_file
 
 from flare_airflow.core.config import ContainerLaunchSpec, KubernetesLaunchSpec, ResourceSpec
@@ -331,14 +330,7 @@ def rounds_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: 
                 site_tasks[name] += sites
                 log(f"[containers] {name} rep {rep + 1}: {elapsed:.1f} s, rounds {[f'{r:.1f}' for r in rounds]}")
     finally:
-        if stack is not None:
-            tree = descendants([p.pid for p in stack.procs])
-            stack.stop()
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        if pg is not None:
-            pg.stop()
+        stop_stack(stack, pg)
     base = median(per_round["process sites"])
     table = Table(
         f"One federated round of the digits job (4 sites, 10 local epochs) under Airflow's real scheduler "

@@ -10,17 +10,14 @@ skipped without one. The goal: R of M costs no more than R rounds plus a constan
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench_common import BenchmarkFailed, Table, log, median, spread
-from bench_scale import TRAINER, descendants, write_init_model
+from bench_scale import TRAINER, stop_stack, write_init_model
 
 REPO = Path(__file__).resolve().parent.parent
 SITES = 2
@@ -92,14 +89,7 @@ def run(*, reps: int, quick: bool, keep: bool, tmp_base: str | None) -> list[Tab
                         skipped[label] = (ran, unstarted)
                     log(f"[rounds] {label} rounds: {elapsed:.1f}s")
     finally:
-        if stack is not None:
-            tree = descendants([p.pid for p in stack.procs])
-            stack.stop()
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        if pg is not None:
-            pg.stop()
+        stop_stack(stack, pg)
         if not keep:
             import shutil
 

@@ -389,6 +389,19 @@ def descendants(roots: list[int]) -> list[int]:
     return found
 
 
+def stop_stack(stack: Any, pg: Any) -> None:
+    """Stop an Airflow stack (when started) and its PostgreSQL, and kill the task processes that left
+    the components' sessions (BashOperator's setsid) and would outlive them."""
+    if stack is not None:
+        tree = descendants([p.pid for p in stack.procs])
+        stack.stop()
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    if pg is not None:
+        pg.stop()
+
+
 def _ts(value: str | None) -> float | None:
     return datetime.datetime.fromisoformat(value).timestamp() if value else None
 
@@ -673,15 +686,7 @@ def stack_part(
             log(f"[scale] {r.dag_id}: {r.outcome} in {r.elapsed_s:.0f}s")
         info["import_errors"] = stack.api("GET", "/importErrors")["total_entries"]
     finally:
-        if stack is not None:
-            procs = [p.pid for p in stack.procs]
-            tree = descendants(procs)
-            stack.stop()
-            for pid in tree:  # task processes that left the components' sessions (BashOperator's setsid)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        if pg is not None:
-            pg.stop()
+        stop_stack(stack, pg)
     return runs, info
 
 

@@ -17,13 +17,11 @@ with MLflow's embedded SQLite store and with a real ``mlflow server``, side by s
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -133,7 +131,7 @@ def _per_task(python: str, env: dict[str, str], uris: dict[str, str], reps: int)
 
 def run(*, reps: int, keep: bool, tmp_base: str | None) -> list[Table]:
     sys.path.insert(0, str(REPO))
-    from bench_scale import descendants, write_preload
+    from bench_scale import stop_stack, write_preload
 
     from flare_airflow_testing.harness import BIN
     from flare_airflow_testing.mlflow_server import MlflowServer, free_port
@@ -190,14 +188,7 @@ def run(*, reps: int, keep: bool, tmp_base: str | None) -> list[Table]:
                     inside[mode] += tracking_seconds(stack.home, files[mode], run_id)
                 log(f"[tracking] {mode}: {elapsed:.0f}s")
     finally:
-        if stack is not None:
-            tree = descendants([p.pid for p in stack.procs])
-            stack.stop()
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        if pg is not None:
-            pg.stop()
+        stop_stack(stack, pg)
         server.stop()
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
