@@ -69,7 +69,8 @@ def _timed(stack: Any, dag_id: str, rounds: int) -> float:
 
 
 def rounds_table(reps: int, root: Path) -> Table:
-    from flare_airflow_testing.edge_sites import EdgeWorker, central_env, free_port
+    from flare_airflow_testing.edge_sites import EdgeWorker, central_env
+    from flare_airflow_testing.ports import free_port
     from flare_airflow_testing.s3_server import S3Server
     from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
 

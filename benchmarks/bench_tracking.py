@@ -134,7 +134,8 @@ def run(*, reps: int, keep: bool, tmp_base: str | None) -> list[Table]:
     from bench_scale import stop_stack, write_preload
 
     from flare_airflow_testing.harness import BIN
-    from flare_airflow_testing.mlflow_server import MlflowServer, free_port
+    from flare_airflow_testing.mlflow_server import MlflowServer
+    from flare_airflow_testing.ports import free_port
     from flare_airflow_testing.stack import AirflowStack, Postgres
 
     root = Path(tempfile.mkdtemp(prefix="flare-bench-tracking-", dir=tmp_base))

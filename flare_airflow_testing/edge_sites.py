@@ -27,6 +27,7 @@ import yaml
 from flare_airflow_testing import deploy_guide as guide
 from flare_airflow_testing.harness import REPO
 from flare_airflow_testing.netns import Namespaces
+from flare_airflow_testing.ports import free_port
 from flare_airflow_testing.s3_server import S3Server
 from flare_airflow_testing.stack import BIN, AirflowStack, Postgres, start_triggerer
 
@@ -209,12 +210,6 @@ def _session(sid: int) -> list[int]:
         if int(raw[raw.rfind(b")") + 2 :].split()[3]) == sid:
             found.append(int(entry))
     return found
-
-
-def free_port() -> int:
-    from flare_airflow_testing.stack import free_port
-
-    return free_port()
 
 
 class EdgeDeployment:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from flare_airflow_testing.stack import free_port
+from flare_airflow_testing.ports import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent

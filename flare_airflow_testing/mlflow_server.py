@@ -5,18 +5,11 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 
 from flare_airflow_testing.harness import BIN
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MlflowServer:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,17 +21,12 @@ from typing import Protocol
 
 import yaml
 
+from flare_airflow_testing.ports import free_port
 from flare_airflow_testing.side_venvs import tail
 
 
 class PocError(RuntimeError):
     """The POC system could not be prepared or started (the message carries NVFlare's output)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pids_of_group(pgid: int) -> list[int]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from flare_airflow_testing.stack import free_port
+from flare_airflow_testing.ports import free_port
 
 BIN = Path(sys.executable).parent
 BUCKET = "flare"

@@ -21,7 +21,6 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,13 +29,9 @@ from typing import Any
 
 import httpx
 
+from flare_airflow_testing.ports import free_port
+
 BIN = pathlib.Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pg_bin(name: str) -> str:

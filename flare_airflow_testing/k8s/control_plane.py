@@ -27,7 +27,6 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from flare_airflow_testing.ports import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "k8s" / "build-control-plane.sh"
@@ -96,18 +97,6 @@ def ensure_binaries(build: bool = True, log_path: pathlib.Path | None = None) ->
         raise ControlPlaneError(f"{BUILD_SCRIPT} failed (exit {proc.returncode}){detail}")
     print(f"[k8s_harness] built control plane in {time.monotonic() - started:.0f} s", file=sys.stderr)
     return bin_dir()
-
-
-def free_port(preferred: int | None = None) -> int:
-    """``preferred`` when it can be bound on 127.0.0.1, otherwise a free ephemeral port."""
-    for port in ([preferred] if preferred else []) + [0]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise ControlPlaneError("no free port")  # pragma: no cover
 
 
 @dataclass

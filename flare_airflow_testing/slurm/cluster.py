@@ -36,6 +36,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from flare_airflow_testing.ports import free_port
+
 GPUS = 4
 CPUS = 16
 MEMORY_MB = 16000
@@ -46,12 +48,6 @@ _DAEMONS = ("munged", "slurmctld", "slurmd")
 
 class SlurmClusterError(RuntimeError):
     """The cluster could not start (missing package, daemon failed): the tests using it fail."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _require(program: str) -> str:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from flare_airflow_testing.slurm.cluster import free_port
+from flare_airflow_testing.ports import free_port
 
 SSHD = "/usr/sbin/sshd"
 

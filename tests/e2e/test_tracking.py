@@ -31,7 +31,8 @@ from flare_airflow.core.store import ModelStore
 from flare_airflow.core.tracking import run_key
 from flare_airflow.operators.lineage import dataset_name
 from flare_airflow_testing.harness import BIN, REPO, AirflowHome, behave_job
-from flare_airflow_testing.mlflow_server import MlflowServer, free_port
+from flare_airflow_testing.mlflow_server import MlflowServer
+from flare_airflow_testing.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

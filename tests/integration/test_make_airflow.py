@@ -11,7 +11,7 @@ import time
 import httpx
 
 from flare_airflow_testing.local_airflow import BIN, REPO, assert_nothing_left, process_tree
-from flare_airflow_testing.stack import free_port
+from flare_airflow_testing.ports import free_port
 
 
 def test_make_airflow_starts_and_ctrl_c_leaves_nothing(tmp_path: pathlib.Path) -> None:

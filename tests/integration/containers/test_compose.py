@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from flare_airflow_testing.containers import engine
-from flare_airflow_testing.stack import free_port
+from flare_airflow_testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
