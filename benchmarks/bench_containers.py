@@ -38,7 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,53 @@ def round_cases(image: str, namespace: str, store: Path, kubeconfig: Path) -> di
     }
 
 
+Timed = Callable[[str, int], tuple[float, list[float], list[float]]]
+
+
+@dataclass
+class CaseRuns:
+    """One case's timed runs: each run's wall time, each timed round, each site task's duration."""
+
+    walls: list[float] = field(default_factory=list)
+    rounds: list[float] = field(default_factory=list)
+    site_tasks: list[float] = field(default_factory=list)
+
+
+def _alternating_runs(names: list[str], reps: int, timed: Timed, label: str) -> dict[str, CaseRuns]:
+    """``timed(case, rounds)`` once per case untimed (first parse, first imports), then ``reps`` runs of
+    ``ROUNDS`` rounds per case, cases alternating."""
+    for name in names:
+        timed(name, 1)
+    runs = {name: CaseRuns() for name in names}
+    for rep in range(reps):
+        for name in rotate(names, rep):
+            elapsed, rounds, sites = timed(name, ROUNDS)
+            runs[name].walls.append(elapsed)
+            runs[name].rounds.extend(rounds)
+            runs[name].site_tasks.extend(sites)
+            log(f"[containers] {label} {name} rep {rep + 1}: {elapsed:.1f} s, rounds {[f'{r:.1f}' for r in rounds]}")
+    return runs
+
+
+def _round_table(title: str, runs: dict[str, CaseRuns]) -> Table:
+    """Per case: the median round, its spread, its ratio to the process sites', the site tasks, the runs."""
+    table = Table(
+        title,
+        ["sites", "per round, median s", "spread s", "x process", "site task, median s", f"run of {ROUNDS} rounds, s"],
+    )
+    base = median(runs["process sites"].rounds)
+    for name, case in runs.items():
+        table.add(
+            name,
+            f"{median(case.rounds):.1f}",
+            spread(case.rounds, "{:.1f}"),
+            f"{median(case.rounds) / base:.2f}",
+            f"{median(case.site_tasks):.2f}",
+            f"{median(case.walls):.1f}",
+        )
+    return table
+
+
 def embedded_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: Path) -> Table:
     """The same three jobs on the embedded default: ``flare-airflow run`` (``airflow dags test`` on
     SQLite, every task in one process, one after another); runs alternate."""
@@ -264,33 +312,11 @@ def embedded_table(reps: int, root: Path, image: str, namespace: str, kubeconfig
         sites = [float(t["duration"]) for tid, t in tasks.items() if ".site-" in tid and t["state"] == "success"]
         return elapsed, [b - a for a, b in itertools.pairwise(ends)], sites
 
-    for name in cases:  # not timed: first imports, the SQLite database's first run of the DAG
-        timed(name, 1)
-    walls: dict[str, list[float]] = {name: [] for name in cases}
-    per_round: dict[str, list[float]] = {name: [] for name in cases}
-    site_tasks: dict[str, list[float]] = {name: [] for name in cases}
-    for rep in range(reps):
-        for name in rotate(list(cases), rep):
-            elapsed, rounds, sites = timed(name, ROUNDS)
-            walls[name].append(elapsed)
-            per_round[name] += rounds
-            site_tasks[name] += sites
-            log(f"[containers] embedded {name} rep {rep + 1}: {elapsed:.1f} s, rounds {[f'{r:.1f}' for r in rounds]}")
-    base = median(per_round["process sites"])
-    table = Table(
+    table = _round_table(
         "One federated round of the digits job on the embedded default (`flare-airflow run`: `airflow dags "
         "test`, SQLite, tasks one after another): all sites process vs all container vs all pod",
-        ["sites", "per round, median s", "spread s", "x process", "site task, median s", f"run of {ROUNDS} rounds, s"],
+        _alternating_runs(list(cases), reps, timed, "embedded"),
     )
-    for name in cases:
-        table.add(
-            name,
-            f"{median(per_round[name]):.1f}",
-            spread(per_round[name], "{:.1f}"),
-            f"{median(per_round[name]) / base:.2f}",
-            f"{median(site_tasks[name]):.2f}",
-            f"{median(walls[name]):.1f}",
-        )
     table.notes.append(
         "A round as in the table above (rounds 2..N, from one aggregation task's end to the next's), here "
         "with the 4 site tasks run one after another in the `dags test` process (no task-process start-up, "
@@ -309,9 +335,6 @@ def rounds_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: 
     store.mkdir(parents=True)
     cases = round_cases(image, namespace, store, kubeconfig)
     dag_ids = {name: f"rounds_{i}" for i, name in enumerate(cases)}
-    walls: dict[str, list[float]] = {name: [] for name in cases}
-    per_round: dict[str, list[float]] = {name: [] for name in cases}
-    site_tasks: dict[str, list[float]] = {name: [] for name in cases}
     pg = stack = None
     try:
         pg = Postgres()
@@ -320,32 +343,14 @@ def rounds_table(reps: int, root: Path, image: str, namespace: str, kubeconfig: 
             _write_round_job(stack.dags, dag_ids[name], store, site)
         stack.start()
         log("[containers] PostgreSQL + Airflow up")
-        for name in cases:  # not timed: the DAG's first parse, unpausing, first imports
-            _timed_run(stack, dag_ids[name], rounds=1)
-        for rep in range(reps):
-            for name in rotate(list(cases), rep):
-                elapsed, rounds, sites = _timed_run(stack, dag_ids[name])
-                walls[name].append(elapsed)
-                per_round[name] += rounds
-                site_tasks[name] += sites
-                log(f"[containers] {name} rep {rep + 1}: {elapsed:.1f} s, rounds {[f'{r:.1f}' for r in rounds]}")
+        runs = _alternating_runs(list(cases), reps, lambda name, n: _timed_run(stack, dag_ids[name], n), "scheduler")
     finally:
         stop_stack(stack, pg)
-    base = median(per_round["process sites"])
-    table = Table(
+    table = _round_table(
         f"One federated round of the digits job (4 sites, 10 local epochs) under Airflow's real scheduler "
         f"(PostgreSQL, LocalExecutor, parallelism {PARALLELISM}): all sites process vs all container vs all pod",
-        ["sites", "per round, median s", "spread s", "x process", "site task, median s", f"run of {ROUNDS} rounds, s"],
+        runs,
     )
-    for name in cases:
-        table.add(
-            name,
-            f"{median(per_round[name]):.1f}",
-            spread(per_round[name], "{:.1f}"),
-            f"{median(per_round[name]) / base:.2f}",
-            f"{median(site_tasks[name]):.1f}",
-            f"{median(walls[name]):.1f}",
-        )
     table.notes.append(
         "A round is rounds 2..N of each run: from the end of the previous round's aggregation task to the end "
         "of this round's -- the scheduler starting the round's 4 site task instances (LocalExecutor task "
