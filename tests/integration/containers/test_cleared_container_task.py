@@ -156,3 +156,46 @@ def _no_container_left() -> Any:
     left = list(containers())
     if left:
         subprocess.run([engine(), "rm", "--force", *left], capture_output=True, check=False)
+
+
+def test_the_sweep_on_the_sites_worker_removes_what_an_abandoned_try_left(
+    tmp_path: Path, trainer_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from flare_airflow.operators.container import SweepContainersOperator
+    from flare_airflow.operators.site_steps import SITE_CONFIG_ENV
+
+    op, _, code = site_task(tmp_path, trainer_image)
+    assert containers() == {}, "a container of an earlier test run is still there"
+    (code / "hold").touch()
+    (code / "value").write_text("1")
+    # The last try, abandoned (its worker gone): its container holds on, and no later try comes.
+    abandoned: dict[str, Any] = {}
+
+    def last_try() -> None:
+        try:
+            abandoned["result"] = op.execute(context(op, 1))
+        except BaseException as exc:
+            abandoned["error"] = exc
+
+    worker = threading.Thread(target=last_try, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while set(containers().values()) != {"1"}:
+        assert time.monotonic() < deadline and worker.is_alive(), f"the try's container did not start: {abandoned}"
+        time.sleep(0.2)
+    # The run's teardown on the site's worker, as the builder routes it: only its sites, and the
+    # worker's site policy (which names the engine) applied.
+    block = op.job.sites["site-1"].launcher_spec.container.model_dump(mode="json", exclude_defaults=True)
+    policy = tmp_path / "site.yaml"
+    policy.write_text(
+        json.dumps({"sites": {"site-1": {"launcher": "container", "launcher_spec": {"container": block}}}})
+    )
+    monkeypatch.setenv(SITE_CONFIG_ENV, str(policy))
+    sweep = SweepContainersOperator(task_id="sweep_containers_q", job=op.job, sites=["site-1"])
+    removed = sweep.execute(context(op, 1))  # type: ignore[arg-type]
+    assert len(removed) == 1 and removed[0].endswith("-t1"), removed
+    assert containers() == {}, "the sweep removed the abandoned try's container"
+    worker.join(60)
+    assert not worker.is_alive() and isinstance(abandoned.get("error"), SiteJobFailed), abandoned
