@@ -100,29 +100,34 @@ def containers() -> dict[str, str]:
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
-def test_a_cleared_container_task_ends_the_earlier_try_and_overwrites_the_update(
-    tmp_path: Path, trainer_image: str
-) -> None:
-    op, models, code = site_task(tmp_path, trainer_image)
+def start_held_try_1(op: SiteContainerOperator, code: Path) -> tuple[threading.Thread, dict[str, Any]]:
+    """Try 1 of the task in a thread, its trainer held (as a busy, stuck or abandoned worker would
+    leave it), once its container runs: the thread and what the try returned or raised."""
     assert containers() == {}, "a container of an earlier test run is still there"
     (code / "hold").touch()
     (code / "value").write_text("1")
-
-    # Try 1 runs (its trainer held), as a worker that got busy or stuck would leave it.
-    first: dict[str, Any] = {}
+    outcome: dict[str, Any] = {}
 
     def try_1() -> None:
         try:
-            first["result"] = op.execute(context(op, 1))
+            outcome["result"] = op.execute(context(op, 1))
         except BaseException as exc:
-            first["error"] = exc
+            outcome["error"] = exc
 
     worker = threading.Thread(target=try_1, daemon=True)
     worker.start()
     deadline = time.monotonic() + 60
     while set(containers().values()) != {"1"}:
-        assert time.monotonic() < deadline and worker.is_alive(), f"try 1's container did not start: {first}"
+        assert time.monotonic() < deadline and worker.is_alive(), f"try 1's container did not start: {outcome}"
         time.sleep(0.2)
+    return worker, outcome
+
+
+def test_a_cleared_container_task_ends_the_earlier_try_and_overwrites_the_update(
+    tmp_path: Path, trainer_image: str
+) -> None:
+    op, models, code = site_task(tmp_path, trainer_image)
+    worker, first = start_held_try_1(op, code)
 
     # Clear while running: try 2 ends try 1's container (SIGTERM ignored: stopped after the shutdown
     # timeout), then trains with value 2. Try 1 fails: its job was ended under it.
@@ -167,24 +172,8 @@ def test_the_sweep_on_the_sites_worker_removes_what_an_abandoned_try_left(
     from flare_airflow.operators.site_steps import SITE_CONFIG_ENV
 
     op, _, code = site_task(tmp_path, trainer_image)
-    assert containers() == {}, "a container of an earlier test run is still there"
-    (code / "hold").touch()
-    (code / "value").write_text("1")
     # The last try, abandoned (its worker gone): its container holds on, and no later try comes.
-    abandoned: dict[str, Any] = {}
-
-    def last_try() -> None:
-        try:
-            abandoned["result"] = op.execute(context(op, 1))
-        except BaseException as exc:
-            abandoned["error"] = exc
-
-    worker = threading.Thread(target=last_try, daemon=True)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while set(containers().values()) != {"1"}:
-        assert time.monotonic() < deadline and worker.is_alive(), f"the try's container did not start: {abandoned}"
-        time.sleep(0.2)
+    worker, abandoned = start_held_try_1(op, code)
     # The run's teardown on the site's worker, as the builder routes it: only its sites, and the
     # worker's site policy (which names the engine) applied.
     block = op.job.sites["site-1"].launcher_spec.container.model_dump(mode="json", exclude_defaults=True)
