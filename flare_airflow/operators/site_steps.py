@@ -167,6 +167,14 @@ def site_config_failed(context: Context, job: JobConfig, site: str, round_num: i
     return site_failed(context, site, round_num, reason)
 
 
+def site_routing(job: JobConfig, site: str) -> dict[str, str]:
+    """The ``queue`` and ``executor`` that send a site's tasks to the site's own worker
+    (docs/deploy-across-sites.md); empty for a site on Airflow's defaults (the central side, where
+    the aggregation and bookkeeping tasks always run)."""
+    where = {"queue": job.site_queue(site), "executor": job.sites[site].executor}
+    return {key: value for key, value in where.items() if value is not None}
+
+
 def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> None:
     """Task arguments every site task gets from the site's spec: pool, queue, executor, retries, timeout."""
     spec = job.sites[site]
@@ -176,13 +184,8 @@ def site_task_defaults(job: JobConfig, site: str, kwargs: dict[str, Any]) -> Non
         # multi-node site job holds its GPUs on every node.
         kwargs.setdefault("pool", pool)
         kwargs.setdefault("pool_slots", spec.gpus_per_job)
-    # A site's queue and executor send its tasks to the site's own worker (docs/deploy-across-sites.md);
-    # the aggregation and bookkeeping tasks keep Airflow's defaults and run centrally.
-    queue = job.site_queue(site)
-    if queue is not None:
-        kwargs.setdefault("queue", queue)
-    if spec.executor is not None:
-        kwargs.setdefault("executor", spec.executor)
+    for key, value in site_routing(job, site).items():
+        kwargs.setdefault(key, value)
     kwargs.setdefault("retries", spec.retries)
     kwargs.setdefault("retry_delay", timedelta(seconds=spec.retry_delay_seconds))
     if job.trainer.timeout:

@@ -18,7 +18,7 @@ from airflow.sdk import BaseOperator
 from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig, SiteSpec, apply_site_policy
 from flare_airflow.core.errors import ConfigError
-from flare_airflow.operators.site_steps import site_policy
+from flare_airflow.operators.site_steps import site_policy, site_routing
 
 
 class SweepOperator(BaseOperator):
@@ -66,21 +66,22 @@ def sweep_groups(
     job: JobConfig, sweep: type[SweepOperator], task_id: str
 ) -> list[tuple[str, list[str], dict[str, Any]]]:
     """``(task id, sites, task arguments)`` of each sweep of backend ``sweep``: one per queue and
-    executor its sites' tasks use. The default queue keeps ``task_id``; another gets it suffixed
-    with the queue (``sweep_containers_hospital-b``), or with the executor when there is no queue."""
-    groups: dict[tuple[str | None, str | None], list[str]] = {}
+    executor its sites' tasks use (:func:`~flare_airflow.operators.site_steps.site_routing`). The
+    default queue keeps ``task_id``; another gets it suffixed with the queue
+    (``sweep_containers_hospital-b``), or with the executor when there is no queue."""
+    groups: dict[tuple[tuple[str, str], ...], list[str]] = {}
     for site in sites_swept_by(job.sites, sweep):
-        groups.setdefault((job.site_queue(site), job.sites[site].executor), []).append(site)
+        groups.setdefault(tuple(sorted(site_routing(job, site).items())), []).append(site)
     made: list[tuple[str, list[str], dict[str, Any]]] = []
     taken: set[str] = set()
-    for (queue, executor), sites in groups.items():
-        suffix = queue or executor
+    for routing, sites in groups.items():
+        where = dict(routing)
+        suffix = where.get("queue") or where.get("executor")
         name = task_id if suffix is None else f"{task_id}_{_id_part(suffix)}"
         if name in taken:  # one queue served through two executors
-            name = f"{name}_{_id_part(executor or 'default')}"
+            name = f"{name}_{_id_part(where.get('executor', 'default'))}"
         taken.add(name)
-        kwargs = {key: value for key, value in (("queue", queue), ("executor", executor)) if value is not None}
-        made.append((name, sites, kwargs))
+        made.append((name, sites, where))
     return made
 
 

@@ -62,9 +62,7 @@ def load_model_file(path: pathlib.Path, where: str) -> dict[str, Any]:
 
 def check_store_backend(job: JobConfig) -> None:
     """The store's URI scheme has its fsspec backend installed here (a run would fail without it)."""
-    if not job.store or "://" not in job.store:
-        return
-    scheme = job.store.partition("://")[0]
+    scheme = job.store_scheme
     if scheme == "file":
         return
     try:

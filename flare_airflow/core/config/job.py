@@ -315,12 +315,16 @@ class JobConfig(Strict):
             )
         return self
 
+    @property
+    def store_scheme(self) -> str:
+        """The model store's URI scheme: ``file`` for a directory (and for the default store)."""
+        return self.store.partition("://")[0] if self.store and "://" in self.store else "file"
+
     def _watched_jobs_reach_the_store(self) -> None:
         """A job watched by a sensor (``watch: sensor``) outlives the task that launched it, so it must
         reach the store itself; a backend whose jobs see only files staged on the worker cannot,
         when the store is an object store (nothing would be left to upload the update)."""
-        scheme = self.store.partition("://")[0] if self.store and "://" in self.store else "file"
-        if scheme == "file":
+        if self.store_scheme == "file":
             return
         for name, site in self.sites.items():
             if site.watch == "sensor" and site.backend.store_as_files:
