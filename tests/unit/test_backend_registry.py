@@ -30,13 +30,14 @@ def _strings(node: ast.AST) -> list[str]:
     return []
 
 
-def name_compares(source: str) -> list[tuple[int, str]]:
-    """``(line, name)`` of every comparison (``==``, ``!=``, ``in``, ``not in``) against a backend name."""
+def name_compares(source: str, names: set[str] = NAMES) -> list[tuple[int, str]]:
+    """``(line, name)`` of every comparison (``==``, ``!=``, ``in``, ``not in``) against one of ``names``
+    (by default the backends')."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
             for operand in (node.left, *node.comparators):
-                found += [(node.lineno, s) for s in _strings(operand) if s in NAMES]
+                found += [(node.lineno, s) for s in _strings(operand) if s in names]
     return found
 
 
