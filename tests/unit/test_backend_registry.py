@@ -60,7 +60,11 @@ def test_no_module_outside_the_registry_compares_backend_names() -> None:
 @pytest.mark.parametrize("entry", list(backends.BACKENDS.values()), ids=list(backends.BACKENDS))
 def test_every_entry_names_what_exists(entry: backends.Backend) -> None:
     assert entry.name in LauncherSpec.model_fields, f"launcher_spec has no {entry.name} block"
-    assert issubclass(backends.load(entry.site_task), BaseOperator)
+    site_task = backends.load(entry.site_task)
+    assert issubclass(site_task, BaseOperator)
+    # A pod or SLURM job reaches the store itself: staging it on the worker would hand the job
+    # paths that exist only there (the pod task did so from the lifecycle merge until 2026-12-06).
+    assert site_task.stages_store is entry.stages_store, f"{entry.name}: the site task and the registry disagree"
     for dotted in (entry.launcher, entry.trigger):
         if dotted is not None:
             assert callable(backends.load(dotted))
