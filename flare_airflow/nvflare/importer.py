@@ -17,22 +17,28 @@ It writes ``OUT/<job>.yaml``, ``OUT/<job>_dag.py`` and ``OUT/<job>/`` (the clien
 ``custom/`` folder with the script, and ``initial_model.safetensors``). What it cannot carry over
 (another workflow such as Scaffold or Cyclic, a custom executor, a filter without an equivalent,
 an unknown component) is refused, every one named with its file and line and what to do; nothing
-is written then. The clients' result filters that have an equivalent (``ExcludeVars``,
-``PercentilePrivacy``) are site policy here: they go to ``OUT/<job>.site-policy.yaml`` for the
-sites' admins, not into the job.
+is written then.
+
+The job folder is untrusted input: nothing outside it is read (:mod:`.paths`), nothing fetched and
+no environment substituted (:mod:`.configs`), the models are checked (:mod:`.model`), and the
+output is written all or nothing, never over an earlier file without ``--force`` (:mod:`.output`).
+
+The clients' result filters that have an equivalent (``ExcludeVars``, ``PercentilePrivacy``) are
+site policy here: they go to ``OUT/<job>.site-policy.yaml`` for the sites' admins, not into the job.
 Components whose work flare-airflow does another way (NVFlare's pipes and launchers, model
 selectors, tracking receivers) are carried over as notes, never silently.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 import shlex
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import yaml
@@ -43,11 +49,14 @@ from flare_airflow.core.config.policy import SitePolicy
 from flare_airflow.core.config.privacy import Percentile
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.nvflare.state_check import check_file
-from flare_airflow.nvflare.configs import Component, ConfigFile, NvflareJobError, Where, find_config, read_config
+from flare_airflow.nvflare.configs import Component, ConfigFile, Where, find_config, read_config
+from flare_airflow.nvflare.errors import NvflareJobError
+from flare_airflow.nvflare.model import NVFLARE_DEFAULT_MODEL, check_initial_model, inline_model
+from flare_airflow.nvflare.output import check_targets, move_into_place, staging_folder
+from flare_airflow.nvflare.paths import copy_custom, inside, plain_name, relative_inside
 
 __all__ = ["ImportResult", "NvflareJobError", "import_job"]
 
-NUMPY_KEY = "numpy_key"  # NVFlare's NPConstants.NUMPY_KEY: the numpy jobs' one array
 SERVER = "server"
 ALL_SITES = "@ALL"
 
@@ -154,7 +163,7 @@ def _job_name(raw: str) -> str:
 
 def _app_config(job_dir: Path, app: str, stem: str) -> ConfigFile:
     folder = job_dir / app / "config"
-    path = find_config(folder, stem)
+    path = find_config(folder, stem, job_dir)
     if path is None:
         raise NvflareJobError(
             f"{folder}: no {stem}.json or {stem}.conf; the deploy_map names app {app!r}, which NVFlare reads from there"
@@ -170,6 +179,12 @@ def _sites_of(job_dir: Path, meta: ConfigFile, sites: Sequence[str] | None) -> t
     server_app: str | None = None
     clients: dict[str, list[str]] = {}
     for app, targets in deploy_map.items():
+        if not plain_name(str(app)):
+            raise NvflareJobError(
+                f"{meta.path}:{meta.line_of(str(app))}: deploy_map app {str(app)[:80]!r} is not a folder name of the "
+                "job (an app is a folder beside meta.json: no '/', '..' or absolute path); fix the name"
+            )
+        inside(job_dir, job_dir / str(app), f"app folder {app!r}")
         if not isinstance(targets, list):
             raise NvflareJobError(
                 f"{meta.path}:{meta.line_of(str(app))}: deploy_map[{app!r}] must be a list of targets"
@@ -179,7 +194,7 @@ def _sites_of(job_dir: Path, meta: ConfigFile, sites: Sequence[str] | None) -> t
                 server_app = str(app)
             elif target == ALL_SITES:
                 # NVFlare's @ALL is the server and every client; the server part is the app's server config.
-                if find_config(job_dir / str(app) / "config", "config_fed_server") is not None:
+                if find_config(job_dir / str(app) / "config", "config_fed_server", job_dir) is not None:
                     server_app = str(app)
                 if not sites:
                     raise NvflareJobError(
@@ -199,9 +214,17 @@ def _sites_of(job_dir: Path, meta: ConfigFile, sites: Sequence[str] | None) -> t
     return server_app, clients
 
 
+def _split(line: str) -> list[str] | None:
+    """A command line's words as a POSIX shell splits them; None when it cannot (an unclosed quote)."""
+    try:
+        return shlex.split(line)
+    except ValueError:
+        return None
+
+
 def _script_of_command(command: str | list[str]) -> tuple[str, list[str]] | None:
     """``python3 -u custom/train.py --epochs 2`` -> (``custom/train.py``, ``["--epochs", "2"]``)."""
-    tokens = shlex.split(command) if isinstance(command, str) else [str(t) for t in command]
+    tokens = (_split(command) or []) if isinstance(command, str) else [str(t) for t in command]
     for index, token in enumerate(tokens):
         if token.endswith(".py"):
             return token, tokens[index + 1 :]
@@ -217,12 +240,12 @@ class _Trainer:
     where: Where
 
 
-def _custom_relative(script: str) -> str:
+def _custom_relative(script: str) -> str | None:
     """Where NVFlare finds the script in the app: ``custom/x.py``, or the exporting machine's
-    absolute path of a file the Job API copied into ``custom/`` (its name)."""
-    if script.startswith("/"):
-        return Path(script).name
-    return script.removeprefix("custom/")
+    absolute path of a file the Job API copied into ``custom/`` (its name); None when the path
+    climbs out of ``custom/`` (``../..``)."""
+    relative = Path(script).name if script.startswith("/") else script.removeprefix("custom/")
+    return relative if relative_inside(relative) and plain_name(Path(relative).name) else None
 
 
 def _executor_trainer(
@@ -287,7 +310,11 @@ def _executor_trainer(
             reading.refuse(executor.where, executor.path, "no task_script_path", "name the client script")
             return None
         script = path
-        script_args = shlex.split(str(args.get("task_script_args") or ""))
+        split_args = _split(str(args.get("task_script_args") or ""))
+        if split_args is None:
+            reading.refuse(executor.where, "task_script_args", "an unclosed quote", "close the quote")
+            return None
+        script_args = split_args
     if launch_once:
         reading.note(
             where,
@@ -295,7 +322,16 @@ def _executor_trainer(
             "NVFlare runs the client script once for all rounds; flare-airflow runs it once per round "
             "(state kept in memory across rounds starts afresh each round)",
         )
-    return _Trainer(_custom_relative(script), script_args, EXCHANGE_FORMATS[exchange], transfer, where)
+    relative = _custom_relative(script)
+    if relative is None:
+        reading.refuse(
+            where,
+            f"client script {script[:120]!r}",
+            "it lies outside the client app's custom/ folder",
+            "put the script in custom/ and name it custom/<script>.py",
+        )
+        return None
+    return _Trainer(relative, script_args, EXCHANGE_FORMATS[exchange], transfer, where)
 
 
 def _read_client(cfg: ConfigFile, reading: _Reading) -> tuple[_Trainer | None, list[dict[str, Any]]]:
@@ -340,6 +376,13 @@ def _exclude_vars(f: Component, reading: _Reading) -> dict[str, Any] | None:
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return {"type": "exclude_vars", "names": list(value)}
     if isinstance(value, str) and value:
+        try:
+            re.compile(value)
+        except (re.error, RecursionError, OverflowError) as exc:
+            reading.refuse(
+                f.where, f"filter {f.path} exclude_vars={value[:80]!r}", f"not a regular expression ({exc})", "fix it"
+            )
+            return None
         # NVFlare searches the regex anywhere in a name (re.search); ours must match the whole name.
         return {"type": "exclude_vars", "regex": f".*(?:{value}).*"}
     reading.refuse(
@@ -463,29 +506,29 @@ def _read_server(cfg: ConfigFile, reading: _Reading, *, have_initial_model: bool
         return server
     args = fedavg.args
     rounds = args.get("num_rounds")
-    server.rounds = int(rounds) if isinstance(rounds, int) and rounds > 0 else None
+    server.rounds = rounds if _whole(rounds) and rounds > 0 else None
     if server.rounds is None:
         reading.refuse(fedavg.where, f"{fedavg.path} num_rounds", f"is {rounds!r}", "set a whole number >= 1")
     for key in ("min_clients", "num_clients"):
-        if isinstance(args.get(key), int) and args[key] > 0:
-            server.min_clients = int(args[key])
-            break
+        value = args.get(key)
+        if value is not None and not (_whole(value) and value >= 0):
+            reading.refuse(fedavg.where, f"{fedavg.path} {key}", f"is {value!r}", "set a whole number >= 1")
+        elif server.min_clients is None and _whole(value) and value > 0:
+            server.min_clients = value
     for key, value in args.items():
         if key in WORKFLOW_ARGS_REFUSED and value not in (None, "", {}, []):
             why, todo = WORKFLOW_ARGS_REFUSED[key]
             reading.refuse(fedavg.where, f"{fedavg.class_name} {key}", why, todo)
         elif key not in WORKFLOW_ARGS_CARRIED and key not in WORKFLOW_ARGS_REFUSED:
             reading.note(fedavg.where, f"{fedavg.class_name} {key}={value!r}", "not carried over (no equivalent)")
-    if int(args.get("start_round", 0) or 0) != 0:
+    if args.get("start_round") not in (None, 0) or isinstance(args.get("start_round"), bool):
         reading.refuse(
             fedavg.where,
-            f"{fedavg.path} start_round {args['start_round']}",
+            f"{fedavg.path} start_round {args['start_round']!r}",
             "an imported job starts at round 0",
             "remove start_round (resume a flare-airflow run instead)",
         )
-    weights = args.get("aggregation_weights") or {}
-    if isinstance(weights, Mapping):
-        server.weights.update({str(k): float(v) for k, v in weights.items()})
+    _weights(fedavg, server, reading)
     # FedAvg (2.9) finds its persistor under the id "persistor" unless told otherwise.
     if fedavg.class_name != "ScatterAndGather":
         args = {"persistor_id": "persistor", **args}
@@ -539,11 +582,18 @@ def _initial_model(
             return None
         initial = component.args.get("model")
         if initial is None:
-            # NVFlare's NPModelPersistor falls back to this array (np_model_persistor.py).
-            initial = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+            initial = NVFLARE_DEFAULT_MODEL
             reading.note(component.where, component.path, "no model given: NVFlare's default 3 x 3 array, as NVFlare")
         # NVFlare's NPModelPersistor holds the model as float32 (np.array(model, dtype=np.float32)).
-        return {NUMPY_KEY: np.asarray(initial, dtype=np.float32)}
+        model, why = inline_model(initial)
+        if why is not None:
+            reading.refuse(
+                component.where,
+                f"persistor {component.path} model",
+                f"it {why}",
+                "give nested lists of numbers of one shape, or pass --initial-model FILE (safetensors)",
+            )
+        return model
     reading.refuse(
         component.where,
         f"persistor {component.path}",
@@ -555,6 +605,37 @@ def _initial_model(
     return None
 
 
+def _whole(value: Any) -> TypeGuard[int]:
+    """An integer, and not a bool (``true`` is no round count, though Python's bool is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _weights(component: Component, server: _Server, reading: _Reading) -> None:
+    """``aggregation_weights``: each site's finite, non-negative weight."""
+    weights = component.args.get("aggregation_weights")
+    if weights is None:
+        return
+    if not isinstance(weights, Mapping):
+        reading.refuse(
+            component.where,
+            f"{component.path} aggregation_weights",
+            f"is {type(weights).__name__}, not an object of site: weight",
+            "write {site-1: 1.0, site-2: 2.0}",
+        )
+        return
+    for site, weight in weights.items():
+        number = float(weight) if isinstance(weight, numbers.Real) and not isinstance(weight, bool) else math.nan
+        if not (math.isfinite(number) and number >= 0):
+            reading.refuse(
+                component.where,
+                f"{component.path} aggregation_weights[{str(site)[:60]!r}]",
+                f"is {str(weight)[:40]!r}, not a finite number >= 0",
+                "give each site a number",
+            )
+            continue
+        server.weights[str(site)] = number
+
+
 def _aggregator(component: Component, server: _Server, reading: _Reading) -> None:
     args = component.args
     if args.get("exclude_vars"):
@@ -564,9 +645,7 @@ def _aggregator(component: Component, server: _Server, reading: _Reading) -> Non
             "every tensor of the model is averaged in flare-airflow",
             "remove exclude_vars",
         )
-    weights = args.get("aggregation_weights") or {}
-    if isinstance(weights, Mapping):
-        server.weights.update({str(k): float(v) for k, v in weights.items()})
+    _weights(component, server, reading)
     kind = args.get("expected_data_kind", "WEIGHTS")
     if kind not in ("WEIGHTS", "WEIGHT_DIFF"):
         reading.refuse(
@@ -580,16 +659,26 @@ def _aggregator(component: Component, server: _Server, reading: _Reading) -> Non
 def _site_blocks(meta: ConfigFile, sites: list[str]) -> dict[str, dict[str, Any]]:
     """``resource_spec`` and ``launcher_spec`` of meta.json as the job's ``sites`` entries."""
     blocks: dict[str, dict[str, Any]] = {site: {} for site in sites}
-    resources = meta.data.get("resource_spec") or {}
-    if isinstance(resources, Mapping):
-        for key, spec in resources.items():
-            target = "@default" if key in ("@default", "default", ALL_SITES) else str(key)
-            blocks.setdefault(target, {})["resource_spec"] = dict(spec)
-    launcher = meta.data.get("launcher_spec") or {}
-    if isinstance(launcher, Mapping):
-        for key, spec in launcher.items():
-            target = "@default" if key in ("default", "@default") else str(key)
-            blocks.setdefault(target, {})["launcher_spec"] = dict(spec)
+    for field_name, defaults in (
+        ("resource_spec", ("@default", "default", ALL_SITES)),
+        ("launcher_spec", ("default", "@default")),
+    ):
+        specs = meta.data.get(field_name)
+        if specs is None:
+            continue
+        if not isinstance(specs, Mapping):
+            raise NvflareJobError(
+                f"{meta.path}:{meta.line_of(field_name)}: {field_name} is {type(specs).__name__}, not an object of "
+                f"site: {{...}}; fix it"
+            )
+        for key, spec in specs.items():
+            if not isinstance(spec, Mapping):
+                raise NvflareJobError(
+                    f"{meta.path}:{meta.line_of(str(key))}: {field_name}[{str(key)[:60]!r}] is {type(spec).__name__} "
+                    f"{str(spec)[:40]!r}, not an object (e.g. {{num_of_gpus: 1}}); fix it"
+                )
+            target = "@default" if key in defaults else str(key)
+            blocks.setdefault(target, {})[field_name] = dict(spec)
     unknown = sorted(set(blocks) - set(sites) - {"@default"})
     if unknown:
         raise NvflareJobError(
@@ -610,7 +699,7 @@ def import_job(
 ) -> ImportResult:
     """Read ``job_dir`` and write the flare-airflow job into ``out_dir``; raise :class:`NvflareJobError` if refused."""
     job_dir = job_dir.resolve()
-    meta_path = find_config(job_dir, "meta")
+    meta_path = find_config(job_dir, "meta", job_dir)
     if meta_path is None:
         raise NvflareJobError(f"{job_dir}: no meta.json or meta.conf: this is not an NVFlare job folder")
     meta = read_config(meta_path)
@@ -620,8 +709,8 @@ def import_job(
         raise NvflareJobError(f"{meta.path}: the deploy_map deploys no app to 'server'")
     if not client_apps:
         raise NvflareJobError(f"{meta.path}: the deploy_map deploys no app to a site")
-    if initial_model is not None and not initial_model.is_file():
-        raise NvflareJobError(f"--initial-model {initial_model}: no such file")
+    if initial_model is not None:
+        check_initial_model(initial_model)
     server = _read_server(
         _app_config(job_dir, server_app, "config_fed_server"), reading, have_initial_model=initial_model is not None
     )
@@ -633,6 +722,7 @@ def import_job(
             if filters:
                 site_filters[site] = filters
     found = {app: t for app, t in trainers.items() if t is not None}
+    scripts = {app: _script_file(job_dir, app, t, reading) for app, t in found.items()}
     first_app = next(iter(found), None)
     if first_app is not None:
         first = found[first_app]
@@ -643,10 +733,8 @@ def import_job(
                 first.exchange,
                 first.transfer,
             )
-            if same and (job_dir / app / "custom" / other.script).is_file():
-                same = (job_dir / app / "custom" / other.script).read_bytes() == (
-                    job_dir / first_app / "custom" / first.script
-                ).read_bytes()
+            if same and scripts[app] is not None and scripts[first_app] is not None:
+                same = scripts[app].read_bytes() == scripts[first_app].read_bytes()  # type: ignore[union-attr]
             if not same:
                 reading.refuse(
                     other.where,
@@ -655,32 +743,31 @@ def import_job(
                     "flare-airflow runs one trainer per job: give every site the same script "
                     "(site-specific behaviour from flare.get_site_name())",
                 )
-    script_file = job_dir / first_app / "custom" / found[first_app].script if first_app else None
-    if first_app is not None and script_file is not None and not script_file.is_file():
-        reading.refuse(
-            found[first_app].where,
-            f"client script {found[first_app].script}",
-            "not found",
-            f"put it in {script_file.parent}",
-        )
     if reading.refused:
         raise NvflareJobError(
             f"NVFlare job {job_dir} cannot be imported; {len(reading.refused)} thing(s) to change:\n  "
             + "\n  ".join(reading.refused)
         )
-    assert first_app is not None and script_file is not None and server.rounds is not None
+    assert first_app is not None and server.rounds is not None
+    script_file = scripts[first_app]
+    assert script_file is not None
     trainer = found[first_app]
     site_names = [s for app in client_apps for s in client_apps[app]]
     job_name = _job_name(name or str(meta.data.get("name") or job_dir.name))
-    min_clients = server.min_clients or int(meta.data.get("min_clients") or 0) or len(site_names)
+    meta_min = meta.data.get("min_clients")
+    if meta_min is not None and not (_whole(meta_min) and meta_min >= 0):
+        raise NvflareJobError(
+            f"{meta.path}:{meta.line_of('min_clients')}: min_clients is {meta_min!r}; set a whole number"
+        )
+    min_clients = server.min_clients or meta_min or len(site_names)
 
     out_dir = out_dir.resolve()
     job_file = out_dir / f"{job_name}.yaml"
     dag_file = out_dir / f"{job_name}_dag.py"
     files_dir = out_dir / job_name
     policy_file = out_dir / f"{job_name}.site-policy.yaml" if site_filters else None
-    if not force and (job_file.exists() or files_dir.exists()):
-        raise NvflareJobError(f"{job_file} or {files_dir} exists; pass --force to replace them")
+    names = [files_dir.name, job_file.name, dag_file.name] + ([policy_file.name] if policy_file else [])
+    check_targets(out_dir, names, force=force)
     sites_block = _site_blocks(meta, site_names)
     for site, weight in server.weights.items():
         if site in sites_block:
@@ -688,67 +775,76 @@ def import_job(
 
     for note in (f.describe(str(script_file)) for f in check_file(script_file)):
         reading.notes.append(note)
-    staging = out_dir / f".{job_name}.importing"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        shutil.copytree(job_dir / first_app / "custom", staging / "custom")
+    job: dict[str, Any] = {
+        "job": job_name,
+        "rounds": server.rounds,
+        "min_clients": min_clients,
+        "initial_model": f"{job_name}/initial_model.safetensors",
+        "trainer": {
+            "script": f"{job_name}/custom/{trainer.script}",
+            "args": trainer.args,
+            "nvflare": {"params_exchange": trainer.exchange, "transfer": trainer.transfer},
+        },
+        "evaluate": False,
+        "sites": sites_block,
+    }
+    if policy_file is not None:
+        reading.notes.append(
+            f"{policy_file}: NVFlare's client filters are site policy in flare-airflow (each site's admin "
+            "chooses them; the site task applies them, so a trainer cannot skip them): the job carries none -- "
+            "give each site's admin its privacy block to merge into the site's policy (FLARE_SITE_CONFIG)"
+        )
+    with staging_folder(out_dir, job_name) as staging:
+        files = staging / job_name
+        files.mkdir()
+        copy_custom(job_dir / first_app / "custom", files / "custom", job_dir)
         if initial_model is not None:
-            shutil.copyfile(initial_model, staging / "initial_model.safetensors")
+            (files / "initial_model.safetensors").write_bytes(initial_model.read_bytes())
         else:
             from safetensors.numpy import save_file
 
             assert server.initial is not None
-            save_file(server.initial, str(staging / "initial_model.safetensors"))
-        job: dict[str, Any] = {
-            "job": job_name,
-            "rounds": server.rounds,
-            "min_clients": min_clients,
-            "initial_model": f"{job_name}/initial_model.safetensors",
-            "trainer": {
-                "script": f"{job_name}/custom/{trainer.script}",
-                "args": trainer.args,
-                "nvflare": {"params_exchange": trainer.exchange, "transfer": trainer.transfer},
-            },
-            "evaluate": False,
-            "sites": sites_block,
-        }
+            save_file(server.initial, str(files / "initial_model.safetensors"))
         header = [f"# Imported from the NVFlare job {job_dir} by `flare-airflow import-nvflare`."]
         header += [f"# note: {n}" for n in reading.notes]
-        staged_job = staging / "job.yaml"
+        staged_job = staging / job_file.name
         staged_job.write_text("\n".join(header) + "\n" + yaml.safe_dump(job, sort_keys=False))
-        # Validate as flare-airflow will load it (paths resolve against the job file's directory).
-        (staging / job_name).symlink_to(staging)
-        try:
+        try:  # as flare-airflow will load it: paths resolve against the job file's folder
             load_job(staged_job)
         except ConfigError as exc:
             raise NvflareJobError(
                 f"the job imported from {job_dir} is not a valid flare-airflow job: {exc}\n"
                 f"(from {meta.path}: check its resource_spec / launcher_spec)"
             ) from None
-        (staging / job_name).unlink()
         if policy_file is not None:
-            _write_site_policy(staging / "site-policy.yaml", job_dir, site_filters)
-        if force:
-            shutil.rmtree(files_dir, ignore_errors=True)
-        staged_job.rename(job_file)
-        if policy_file is not None:
-            (staging / "site-policy.yaml").rename(policy_file)
-            reading.notes.append(
-                f"{policy_file}: NVFlare's client filters are site policy in flare-airflow (each site's admin "
-                "chooses them; the site task applies them, so a trainer cannot skip them): the job carries none -- "
-                "give each site's admin its privacy block to merge into the site's policy (FLARE_SITE_CONFIG)"
-            )
-        staging.rename(files_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    dag_file.write_text(
-        f'"""The NVFlare job {job_name!r} imported by flare-airflow import-nvflare, as an Airflow DAG."""\n\n'
-        "from pathlib import Path\n\n"
-        "from flare_airflow.builder import build_dag\n\n"
-        f"dag = build_dag(Path(__file__).with_name({job_file.name!r}))\n"
-    )
+            _write_site_policy(staging / policy_file.name, job_dir, site_filters)
+        (staging / dag_file.name).write_text(
+            f'"""The NVFlare job {job_name!r} imported by flare-airflow import-nvflare, as an Airflow DAG."""\n\n'
+            "from pathlib import Path\n\n"
+            "from flare_airflow.builder import build_dag\n\n"
+            f"dag = build_dag(Path(__file__).with_name({job_file.name!r}))\n"
+        )
+        move_into_place(staging, out_dir, names)
     return ImportResult(job_file, dag_file, files_dir, job, reading.notes, policy_file)
+
+
+def _script_file(job_dir: Path, app: str, trainer: _Trainer, reading: _Reading) -> Path | None:
+    """The client script of ``app``, refused unless it is a file inside the app's ``custom/``."""
+    custom = job_dir / app / "custom"
+    path = custom / trainer.script
+    if not (path.is_symlink() or path.exists()):
+        reading.refuse(trainer.where, f"client script {trainer.script}", "not found", f"put it in {path.parent}")
+        return None
+    real = inside(job_dir, path, f"client script {trainer.script}")
+    if not real.is_relative_to(inside(job_dir, custom, "custom/")) or not real.is_file():
+        reading.refuse(
+            trainer.where,
+            f"client script {trainer.script}",
+            "not a file inside the client app's custom/ folder",
+            f"put it in {custom}",
+        )
+        return None
+    return real
 
 
 def _write_site_policy(path: Path, job_dir: Path, site_filters: Mapping[str, list[dict[str, Any]]]) -> None:
