@@ -31,7 +31,7 @@ CONFIG_SUFFIXES = (".json", ".conf")
 MAX_DEPTH = 32
 # In HOCON code with the strings' insides blanked: an include statement (quoted, file(), url(),
 # classpath(), required(...)) and a substitution ``${...}`` / ``${?...}``.
-_INCLUDE = re.compile(r'(?<![\w.$-])include\s*(?:required\s*\(\s*)?(?:(?:file|url|classpath)\s*\(\s*)?"')
+_INCLUDE = re.compile(r'(?<![\w.\$-])include\s*(?:required\s*\(\s*)?(?:(?:file|url|classpath)\s*\(\s*)?"')
 _SUBSTITUTION = re.compile(r"\$\{")
 
 
