@@ -21,6 +21,8 @@ SECRET_WORDS = frozenset(
 SECRET_ENDINGS = ("password", "passwd", "token", "secret", "key")
 # scheme://... up to whitespace, a quote or a bracket that closes it in prose or a repr.
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>()\[\]{}]+")
+# A query parameter anywhere, also in a URL without scheme and host (urllib3 says "with url: /?token=...").
+_PARAMETER = re.compile(r"(?<=[?&;])([A-Za-z0-9_.\-]+)=([^&;#\s'\"<>()]*)")
 
 
 def secret_query_key(key: str) -> bool:
@@ -52,5 +54,7 @@ def redact_uri(uri: str) -> str:
 
 
 def redact_uris(text: str) -> str:
-    """``text`` (a message, an exception's words) with every URI in it redacted (:func:`redact_uri`)."""
-    return _URI.sub(lambda found: redact_uri(found.group(0)), text)
+    """``text`` (a message, an exception's words) with every URI in it redacted (:func:`redact_uri`),
+    and every secret query parameter, also of a URL without scheme (``/path?token=...``)."""
+    text = _URI.sub(lambda found: redact_uri(found.group(0)), text)
+    return _PARAMETER.sub(lambda p: f"{p.group(1)}={MASK}" if secret_query_key(p.group(1)) else p.group(0), text)
