@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from flare_airflow.core.config.privacy import Percentile
 from flare_airflow.nvflare.configs import Component, ConfigFile
+from flare_airflow.nvflare.errors import NvflareJobError
 from flare_airflow.nvflare.reading import Reading
 
 
@@ -80,9 +81,18 @@ def read_filters(cfg: ConfigFile, reading: Reading, *, client: bool) -> list[dic
     """
     mapped: list[dict[str, Any]] = []
     for key in ("task_data_filters", "task_result_filters"):
-        for index, group in enumerate(cfg.data.get(key) or []):
-            raws = group.get("filters", []) if isinstance(group, Mapping) else []
-            tasks = group.get("tasks", ["*"]) if isinstance(group, Mapping) else ["*"]
+        groups = cfg.data.get(key) or []
+        if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+            raise NvflareJobError(
+                f"{cfg.path}:{cfg.line_of(key)}: {key} must be a list of {{tasks: [...], filters: [...]}} objects"
+            )
+        for index, group in enumerate(groups):
+            raws, tasks = group.get("filters", []), group.get("tasks", ["*"])
+            if not isinstance(raws, list) or not (isinstance(tasks, list) and all(isinstance(t, str) for t in tasks)):
+                raise NvflareJobError(
+                    f"{cfg.path}:{cfg.line_of(key)}: {key}[{index}]: tasks must be a list of task names and "
+                    "filters a list of components"
+                )
             for raw in raws:
                 f = cfg.component(raw, f"{key}[{index}].filters")
                 convert = MAPPED_FILTERS.get(f.class_name)

@@ -282,6 +282,13 @@ case(
     {CLIENT_JSON: _client({"task_script_path": "client.py", "task_script_args": "--lr '0.1"})},
 )
 
+case(
+    "nvflare-filter-group-malformed",
+    "import-nvflare: task_result_filters [{tasks: true, filters: [...]}] (found by a fuzz of every config value)",
+    "task_result_filters[0]: tasks must be a list of task names and filters a list of components",
+    {CLIENT_JSON: _json({**json.loads(_client()), "task_result_filters": [{"tasks": True, "filters": []}]})},
+)
+
 
 def build(tmp: pathlib.Path, files: dict[str, str | bytes | None]) -> None:
     for name, content in {**BASE, **files}.items():

@@ -16,7 +16,7 @@ from flare_airflow.nvflare.errors import NvflareJobError
     [
         ('{\n  include "other.conf"\n}', 2),
         ('{\n  a = 1\n  include required(file("/etc/passwd"))\n}', 3),
-        ("{\n  b { include classpath(\"x.conf\") }\n}", 2),
+        ('{\n  b { include classpath("x.conf") }\n}', 2),
         ("{\n  key = ${HOME}\n}", 2),
         ("{\n  key = ${?HOME}\n}", 2),
         ('{\n  a = "x"\n  key = "prefix" ${HOME}\n}', 3),

@@ -42,7 +42,7 @@ def test_a_failed_move_puts_back_what_was_there(tmp_path: pathlib.Path, monkeypa
     with staging_folder(out, "nv") as staging:
         _staged(staging)
         monkeypatch.setattr(output.os, "rename", rename)
-        with pytest.raises(NvflareJobError, match="cannot move the imported files into place .*nothing was changed"):
+        with pytest.raises(NvflareJobError, match=r"cannot move the imported files into place .*nothing was changed"):
             move_into_place(staging, out, NAMES)
     assert sorted(p.name for p in out.iterdir()) == NAMES  # no staging folder left behind either
     assert (out / "nv" / "old.py").read_text() == "old\n" and not (out / "nv" / "new.py").exists()
@@ -65,6 +65,6 @@ def test_without_force_nothing_there_is_replaced(tmp_path: pathlib.Path) -> None
     out = tmp_path / "out"
     (out).mkdir()
     (out / "nv_dag.py").write_text("# edited by hand\n")
-    with pytest.raises(NvflareJobError, match="nv_dag.py already there"):
+    with pytest.raises(NvflareJobError, match=r"nv_dag\.py already there"):
         check_targets(out, NAMES, force=False)
     check_targets(out, ["other.yaml"], force=False)  # an unrelated file is no obstacle
