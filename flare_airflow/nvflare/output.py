@@ -8,6 +8,7 @@ replaced only with ``--force``, and never through a symlink.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -36,11 +37,19 @@ def check_targets(out_dir: Path, names: Sequence[str], *, force: bool) -> None:
 
 @contextmanager
 def staging_folder(out_dir: Path, job_name: str) -> Iterator[Path]:
-    """A fresh folder inside ``out_dir`` for the import's files; removed afterwards, whatever happens."""
+    """A fresh folder inside ``out_dir`` for the import's files; removed afterwards, whatever happens
+    (and ``out_dir`` too when this import created it and failed)."""
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{job_name}.importing-", dir=out_dir))
     try:
         yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

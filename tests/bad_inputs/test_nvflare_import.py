@@ -328,12 +328,12 @@ def test_hostile_nvflare_job_folder_is_refused_and_nothing_written(
     files, argv = INPUTS[bad_case.id]
     build(tmp_path, files)
     out = tmp_path / "out"
-    before = snapshot(out)
+    before = (out.exists(), snapshot(out))
     code = main([a.replace("{dir}", str(tmp_path)) for a in argv])
     _, err = capsys.readouterr()
     assert code == 2, f"{bad_case.id}: exit {code}\n{err}"
     assert_clear(bad_case, err)
-    assert snapshot(out) == before, f"{bad_case.id}: --out changed"
+    assert (out.exists(), snapshot(out)) == before, f"{bad_case.id}: --out changed"
     assert (tmp_path / "outside" / "custom" / "client.py").read_text() == BASE["outside/custom/client.py"]
 
 
