@@ -30,8 +30,9 @@ CONFIG_SUFFIXES = (".json", ".conf")
 # would only exhaust the recursion of the parsers and of whoever reads the job later.
 MAX_DEPTH = 32
 # In HOCON code with the strings' insides blanked: an include statement (quoted, file(), url(),
-# classpath(), required(...)) and a substitution ``${...}`` / ``${?...}``.
-_INCLUDE = re.compile(r'(?<![\w.\$-])include\s*(?:required\s*\(\s*)?(?:(?:file|url|classpath)\s*\(\s*)?"')
+# package(), classpath(), required(...); pyhocon reads the keyword in any case) and a
+# substitution ``${...}`` / ``${?...}``.
+_INCLUDE = re.compile(r'(?<![\w.\$-])include\s*(?:required\s*\(\s*)?(?:[a-z]+\s*\(\s*)?"', re.IGNORECASE)
 _SUBSTITUTION = re.compile(r"\$\{")
 
 
@@ -141,7 +142,7 @@ def _refuse_hocon_reach(path: Path, text: str) -> None:
         line = code.count("\n", 0, found.start()) + 1
         raise NvflareJobError(
             f"{path}:{line}: HOCON include: an imported job reads only its own folder's files and fetches "
-            "nothing (include file(...), url(...) and classpath(...) are refused); write the included "
+            'nothing (include "...", file(...), url(...) and package(...) are refused); write the included '
             "settings into this file"
         )
     found = _SUBSTITUTION.search(code)

@@ -17,6 +17,8 @@ from flare_airflow.nvflare.errors import NvflareJobError
         ('{\n  include "other.conf"\n}', 2),
         ('{\n  a = 1\n  include required(file("/etc/passwd"))\n}', 3),
         ('{\n  b { include classpath("x.conf") }\n}', 2),
+        ('{\n  INCLUDE "other.conf"\n}', 2),  # pyhocon reads the keyword in any case
+        ('{\n  include package("flare_airflow:x.conf")\n}', 2),
         ("{\n  key = ${HOME}\n}", 2),
         ("{\n  key = ${?HOME}\n}", 2),
         ('{\n  a = "x"\n  key = "prefix" ${HOME}\n}', 3),
