@@ -4,7 +4,8 @@ Only the run's own tasks (prepare, each round's aggregation, publish) write to t
 never do, so the job names no credentials. A tracking server is reached through an Airflow
 connection (``conn_id``) whose URI and credentials come from Airflow's secrets backend; ``uri`` is
 for trackers that need none (a SQLite file, a server on a private network), and one with
-credentials in it is refused.
+credentials in it is refused. Which ``uri`` a job may name is the deployment's choice, checked
+where Airflow's configuration is read (``flare_airflow.operators.tracking``).
 
 A deployment may track every job that does not say otherwise (``[flare_airflow] tracking`` in
 Airflow's configuration, :func:`deployment_tracking`); a job opts out with ``tracking: false``.
@@ -56,7 +57,11 @@ class TrackingSpec(Strict):
     conn_id: str | None = Field(
         None, description="Airflow connection of a tracking server (its URI and credentials stay in Airflow)"
     )
-    uri: str | None = Field(None, description="tracking URI without credentials; default: sqlite:///<store>/mlflow.db")
+    uri: str | None = Field(
+        None,
+        description="tracking URI without credentials, one the deployment lists ([flare_airflow] tracking_uris); "
+        "default: sqlite:///<store>/mlflow.db",
+    )
     register_model: str | None = Field(
         None, description="MLflow: register each run's published model as a version of this registered model"
     )
