@@ -34,8 +34,8 @@ from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.privacy.plan import PrivacyPlan
 from flare_airflow.core.strategies.central_dp import central_dp_problem
 
-_JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
-_HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+_JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?\Z")
+_HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 # Airflow's own schedule presets beyond cron's (airflow.sdk.definitions.dag._create_timetable).
 _SCHEDULE_PRESETS = ("@once", "@continuous")
 _CRON_PRESETS = {"@quarterly": "0 0 1 */3 *"}
