@@ -22,6 +22,7 @@ from flare_airflow.core.model import (
     write_artifact,
 )
 from flare_airflow.core.privacy.central import central_noise_key
+from flare_airflow.core.privacy.secret import weak_secret_problem
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import record_path
 from flare_airflow.core.strategies import StepContext, aggregate_from_store
@@ -68,6 +69,9 @@ def central_noise_secret(round_num: int) -> bytes:
             "noise), use another value than the sites' flare_noise_secret, then clear this task"
         )
     mask_secret(str(value), name)
+    problem = weak_secret_problem(str(value), name)
+    if problem is not None:
+        raise AirflowFailException(f"round {round_num} not aggregated: {problem}")
     return str(value).encode()
 
 

@@ -32,7 +32,9 @@ def test_max_epsilon_stops_the_run_after_round_2_and_publishes_it(airflow_home: 
     }
     dag_file = airflow_home.write_job("private", job)
     # The sites' noise secret, as a site's worker holds it (its environment / secrets backend).
-    airflow_home.env["AIRFLOW_VAR_FLARE_NOISE_SECRET"] = "5e" * 32
+    airflow_home.env["AIRFLOW_VAR_FLARE_NOISE_SECRET"] = (
+        "6d5a9bc813553e31487faf695ff5697711fa4caab5d143c9f95a9d33da139eda"
+    )
     try:
         result = airflow_home.run("flare_private", dag_file)
     finally:
@@ -71,7 +73,7 @@ def test_central_dp_through_a_real_run(airflow_home: AirflowHome) -> None:
     job["evaluate"] = False
     job["privacy"] = {"central": {"clip": 1.0, "noise_multiplier": 0.5}, "delta": 1.0e-5}
     dag_file = airflow_home.write_job("central", job)
-    secret = "c3" * 32
+    secret = "1f048a00e2b92a71dab65dd1a9bf611f9d525c721dbfb0c084399c5e1f112b40"
     airflow_home.env["AIRFLOW_VAR_FLARE_CENTRAL_NOISE_SECRET"] = secret
     try:
         result = airflow_home.run("flare_central", dag_file)

@@ -12,7 +12,7 @@ from flare_airflow.core.privacy.accountant import epsilon_after
 from tests.unit.airflow_layer import RUN_ID, context, make_job
 from tests.unit.operators.test_aggregate import SITES, operator, setup_round
 
-SECRET = "c3" * 32
+SECRET = "a986307b82cb17f1ae6fb8bd78eb542b8ef1b5da2640f7a4d781c2f79215ba71"
 PRIVACY = {"central": {"clip": 10.0, "noise_multiplier": 1e-6}, "delta": 1e-5}
 
 

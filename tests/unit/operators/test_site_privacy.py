@@ -69,7 +69,9 @@ def test_a_pod_or_slurm_site_task_filters_what_the_trainer_wrote_and_retries_pub
     tmp_path, monkeypatch
 ) -> None:
     at_site = private_job(tmp_path, monkeypatch)
-    monkeypatch.setenv("AIRFLOW_VAR_FLARE_NOISE_SECRET", "ab" * 32)
+    monkeypatch.setenv(
+        "AIRFLOW_VAR_FLARE_NOISE_SECRET", "0048d92e674fa28bd2f5b4538ab89b6ee5cc3825d3b7aab3101d4769ac874a0e"
+    )
     published = []
     for try_number in (1, 2):
         ti = PushingTI(try_number=try_number)
