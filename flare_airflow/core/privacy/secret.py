@@ -23,7 +23,7 @@ def estimated_bits(value: str) -> float:
         return 0.0
     counts = Counter(value)
     n = len(value)
-    per_char = -sum(c / n * math.log2(c / n) for c in counts.values())
+    per_char = max(0.0, -sum(c / n * math.log2(c / n) for c in counts.values()))
     return n * per_char
 
 
