@@ -120,3 +120,22 @@ def test_the_plan_checks_before_and_charges_after(tmp_path: pathlib.Path) -> Non
     assert report["releases"] == 2 and report["epsilon"] == pytest.approx(epsilon_after(2.0, 2, DELTA))
     with pytest.raises(BudgetExceeded, match="would be crossed"):  # 3 releases: 3.709 > 3
         check_budget(plan, "site-1")
+
+
+def test_site_budget_prints_the_ledger(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flare_airflow.cli.commands import main
+
+    ledger = tmp_path / "ledger.sqlite"
+    for rid in ("a", "b"):
+        _charge(PrivacyLedger(ledger), rid)
+    policy = tmp_path / "site.yaml"
+    policy.write_text(
+        "sites:\n  site-1:\n    privacy:\n      delta: 1.0e-5\n"
+        f"      budget: {{max_epsilon: 8, delta: 1.0e-5, ledger: {ledger}}}\n"
+        "      filters: [{type: gaussian, clip: 1.0, noise_multiplier: 2.0}]\n"
+    )
+    assert main(["site", "budget", "--policy", str(policy), "--releases"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("site-1"))
+    assert row.split()[:4] == ["site-1", "2", f"{epsilon_after(2.0, 2, DELTA):.4f}", "8"]
+    assert "job j run r1 round 1  z=2" in out
