@@ -243,8 +243,8 @@ class AggregateOperator(LineageMixin, BaseOperator):
             "metrics": outcome.metrics,
             "site_metrics": outcome.site_metrics,
             "evaluation": self._evaluate(context, str(global_out)) if job.evaluate else {},
-            # The run's ε after this round (the job's own noise), or None without it.
-            "privacy": job.privacy.account(r),
+            # The run's ε after this round (the job's own noise, over every distinct release), or None.
+            "privacy": job.privacy.account(r, self._site_releases(context)),
         }
         self.log.info(
             "round %d: %d/%d sites counted %s by %s%s, metrics %s, evaluation %s",
@@ -349,6 +349,16 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 if summary.get("blake3"):
                     blake3[site] = str(summary["blake3"])
         return accepted, blake3
+
+    def _site_releases(self, context: Context) -> dict[str, int]:
+        """Site -> the distinct noised releases its ledger charged in this run (its task's report)."""
+        releases: dict[str, int] = {}
+        for site, task_id in self.site_task_ids.items():
+            summary = context["ti"].xcom_pull(task_ids=task_id)
+            privacy = summary.get("privacy") if isinstance(summary, dict) else None
+            if isinstance(privacy, dict) and isinstance(privacy.get("releases"), int):
+                releases[site] = privacy["releases"]
+        return releases
 
     def _task_failure(self, context: Context, site: str) -> str | None:
         """The reason a site task put in XCom when it failed (the store may not have taken it)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -296,17 +297,26 @@ class JobPrivacy(Strict):
             return rounds
         return rounds_within_budget(z, self.delta, self.max_epsilon, rounds)
 
-    def account(self, round_num: int, rounds_allowed: int | None = None) -> dict[str, Any] | None:
-        """What a round's summary and the run's report say of the privacy spent after ``round_num``."""
-        epsilon = self.epsilon_after(round_num)
-        if epsilon is None:
+    def account(self, round_num: int, site_releases: Mapping[str, int] | None = None) -> dict[str, Any] | None:
+        """What a round's summary and the run's report say of the privacy spent after ``round_num``.
+
+        ``site_releases``: the distinct releases each site charged in this run so far (its site
+        task's report). A site task retried with another update released twice in one round: the
+        run's ε is composed over the most releases any site made, never fewer than the rounds.
+        """
+        z = self.noise_multiplier
+        if z is None or self.delta is None:
             return None
+        releases = max([round_num, *(site_releases or {}).values()])
         row: dict[str, Any] = {
-            "epsilon": epsilon,
+            "epsilon": epsilon_after(z, releases, self.delta),
             "delta": self.delta,
-            "noise_multiplier": self.noise_multiplier,
+            "noise_multiplier": z,
             "accountant": "gdp",
+            "releases": releases,
         }
+        if site_releases:
+            row["site_releases"] = dict(sorted(site_releases.items()))
         if self.max_epsilon is not None:
             row["max_epsilon"] = self.max_epsilon
         return row

@@ -139,3 +139,17 @@ def test_site_budget_prints_the_ledger(tmp_path: pathlib.Path, capsys: pytest.Ca
     row = next(line for line in out.splitlines() if line.startswith("site-1"))
     assert row.split()[:4] == ["site-1", "2", f"{epsilon_after(2.0, 2, DELTA):.4f}", "8"]
     assert "job j run r1 round 1  z=2" in out
+
+
+def test_the_runs_epsilon_is_composed_over_the_most_releases_of_any_site() -> None:
+    from flare_airflow.core.config.privacy import JobPrivacy
+
+    job = JobPrivacy.model_validate(
+        {"filters": [{"type": "gaussian", "clip": 1.0, "noise_multiplier": 2.0}], "delta": DELTA}
+    )
+    honest = job.account(3, {"site-1": 3, "site-2": 3})
+    assert honest is not None and honest["releases"] == 3
+    assert honest["epsilon"] == pytest.approx(epsilon_after(2.0, 3, DELTA))
+    retried = job.account(3, {"site-1": 4, "site-2": 3})  # site-1 released two updates in one round
+    assert retried is not None and retried["releases"] == 4 and retried["site_releases"] == {"site-1": 4, "site-2": 3}
+    assert retried["epsilon"] == pytest.approx(epsilon_after(2.0, 4, DELTA))
