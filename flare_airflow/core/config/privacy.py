@@ -297,17 +297,21 @@ class JobPrivacy(Strict):
             return rounds
         return rounds_within_budget(z, self.delta, self.max_epsilon, rounds)
 
-    def account(self, round_num: int, site_releases: Mapping[str, int] | None = None) -> dict[str, Any] | None:
+    def account(
+        self, round_num: int, site_releases: Mapping[str, int] | None = None, central_releases: int | None = None
+    ) -> dict[str, Any] | None:
         """What a round's summary and the run's report say of the privacy spent after ``round_num``.
 
         ``site_releases``: the distinct releases each site charged in this run so far (its site
-        task's report). A site task retried with another update released twice in one round: the
-        run's ε is composed over the most releases any site made, never fewer than the rounds.
+        task's report); ``central_releases``: the distinct central-DP sums released so far. A site
+        task retried with another update released twice in one round, a round re-aggregated after
+        a cleared site released two sums: the run's ε is composed over the most releases, never
+        fewer than the rounds.
         """
         z = self.noise_multiplier
         if z is None or self.delta is None:
             return None
-        releases = max([round_num, *(site_releases or {}).values()])
+        releases = max([round_num, *(site_releases or {}).values(), central_releases or 0])
         row: dict[str, Any] = {
             "epsilon": epsilon_after(z, releases, self.delta),
             "delta": self.delta,
@@ -317,6 +321,8 @@ class JobPrivacy(Strict):
         }
         if site_releases:
             row["site_releases"] = dict(sorted(site_releases.items()))
+        if central_releases is not None:
+            row["central_releases"] = central_releases
         if self.max_epsilon is not None:
             row["max_epsilon"] = self.max_epsilon
         return row

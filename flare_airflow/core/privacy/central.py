@@ -54,6 +54,17 @@ def central_noise_key(secret: bytes, job: str, run_id: str, round_num: int) -> b
     return hmac.new(secret, message, hashlib.sha256).digest()
 
 
+CENTRAL_RELEASES_FILE = "central-releases.json"  # in each round's folder of the store: the round's releases
+
+
+def central_release_id(round_num: int, accepted_sha256: Mapping[str, str | None]) -> str:
+    """The name of one central release in the run's account: the round and each accepted site's
+    update (the sha256 its site task vouched for). A retried aggregation of the same updates is the
+    same release; one after a cleared site succeeded sums another set and is another release."""
+    body = json.dumps({"round": int(round_num), "accepted": dict(sorted(accepted_sha256.items()))})
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def accepted_set_digest(digests: Mapping[str, bytes], *, clip: float, noise_multiplier: float, num_sites: int) -> bytes:
     """SHA-256 of what a central release sums: each accepted site with its clipped update's digest,
     and the calibration (clip, z, denominator) the noise is drawn for."""

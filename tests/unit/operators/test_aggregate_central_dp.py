@@ -32,9 +32,15 @@ def test_central_dp_round_fixed_denominator_retry_and_epsilon(job, monkeypatch: 
     assert record.sha256 == summary["sha256"]
     assert summary["privacy"]["epsilon"] == pytest.approx(epsilon_after(1e-6, 1, 1e-5))
     assert SECRET not in repr(summary)
-    # A retried aggregation (the task cleared and run again) releases the identical bytes.
+    assert summary["privacy"]["releases"] == 1 and summary["privacy"]["central_releases"] == 1
+    # A retried aggregation (the task cleared and run again) releases the identical bytes: one release.
     again = operator(job).execute(context(ti))
-    assert again["sha256"] == summary["sha256"]
+    assert again["sha256"] == summary["sha256"] and again["privacy"]["central_releases"] == 1
+    # site-3 cleared and succeeded, the round aggregated again: another sum, fresh noise, charged again.
+    store, ti = setup_round(job, {"site-1": 1.0, "site-2": 3.0, "site-3": 2.0})
+    after = operator(job).execute(context(ti))
+    assert after["sha256"] != summary["sha256"] and after["privacy"]["central_releases"] == 2
+    assert after["privacy"]["epsilon"] == pytest.approx(epsilon_after(1e-6, 2, 1e-5))
 
 
 def test_without_the_secret_the_round_fails_saying_how_and_writes_nothing(job, monkeypatch: pytest.MonkeyPatch) -> None:
