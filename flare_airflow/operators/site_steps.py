@@ -133,7 +133,7 @@ def check_site_budget(run: SiteRun) -> None:
     if run.privacy is None or run.task != "train":
         return
     try:
-        check_budget(PrivacyPlan.from_dict(run.privacy), run.site)
+        check_budget(PrivacyPlan.from_dict(run.privacy), run.site, job=run.job, run_id=run.run_id, round_num=run.round)
     except PrivacyRefused as exc:
         raise SiteJobFailed(f"round {run.round}: {exc}") from None
 

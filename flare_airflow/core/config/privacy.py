@@ -283,6 +283,14 @@ class JobPrivacy(Strict):
             zs.append(self.central.noise_multiplier)
         return max(zs) if zs else None
 
+    def run_budget(self) -> dict[str, float] | None:
+        """What a site task checks of the job's ``max_epsilon`` against the run's releases at the site
+        (the job's gaussian filters: central DP's releases are the server's)."""
+        zs = [f.noise_multiplier for f in self.filters if isinstance(f, Gaussian)]
+        if self.max_epsilon is None or self.delta is None or not zs:
+            return None
+        return {"max_epsilon": self.max_epsilon, "delta": self.delta, "noise_multiplier": max(zs)}
+
     def epsilon_after(self, rounds: int) -> float | None:
         """The run's ε at ``delta`` after ``rounds`` rounds, or None when the job adds no noise."""
         z = self.noise_multiplier
@@ -407,4 +415,5 @@ def site_privacy_plan(site_privacy: SitePrivacy | None, job: JobPrivacy, site: s
         delta=site_privacy.delta if site_privacy.delta is not None else job.delta,
         noise_secret_variable=site_privacy.noise_secret_variable,
         budget=budget.model_dump() if budget is not None else None,
+        run_budget=job.run_budget(),
     )

@@ -109,6 +109,16 @@ class PrivacyLedger:
             rows = conn.execute("SELECT mu FROM releases WHERE site = ? ORDER BY rowid", (site,)).fetchall()
         return [float(r[0]) for r in rows]
 
+    def run_count(self, site: str, job: str, run_id: str) -> int:
+        """How many distinct releases ``site`` made in (job, run) (0 before the file exists)."""
+        if not self.path.exists():
+            return 0
+        with self._connect() as conn:
+            row = conn.execute(
+                "SELECT COUNT(*) FROM releases WHERE site = ? AND job = ? AND run_id = ?", (site, job, run_id)
+            ).fetchone()
+        return int(row[0])
+
     def rows(self, site: str | None = None) -> list[dict[str, object]]:
         """Every release (of ``site``, or of every site), oldest first."""
         query = "SELECT site, release_id, job, run_id, round, mu, noise_multiplier, released_at FROM releases"

@@ -14,7 +14,7 @@ from typing import Any
 
 from flare_airflow.core.privacy.accountant import epsilon_after, epsilon_of_releases
 from flare_airflow.core.privacy.filters import FilterStep, Params, PrivacyRefused, apply_filters
-from flare_airflow.core.privacy.ledger import Budget, PrivacyLedger, default_ledger_path
+from flare_airflow.core.privacy.ledger import Budget, BudgetExceeded, PrivacyLedger, default_ledger_path
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class PrivacyPlan:
     delta: float | None = None
     noise_secret_variable: str = "flare_noise_secret"  # noqa: S105 - an Airflow variable's name
     budget: dict[str, Any] | None = None  # the site's SiteBudget: max_epsilon, delta, ledger
+    # The job's max_epsilon over this run, with the job's δ and z: {max_epsilon, delta, noise_multiplier}.
+    run_budget: dict[str, float] | None = None
 
     def site_budget(self) -> Budget | None:
         if self.budget is None:
@@ -121,11 +123,25 @@ def release(
     return Release(params=result.params, metrics=dict(metrics), meta=dict(meta), report=report)
 
 
-def check_budget(plan: PrivacyPlan, site: str) -> dict[str, float] | None:
+def check_budget(plan: PrivacyPlan, site: str, *, job: str, run_id: str, round_num: int) -> dict[str, float] | None:
     """Before the trainer starts: refuse (:class:`~.ledger.BudgetExceeded`) a site task whose
-    release would take the site beyond its budget, whatever job or run it belongs to. Counts the
-    task as one new release (a retry may release another update). None without a budget."""
+    release would take the site beyond its budget, whatever job or run it belongs to, or take this
+    run beyond the job's ``max_epsilon`` (the run's rounds were planned for one release each; a
+    retry that released another update spent more). Counts the task as one new release (a retry
+    may release another update). None without a site budget."""
     budget, z = plan.site_budget(), plan.noise_multiplier()
+    run_budget = plan.run_budget
+    if run_budget is not None and plan.adds_noise:
+        done = plan.ledger().run_count(site, job, run_id)
+        z_job, d = float(run_budget["noise_multiplier"]), float(run_budget["delta"])
+        would_be = epsilon_after(z_job, done + 1, d)
+        if would_be > float(run_budget["max_epsilon"]):
+            raise BudgetExceeded(
+                f"site {site!r} round {round_num}: the job's max_epsilon {run_budget['max_epsilon']:g} (δ={d:g}) would "
+                f"be crossed: this run has {done} release(s) at this site (ε = {epsilon_after(z_job, done, d):.4f}), "
+                f"and one more would make it ε = {would_be:.4f} -- a retried site task that released another update "
+                "is a release of its own. Nothing was released"
+            )
     if budget is None:
         return None
     if z is None:

@@ -110,8 +110,8 @@ def test_the_plan_checks_before_and_charges_after(tmp_path: pathlib.Path) -> Non
         delta=DELTA,
         budget={"max_epsilon": 3.0, "delta": DELTA, "ledger": str(tmp_path / "l.sqlite")},
     )
-    assert check_budget(plan, "site-1") == {"spent_epsilon": 0.0, "would_be_epsilon": pytest.approx(1.993, abs=1e-3),
-                                             "max_epsilon": 3.0}  # fmt: skip
+    checked = check_budget(plan, "site-1", job="j", run_id="r", round_num=1)
+    assert checked == {"spent_epsilon": 0.0, "would_be_epsilon": pytest.approx(1.993, abs=1e-3), "max_epsilon": 3.0}
     report = {"release_id": "one"}
     charge_release(plan, report, site="site-1", job="j", run_id="r", round_num=1)
     assert report["releases"] == 1 and report["charged"] and report["budget"]["releases"] == 1
@@ -119,7 +119,7 @@ def test_the_plan_checks_before_and_charges_after(tmp_path: pathlib.Path) -> Non
     charge_release(plan, report, site="site-1", job="j", run_id="r", round_num=1)  # a hostile retry's release
     assert report["releases"] == 2 and report["epsilon"] == pytest.approx(epsilon_after(2.0, 2, DELTA))
     with pytest.raises(BudgetExceeded, match="would be crossed"):  # 3 releases: 3.709 > 3
-        check_budget(plan, "site-1")
+        check_budget(plan, "site-1", job="j", run_id="r", round_num=1)
 
 
 def test_site_budget_prints_the_ledger(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -153,3 +153,19 @@ def test_the_runs_epsilon_is_composed_over_the_most_releases_of_any_site() -> No
     retried = job.account(3, {"site-1": 4, "site-2": 3})  # site-1 released two updates in one round
     assert retried is not None and retried["releases"] == 4 and retried["site_releases"] == {"site-1": 4, "site-2": 3}
     assert retried["epsilon"] == pytest.approx(epsilon_after(2.0, 4, DELTA))
+
+
+def test_a_hostile_retry_cannot_carry_a_run_past_the_jobs_max_epsilon(tmp_path: pathlib.Path) -> None:
+    # The job planned 2 rounds within max_epsilon 3.5 (z = 2: 2.943); a third release (a retry that
+    # sent another update) would make the run's ε 3.709: the site task is refused before it runs.
+    plan = PrivacyPlan(
+        filters=[{"type": "gaussian", "clip": 1.0, "noise_multiplier": 2.0}],
+        delta=DELTA,
+        run_budget={"max_epsilon": 3.5, "delta": DELTA, "noise_multiplier": 2.0},
+    )
+    for rid in ("round-1", "round-1-retry"):
+        assert check_budget(plan, "site-1", job="j", run_id="r", round_num=1) is None
+        charge_release(plan, {"release_id": rid}, site="site-1", job="j", run_id="r", round_num=1)
+    with pytest.raises(BudgetExceeded, match=r"the job's max_epsilon 3.5 \(δ=1e-05\) would be crossed"):
+        check_budget(plan, "site-1", job="j", run_id="r", round_num=2)
+    assert check_budget(plan, "site-1", job="j", run_id="another run", round_num=1) is None
