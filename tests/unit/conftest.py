@@ -22,13 +22,6 @@ from flare_airflow.core.model import FLModel, write_artifact
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _own_privacy_ledger(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test's site tasks charge a ledger of their own, never the developer's $AIRFLOW_HOME one."""
-    ledger = tmp_path_factory.mktemp("ledger") / "privacy-ledger.sqlite"
-    monkeypatch.setenv("FLARE_PRIVACY_LEDGER", str(ledger))
-
-
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
     try:
