@@ -29,7 +29,7 @@ from flare_airflow.core.privacy.accountant import epsilon_of_releases
 from flare_airflow.core.privacy.filters import PrivacyRefused
 
 LEDGER_ENV = envvars.FLARE_PRIVACY_LEDGER
-_BUSY_TIMEOUT_S = 60.0  # a site task waits this long for another task's charge (milliseconds each)
+_BUSY_TIMEOUT_S = 60.0  # how long a site task waits for the write lock (another task's charge takes ms)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS releases (
     site TEXT NOT NULL,
