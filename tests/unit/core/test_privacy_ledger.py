@@ -98,7 +98,7 @@ def _charge_many(path: str, start: int, n: int) -> int:
 def test_concurrent_tasks_never_spend_past_the_budget(tmp_path: pathlib.Path) -> None:
     # 4 processes race 8 releases each at a budget that fits 11: exactly 11 are written, 21 refused.
     path = str(tmp_path / "l.sqlite")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")  # no connection is open before the fork
     with ctx.Pool(4) as pool:
         refused = sum(pool.starmap(_charge_many, [(path, k * 8, 8) for k in range(4)]))
     assert len(PrivacyLedger(path).mus("site-1")) == 11 and refused == 21
