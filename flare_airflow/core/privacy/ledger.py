@@ -94,14 +94,27 @@ class PrivacyLedger:
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        # Fail closed: a release the ledger cannot record does not leave.
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise self._unusable(exc) from None
         try:
             conn.execute("PRAGMA synchronous=FULL")  # a charge that returned is on disk
             conn.execute(_SCHEMA)
             yield conn
+        except sqlite3.Error as exc:
+            raise self._unusable(exc) from None
         finally:
             conn.close()
+
+    def _unusable(self, exc: BaseException) -> PrivacyRefused:
+        return PrivacyRefused(
+            f"the site's privacy ledger {self.path} cannot be used ({type(exc).__name__}: {exc}); nothing was "
+            f"released. Make it a writable file on the site's worker: the site policy's privacy.budget.ledger, "
+            f"or ${LEDGER_ENV}"
+        )
 
     def mus(self, site: str) -> list[float]:
         """μ of every release of ``site``, oldest first."""

@@ -17,6 +17,7 @@ from flare_airflow.core.privacy.accountant import (
     gdp_epsilon,
     noise_multiplier_for,
 )
+from flare_airflow.core.privacy.filters import PrivacyRefused
 from flare_airflow.core.privacy.ledger import Budget, BudgetExceeded, PrivacyLedger
 from flare_airflow.core.privacy.plan import PrivacyPlan, charge_release, check_budget
 
@@ -169,3 +170,14 @@ def test_a_hostile_retry_cannot_carry_a_run_past_the_jobs_max_epsilon(tmp_path: 
     with pytest.raises(BudgetExceeded, match=r"the job's max_epsilon 3.5 \(δ=1e-05\) would be crossed"):
         check_budget(plan, "site-1", job="j", run_id="r", round_num=2)
     assert check_budget(plan, "site-1", job="j", run_id="another run", round_num=1) is None
+
+
+def test_a_ledger_that_cannot_be_written_refuses_the_release(tmp_path: pathlib.Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(PrivacyRefused, match=r"privacy ledger .* cannot be used .* nothing was released"):
+        _charge(PrivacyLedger(blocker / "ledger.sqlite"), "a")
+    corrupt = tmp_path / "corrupt.sqlite"
+    corrupt.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(PrivacyRefused, match="DatabaseError"):
+        _charge(PrivacyLedger(corrupt), "a")
