@@ -154,6 +154,9 @@ def test_a_sites_budget_charges_a_hostile_retry_and_refuses_another_jobs_round(
     report = json.loads(metrics_json.read_text())
     assert report["privacy"]["releases"] == 3
     assert report["privacy"]["epsilon"] == pytest.approx(epsilon_after(2.0, 3, 1e-5), abs=1e-6)  # 3.709
+    assert [row["releases"] for row in report["rounds"]] == [2, 3]  # round 1's two releases, then round 2's
+    extra = _asset_events(airflow_home, "flare_airflow.hostile.global_model")[-1]
+    assert extra["privacy"]["releases"] == 3 and round(extra["privacy"]["epsilon"], 3) == 3.709
 
     # Job 2, another job and run on the same site (a new worker process; the ledger is the file):
     # at z = 0.8 its round 1 fits (ε 7.168), its round 2 would make ε 9.804 > 8 and is refused
