@@ -51,3 +51,13 @@ def test_without_the_secret_the_round_fails_saying_how_and_writes_nothing(job, m
     message = str(info.value)
     assert "privacy.central" in message and "airflow variables set flare_central_noise_secret" in message
     assert not store.global_model(job.job, RUN_ID, 1).exists()
+
+
+def test_a_weak_central_secret_fails_the_round_saying_how_to_make_one(job, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_VAR_FLARE_CENTRAL_NOISE_SECRET", "c3" * 32)  # 64 characters, about 64 bits
+    store, ti = setup_round(job, {"site-1": 1.0, "site-2": 3.0})
+    with pytest.raises(AirflowFailException) as info:
+        operator(job).execute(context(ti))
+    message = str(info.value)
+    assert "'flare_central_noise_secret' is too weak: about 64 bits" in message and "token_hex(32)" in message
+    assert "c3c3" not in message and not store.global_model(job.job, RUN_ID, 1).exists()
