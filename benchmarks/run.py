@@ -62,6 +62,7 @@ import bench_nvflare_native
 import bench_nvflare_shim
 import bench_poc
 import bench_privacy
+import bench_privacy_keying
 import bench_rounds
 import bench_scale
 import bench_tracking
@@ -85,6 +86,7 @@ OWN_OUTPUTS = {
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
     "privacy": BENCH_DIR / "results" / "privacy.md",
+    "privacy-keying": BENCH_DIR / "results" / "privacy_keying.md",
     "confinement": BENCH_DIR / "results" / "confinement.md",
     "tracking": BENCH_DIR / "results" / "tracking.md",
     "containers": BENCH_DIR / "results" / "containers.md",
@@ -112,6 +114,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "rounds",
             "edge",
             "privacy",
+            "privacy-keying",
             "confinement",
             "tracking",
             "containers",
@@ -181,6 +184,10 @@ def main(argv: list[str]) -> int:
             log("[privacy] the site's filters per update; digits accuracy under local DP ...")
             tables = bench_privacy.run(reps=args.reps, quick=args.quick)
             sections.append(("8. Privacy: the site's filters and what noise costs", tables))
+        if args.only == "privacy-keying":
+            log("[privacy-keying] the noise's keying old vs new, and the site's ledger per round ...")
+            tables = bench_privacy_keying.run(reps=max(args.reps, 5), quick=args.quick)
+            sections.append(("Privacy keyed by what is released, and the site's ledger (issue 34)", tables))
         if args.only == "confinement":
             log("[confinement] one site job, confined (bubblewrap) vs unconfined ...")
             tables = bench_confinement.run(reps=max(args.reps, 5), keep=args.keep, tmp_base=args.tmp_dir)

@@ -30,6 +30,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(line)
 
 
+@pytest.fixture(autouse=True)
+def _own_privacy_ledger(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test's site tasks charge a privacy ledger of their own (docs/privacy.md), never the one
+    under the developer's $AIRFLOW_HOME, whose releases would outlive the test. (The session's
+    Airflow home copies the first test's value: its runs share one ledger, each under its own run.)"""
+    ledger = tmp_path_factory.mktemp("ledger") / "privacy-ledger.sqlite"
+    monkeypatch.setenv("FLARE_PRIVACY_LEDGER", str(ledger))
+
+
 @pytest.fixture(scope="session")
 def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> AirflowHome:
     """A private Airflow home (SQLite, migrated once per session) with its own dags folder."""

@@ -253,6 +253,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_site_budget(args: argparse.Namespace) -> int:
+    from flare_airflow.cli.site_budget import site_budget_text
+
+    print(site_budget_text(policy=args.policy, site=args.site, delta=args.delta, releases=args.releases))
+    return 0
+
+
 def _cmd_try_trainer(args: argparse.Namespace) -> int:
     from flare_airflow.cli.try_trainer import try_trainer
 
@@ -360,6 +367,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("job")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the pools do not match")
     p.set_defaults(func=_cmd_pools_sync)
+    site = sub.add_parser("site", help="a site's own state on this worker")
+    site_sub = site.add_subparsers(dest="site_command", required=True)
+    p = site_sub.add_parser("budget", help="the site's privacy ledger: every release, ε spent, the budget")
+    p.add_argument("--site", help="only this site")
+    p.add_argument("--policy", help="the site policy file (default: $FLARE_SITE_CONFIG)")
+    p.add_argument("--delta", type=float, default=1e-5, help="δ for sites without a budget (default 1e-5)")
+    p.add_argument("--releases", action="store_true", help="list every release")
+    p.set_defaults(func=_cmd_site_budget)
     p = sub.add_parser(
         "import-nvflare", help="turn an NVIDIA FLARE job folder into a flare-airflow job (YAML, DAG, scripts)"
     )

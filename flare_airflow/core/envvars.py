@@ -63,6 +63,8 @@ FLARE_SITE_RESULT_FILE = "FLARE_SITE_RESULT_FILE"
 """A local file (outside the store) where the site runner leaves its failure reason for the site task."""
 FLARE_SITE_NOISE_SECRET = "FLARE_SITE_NOISE_SECRET"  # noqa: S105 - a variable name
 """The site's noise secret for its privacy filters; the runner removes it before the trainer starts."""
+FLARE_PRIVACY_LEDGER = "FLARE_PRIVACY_LEDGER"
+"""(Optional, on a site's worker) the site's privacy ledger (default ``$AIRFLOW_HOME/flare/privacy-ledger.sqlite``)."""
 
 # ---------------------------------------------------------------- launchers
 FLARE_PROCESS_TREE = "FLARE_PROCESS_TREE"

@@ -30,6 +30,8 @@ def round_row(summary: Mapping[str, Any], num_sites: int) -> dict[str, Any]:
         "sha256": summary.get("sha256"),
         # The run's (ε, δ) after this round (docs/privacy.md), None when the job adds no noise.
         "epsilon": (summary.get("privacy") or {}).get("epsilon"),
+        # The distinct releases that ε is composed over (the most any site made; >= the round).
+        "releases": (summary.get("privacy") or {}).get("releases"),
     }
 
 

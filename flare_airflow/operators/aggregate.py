@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -16,14 +17,16 @@ from flare_airflow.core.model import (
     MAX_METRICS,
     FLModel,
     WritablePath,
+    atomic_write,
     read_artifact,
     read_record,
     read_verified,
     write_artifact,
 )
-from flare_airflow.core.privacy.central import central_noise_key
+from flare_airflow.core.privacy.central import CENTRAL_RELEASES_FILE, central_noise_key, central_release_id
+from flare_airflow.core.privacy.secret import weak_secret_problem
 from flare_airflow.core.spec import JobReturnCode
-from flare_airflow.core.store import record_path
+from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.core.strategies import StepContext, aggregate_from_store
 from flare_airflow.core.strategies.central_dp import with_central_dp
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
@@ -43,6 +46,15 @@ from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
+
+
+def _read_ids(path: WritablePath) -> list[str]:
+    """The release names recorded at ``path`` ([] when there is none yet)."""
+    if not path.exists():
+        return []
+    with path.open("rb") as fh:
+        data = json.loads(fh.read(1 << 20))
+    return [str(x) for x in data] if isinstance(data, list) else []
 
 
 def central_noise_secret(round_num: int) -> bytes:
@@ -68,6 +80,9 @@ def central_noise_secret(round_num: int) -> bytes:
             "noise), use another value than the sites' flare_noise_secret, then clear this task"
         )
     mask_secret(str(value), name)
+    problem = weak_secret_problem(str(value), name)
+    if problem is not None:
+        raise AirflowFailException(f"round {round_num} not aggregated: {problem}")
     return str(value).encode()
 
 
@@ -204,6 +219,12 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 "the round's means (each site's own metrics are kept): %s",
                 r, len(outcome.metrics) + len(outcome.metrics_dropped), MAX_METRICS, outcome.metrics_dropped[:20],
             )  # fmt: skip
+        # Central DP: the release is recorded before it is written (a distinct sum is charged once).
+        central_releases = (
+            self._central_releases(store, run_id, {s: (accepted or {}).get(s) for s in outcome.accepted})
+            if central is not None
+            else None
+        )
         global_out = store.global_model(job.job, run_id, r)
         try:
             record = write_artifact(
@@ -239,8 +260,8 @@ class AggregateOperator(LineageMixin, BaseOperator):
             "metrics": outcome.metrics,
             "site_metrics": outcome.site_metrics,
             "evaluation": self._evaluate(context, str(global_out)) if job.evaluate else {},
-            # The run's ε after this round (the job's own noise), or None without it.
-            "privacy": job.privacy.account(r),
+            # The run's ε after this round (the job's own noise, over every distinct release), or None.
+            "privacy": job.privacy.account(r, self._site_releases(context), central_releases),
         }
         self.log.info(
             "round %d: %d/%d sites counted %s by %s%s, metrics %s, evaluation %s",
@@ -345,6 +366,35 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 if summary.get("blake3"):
                     blake3[site] = str(summary["blake3"])
         return accepted, blake3
+
+    def _central_releases(self, store: ModelStore, run_id: str, accepted: dict[str, str | None]) -> int:
+        """Record this round's central release (its accepted set) in the round's folder; the run's
+        distinct central releases so far, over rounds 1..this one (docs/privacy.md)."""
+        r, job = self.round_num, self.job.job
+        ids = _read_ids(store.round_dir(job, run_id, r) / CENTRAL_RELEASES_FILE)
+        release = central_release_id(r, accepted)
+        if release not in ids:
+            ids.append(release)
+            try:
+                atomic_write(store.round_dir(job, run_id, r) / CENTRAL_RELEASES_FILE, json.dumps(ids).encode())
+            except OSError as exc:
+                raise AirflowFailException(
+                    f"round {r}: cannot record the central-DP release in the model store: {exc.strerror or exc}; "
+                    "nothing was released. Fix the store, then clear this task"
+                ) from None
+        return len(ids) + sum(
+            len(_read_ids(store.round_dir(job, run_id, k) / CENTRAL_RELEASES_FILE)) for k in range(1, r)
+        )
+
+    def _site_releases(self, context: Context) -> dict[str, int]:
+        """Site -> the distinct noised releases its ledger charged in this run (its task's report)."""
+        releases: dict[str, int] = {}
+        for site, task_id in self.site_task_ids.items():
+            summary = context["ti"].xcom_pull(task_ids=task_id)
+            privacy = summary.get("privacy") if isinstance(summary, dict) else None
+            if isinstance(privacy, dict) and isinstance(privacy.get("releases"), int):
+                releases[site] = privacy["releases"]
+        return releases
 
     def _task_failure(self, context: Context, site: str) -> str | None:
         """The reason a site task put in XCom when it failed (the store may not have taken it)."""

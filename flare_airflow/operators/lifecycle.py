@@ -33,6 +33,7 @@ from flare_airflow.operators.common import store_for
 from flare_airflow.operators.site_outputs import accept_update, claim_and_clear, last_lines
 from flare_airflow.operators.site_steps import (
     SiteJobFailed,
+    check_site_budget,
     check_site_task_may_run,
     job_at_site,
     make_site_run,
@@ -170,6 +171,13 @@ class SiteTaskLifecycle(abc.ABC):
         except SiteJobFailed as exc:
             raise self.fail(context, run, JobReturnCode.CONFIG_ERROR, str(exc)) from None
 
+    def check_privacy_budget(self, context: Context, run: SiteRun) -> None:
+        """Refuse, before anything is launched, a release that would cross the site's budget."""
+        try:
+            check_site_budget(run)
+        except SiteJobFailed as exc:
+            raise self.fail(context, run, JobReturnCode.CONFIG_ERROR, str(exc)) from None
+
     def claim(self, run: SiteRun) -> None:
         """Claim this try and clear the site's previous result of this round."""
         claim_and_clear(run)
@@ -195,6 +203,7 @@ class SiteTaskLifecycle(abc.ABC):
             launcher = self.launcher(try_number=try_number, secrets=secrets)
             handle = self.reattach(launcher=launcher, identity=identity)
         if handle is None:
+            self.check_privacy_budget(context, run)
             self.claim(run)
             with self.launch_errors(context, run):
                 self.end_earlier_tries(context=context, launcher=launcher, identity=identity)

@@ -338,6 +338,7 @@ class PublishOperator(LineageMixin, BaseOperator):
         if epsilon is not None or note:
             report["privacy"] = {
                 "epsilon": epsilon,
+                "releases": rows[-1].get("releases"),
                 "delta": self.job.privacy.delta,
                 "max_epsilon": self.job.privacy.max_epsilon,
                 "note": note,

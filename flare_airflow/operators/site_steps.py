@@ -115,7 +115,27 @@ def noise_secret_for(run: SiteRun) -> str | None:
             f"AIRFLOW_VAR_{plan.noise_secret_variable.upper()}) and keep it for the run's lifetime"
         )
     mask_secret(str(value), plan.noise_secret_variable)
+    from flare_airflow.core.privacy.secret import weak_secret_problem
+
+    problem = weak_secret_problem(str(value), plan.noise_secret_variable)
+    if problem is not None:
+        raise SiteJobFailed(f"site {run.site!r}: {problem}")
     return str(value)
+
+
+def check_site_budget(run: SiteRun) -> None:
+    """Before the trainer starts: refuse a site task whose release would take the site beyond its
+    privacy budget (the ledger on this worker, every job and run). Raises :class:`SiteJobFailed`
+    with the budget, the spent ε and the would-be ε."""
+    from flare_airflow.core.privacy.filters import PrivacyRefused
+    from flare_airflow.core.privacy.plan import PrivacyPlan, check_budget
+
+    if run.privacy is None or run.task != "train":
+        return
+    try:
+        check_budget(PrivacyPlan.from_dict(run.privacy), run.site, job=run.job, run_id=run.run_id, round_num=run.round)
+    except PrivacyRefused as exc:
+        raise SiteJobFailed(f"round {run.round}: {exc}") from None
 
 
 def site_policy_path() -> str | None:

@@ -170,7 +170,7 @@ def apply_privacy(
     from flare_airflow.core.aggregation import validate_update
     from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
     from flare_airflow.core.privacy.filters import PrivacyRefused, noise_key
-    from flare_airflow.core.privacy.plan import PrivacyPlan, release
+    from flare_airflow.core.privacy.plan import PrivacyPlan, charge_release, release
 
     assert run.privacy is not None
     plan = PrivacyPlan.from_dict(run.privacy)
@@ -201,6 +201,8 @@ def apply_privacy(
         validate_update(run.site, record.tensors, out.params)
     except FlareAirflowError as exc:
         raise PrivacyRefused(f"{where}: after the privacy filters: {exc}") from None
+    # Charged at the site before it is published: a release that would cross the site's budget never leaves.
+    charge_release(plan, out.report, site=run.site, job=run.job, run_id=run.run_id, round_num=run.round)
     meta = {**out.meta, "privacy": out.report}
     if record.num_samples is not None:
         meta["num_samples"] = record.num_samples

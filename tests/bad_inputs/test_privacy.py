@@ -67,6 +67,36 @@ JOB_CASES = {
         "'dp_sgd'",
         {"filters": [{"type": "dp_sgd"}]},
     ),
+    "privacy-noise-multiplier-true": (
+        "a gaussian filter with noise_multiplier: true (a boolean is not a number)",
+        "noise_multiplier must be a number > 0 (z, the noise's sd in units of clip, e.g. 1.0), got True",
+        {"filters": [{**GAUSSIAN, "noise_multiplier": True}], "delta": 1.0e-5},
+    ),
+    "privacy-clip-true": (
+        "a clip filter with clip: true",
+        "clip must be a number > 0 (the L2 norm bound of the update, e.g. 1.0), got True",
+        {"filters": [{"type": "clip", "clip": True}]},
+    ),
+    "privacy-max-epsilon-true": (
+        "max_epsilon: true",
+        "max_epsilon must be a number > 0 (the run's privacy budget ε, e.g. 8), got True",
+        {"filters": [GAUSSIAN], "delta": 1.0e-5, "max_epsilon": True},
+    ),
+    "privacy-percentile-true": (
+        "a percentile filter with percentile: true",
+        "percentile must be a number from 0 to 100, got True",
+        {"filters": [{"type": "percentile", "percentile": True, "gamma": 0.1}]},
+    ),
+    "privacy-central-z-true": (
+        "privacy.central with noise_multiplier: true",
+        "noise_multiplier must be a number > 0 (z, the noise's sd in units of clip), got True",
+        {"central": {"clip": 1.0, "noise_multiplier": True}, "delta": 1.0e-5},
+    ),
+    "privacy-tiny-z-budget": (
+        "max_epsilon 8 with z = 0.01 (one round spends ε = 5425.5, finite, not inf)",
+        "one round within it needs a noise_multiplier of at least 0.",
+        {"filters": [{**GAUSSIAN, "noise_multiplier": 0.01}], "delta": 1.0e-5, "max_epsilon": 8},
+    ),
     "privacy-percentile-out-of-range": (
         "a percentile filter with percentile 150",
         "percentile must be a number from 0 to 100",
@@ -100,6 +130,51 @@ POLICY_CASES = {
         "sites:\n  site-1:\n    privacy: {public_metrics: [train_loss]}\n",
         {"public_metrics": ["train_loss", "val_auc"]},
     ),
+    "privacy-site-secret-is-central": (
+        "the site's noise_secret_variable names the server's flare_central_noise_secret",
+        "noise_secret_variable names the server's central-DP secret (flare_central_noise_secret)",
+        "sites:\n  site-1:\n    privacy: {noise_secret_variable: flare_central_noise_secret}\n",
+        {},
+    ),
+    "privacy-site-secret-variable-empty": (
+        "the site's noise_secret_variable is empty",
+        "noise_secret_variable is empty; name the site's own variable",
+        "sites:\n  site-1:\n    privacy: {noise_secret_variable: ''}\n",
+        {},
+    ),
+    "privacy-site-budget-true": (
+        "a site budget with max_epsilon: true",
+        "privacy.budget.max_epsilon must be a number > 0",
+        "sites:\n  site-1:\n    privacy: {budget: {max_epsilon: true, delta: 1.0e-5}}\n",
+        {},
+    ),
+    "privacy-site-budget-without-noise": (
+        "a site budget, and neither the site nor the job adds noise",
+        "the site has a privacy budget (privacy.budget) but neither it nor the job adds noise",
+        "sites:\n  site-1:\n    privacy: {budget: {max_epsilon: 8, delta: 1.0e-5}}\n",
+        {},
+    ),
+    "privacy-site-budget-below-one-release": (
+        "a site budget of ε = 1 with z = 1 (one release spends 4.377)",
+        "one release within it needs a noise_multiplier of at least 3.731",
+        "sites:\n  site-1:\n    privacy:\n      delta: 1.0e-5\n      budget: {max_epsilon: 1, delta: 1.0e-5}\n"
+        "      filters: [{type: gaussian, clip: 1.0, noise_multiplier: 1.0}]\n",
+        {},
+    ),
+}
+
+# The site's noise secret as its worker holds it: (bad input, error, the value).
+SECRET_CASES = {
+    "privacy-secret-one-character": (
+        "the site's noise secret is one character",
+        "is too weak: about 0 bits of entropy (1 characters), below the 128 bits",
+        "Q",
+    ),
+    "privacy-secret-repeated-pattern": (
+        'the site\'s noise secret is a 64-character repeated pattern ("5e" * 32)',
+        "is too weak: about 64 bits of entropy (64 characters)",
+        "5e" * 32,
+    ),
 }
 
 TRAINER_CASES = {
@@ -132,6 +207,7 @@ CASES = [
     *(Case(cid, "privacy", bad, err) for cid, (bad, err, _, _) in POLICY_CASES.items()),
     *(Case(cid, "privacy", bad, err) for cid, (bad, err, _) in AGGREGATOR_CASES.items()),
     *(Case(cid, "privacy", bad, err) for cid, (bad, err) in TRAINER_CASES.items()),
+    *(Case(cid, "privacy", bad, err) for cid, (bad, err, _) in SECRET_CASES.items()),
 ]
 BY_ID = {c.id: c for c in CASES}
 
@@ -185,3 +261,20 @@ def test_what_a_trainer_sends_that_may_not_leave(cid: str) -> None:
         )
     assert isinstance(info.value, PrivacyRefused)
     assert_clear(BY_ID[cid], str(info.value))
+
+
+@pytest.mark.parametrize("cid", list(SECRET_CASES))
+def test_a_weak_noise_secret_is_refused_before_the_trainer_starts(
+    cid: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flare_airflow.operators.site_steps import SiteJobFailed, noise_secret_for
+
+    job = make_job(tmp_path, privacy={"filters": [GAUSSIAN], "delta": 1.0e-5})
+    plan = job.privacy_plan("site-1")
+    assert plan is not None
+    monkeypatch.setenv("AIRFLOW_VAR_FLARE_NOISE_SECRET", SECRET_CASES[cid][2])
+    run = type("Run", (), {"site": "site-1", "privacy": plan.to_dict()})()
+    with pytest.raises(SiteJobFailed) as info:
+        noise_secret_for(run)  # type: ignore[arg-type]
+    assert_clear(BY_ID[cid], str(info.value))
+    assert "secrets.token_hex(32)" in str(info.value) and SECRET_CASES[cid][2] not in str(info.value)

@@ -141,6 +141,10 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         r"^airflow variables set flare_central_noise_secret ",
         RunBy("tests/unit/operators/test_aggregate_central_dp.py", "AIRFLOW_VAR_FLARE_CENTRAL_NOISE_SECRET"),
     ),
+    (
+        r"^flare-airflow site budget\b",
+        RunBy("tests/unit/core/test_privacy_ledger.py", '"site", "budget", "--policy"'),
+    ),
     (r"^python -m flare_airflow\.site_task$", RunBy("tests/unit/site_task/test_runner.py", "flare_airflow.site_task")),
     (r"^flare-airflow import-nvflare\b", RunBy("tests/e2e/test_nvflare_jobs.py", '"import-nvflare", job_dir')),
     # docs/coming-from-nvflare.md, native mode: the e2e test runs against a FLARE POC with this very

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from flare_airflow.core.config.validators import Strict
 from flare_airflow.core.errors import ConfigError
-from flare_airflow.core.privacy.accountant import epsilon_after, rounds_within_budget
+from flare_airflow.core.privacy.accountant import epsilon_after, noise_multiplier_for, rounds_within_budget
 from flare_airflow.core.privacy.plan import PrivacyPlan
 
 FilterType = Literal["exclude_vars", "clip", "gaussian", "percentile"]
@@ -36,8 +37,13 @@ def _all_filter_types() -> list[FilterType]:
     return ["exclude_vars", "clip", "gaussian", "percentile"]
 
 
+def _is_number(value: Any) -> bool:
+    """A real number: YAML's ``true`` is an int to Python, and a z of ``true`` is a typo, not 1."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _positive(value: float, what: str, example: str) -> float:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+    if not (_is_number(value) and math.isfinite(value) and value > 0):
         raise ValueError(f"{what} must be a number > 0 ({example}), got {value!r}")
     return float(value)
 
@@ -106,7 +112,7 @@ class Percentile(Strict):
     @field_validator("percentile", mode="before")
     @classmethod
     def _percentile(cls, value: Any) -> float:
-        if not (isinstance(value, int | float) and 0 <= value <= 100):
+        if not (_is_number(value) and 0 <= value <= 100):
             raise ValueError(f"percentile must be a number from 0 to 100, got {value!r}")
         return float(value)
 
@@ -120,9 +126,39 @@ FilterSpec = Annotated[ExcludeVars | Clip | Gaussian | Percentile, Field(discrim
 
 
 def _check_delta(value: Any) -> float | None:
-    if value is not None and not (isinstance(value, int | float) and 0 < value < 1):
+    if value is not None and not (_is_number(value) and 0 < value < 1):
         raise ValueError(f"delta must be a number in (0, 1), e.g. 1.0e-5, got {value!r}")
     return None if value is None else float(value)
+
+
+class SiteBudget(Strict):
+    """A site's privacy budget over every run and job (the odometer): ε at δ, composed over every
+    distinct release the site's ledger holds (docs/privacy.md, "The site's budget")."""
+
+    max_epsilon: float = Field(description="the most ε the site spends, over all its releases")
+    delta: float = Field(description="the δ of the site's (ε, δ) account, e.g. 1.0e-5")
+    ledger: str | None = Field(
+        None,
+        description="the ledger's SQLite file on the site's worker (default $AIRFLOW_HOME/flare/privacy-ledger.sqlite)",
+    )
+
+    @field_validator("max_epsilon", mode="before")
+    @classmethod
+    def _max_epsilon(cls, value: Any) -> float:
+        return _positive(value, "privacy.budget.max_epsilon", "the site's ε over all its runs, e.g. 8")
+
+    @field_validator("delta", mode="before")
+    @classmethod
+    def _delta(cls, value: Any) -> float:
+        checked = _check_delta(value)
+        if checked is None:
+            raise ValueError("privacy.budget.delta is required, e.g. 1.0e-5")
+        return checked
+
+
+def needed_z(max_epsilon: float, delta: float, rounds: int) -> str:
+    """What to say of the z a target ε needs."""
+    return f"a noise_multiplier of at least {noise_multiplier_for(max_epsilon, delta, rounds):.3f}"
 
 
 class SitePrivacy(Strict):
@@ -140,11 +176,29 @@ class SitePrivacy(Strict):
     noise_secret_variable: str = Field(
         NOISE_SECRET_VARIABLE, description="Airflow variable (on the site's worker) holding the noise secret"
     )
+    budget: SiteBudget | None = Field(
+        None, description="the site's ε budget over all its runs and jobs, kept in a ledger at the site"
+    )
 
     @field_validator("delta", mode="before")
     @classmethod
     def _delta(cls, value: Any) -> float | None:
         return _check_delta(value)
+
+    @field_validator("noise_secret_variable")
+    @classmethod
+    def _own_secret(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                f"noise_secret_variable is empty; name the site's own variable (default {NOISE_SECRET_VARIABLE})"
+            )
+        if value == CENTRAL_NOISE_SECRET_VARIABLE:
+            raise ValueError(
+                f"noise_secret_variable names the server's central-DP secret ({CENTRAL_NOISE_SECRET_VARIABLE}): a "
+                f"server holding the site's secret could regenerate and subtract its noise; use the site's own, e.g. "
+                f"{NOISE_SECRET_VARIABLE}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _noise_needs_delta(self) -> SitePrivacy:
@@ -212,9 +266,11 @@ class JobPrivacy(Strict):
                 "privacy.central): the budget is spent by the job's own noise, known before the run"
             )
         if self.max_epsilon is not None and self.rounds_allowed(1) == 0:
+            assert self.delta is not None  # checked above
             raise ValueError(
                 f"max_epsilon {self.max_epsilon:g} is below the ε of a single round ({self.epsilon_after(1):.3f} at "
-                f"δ={self.delta:g} with noise_multiplier {self.noise_multiplier:g}): raise max_epsilon or the noise"
+                f"δ={self.delta:g} with noise_multiplier {self.noise_multiplier:g}): raise max_epsilon, or the noise "
+                f"(one round within it needs {needed_z(self.max_epsilon, self.delta, 1)})"
             )
         return self
 
@@ -226,6 +282,14 @@ class JobPrivacy(Strict):
         if self.central is not None:
             zs.append(self.central.noise_multiplier)
         return max(zs) if zs else None
+
+    def run_budget(self) -> dict[str, float] | None:
+        """What a site task checks of the job's ``max_epsilon`` against the run's releases at the site
+        (the job's gaussian filters: central DP's releases are the server's)."""
+        zs = [f.noise_multiplier for f in self.filters if isinstance(f, Gaussian)]
+        if self.max_epsilon is None or self.delta is None or not zs:
+            return None
+        return {"max_epsilon": self.max_epsilon, "delta": self.delta, "noise_multiplier": max(zs)}
 
     def epsilon_after(self, rounds: int) -> float | None:
         """The run's ε at ``delta`` after ``rounds`` rounds, or None when the job adds no noise."""
@@ -241,17 +305,32 @@ class JobPrivacy(Strict):
             return rounds
         return rounds_within_budget(z, self.delta, self.max_epsilon, rounds)
 
-    def account(self, round_num: int, rounds_allowed: int | None = None) -> dict[str, Any] | None:
-        """What a round's summary and the run's report say of the privacy spent after ``round_num``."""
-        epsilon = self.epsilon_after(round_num)
-        if epsilon is None:
+    def account(
+        self, round_num: int, site_releases: Mapping[str, int] | None = None, central_releases: int | None = None
+    ) -> dict[str, Any] | None:
+        """What a round's summary and the run's report say of the privacy spent after ``round_num``.
+
+        ``site_releases``: the distinct releases each site charged in this run so far (its site
+        task's report); ``central_releases``: the distinct central-DP sums released so far. A site
+        task retried with another update released twice in one round, a round re-aggregated after
+        a cleared site released two sums: the run's ε is composed over the most releases, never
+        fewer than the rounds.
+        """
+        z = self.noise_multiplier
+        if z is None or self.delta is None:
             return None
+        releases = max([round_num, *(site_releases or {}).values(), central_releases or 0])
         row: dict[str, Any] = {
-            "epsilon": epsilon,
+            "epsilon": epsilon_after(z, releases, self.delta),
             "delta": self.delta,
-            "noise_multiplier": self.noise_multiplier,
+            "noise_multiplier": z,
             "accountant": "gdp",
+            "releases": releases,
         }
+        if site_releases:
+            row["site_releases"] = dict(sorted(site_releases.items()))
+        if central_releases is not None:
+            row["central_releases"] = central_releases
         if self.max_epsilon is not None:
             row["max_epsilon"] = self.max_epsilon
         return row
@@ -312,6 +391,22 @@ def site_privacy_plan(site_privacy: SitePrivacy | None, job: JobPrivacy, site: s
                     "public what the site does not: remove them from the job, or ask the site's admin"
                 )
     filters = [*site_privacy.filters, *job.filters]
+    budget = site_privacy.budget
+    if budget is not None:
+        zs = [f.noise_multiplier for f in filters if isinstance(f, Gaussian)]
+        if not zs:
+            raise ConfigError(
+                f"{where}: the site has a privacy budget (privacy.budget) but neither it nor the job adds noise (a "
+                "gaussian filter): every release would spend an unbounded ε. Add a gaussian filter to the site's or "
+                f"the job's privacy.filters ({needed_z(budget.max_epsilon, budget.delta, 1)} fits one release)"
+            )
+        one = epsilon_after(max(zs), 1, budget.delta)
+        if not one <= budget.max_epsilon:
+            raise ConfigError(
+                f"{where}: one release with noise_multiplier {max(zs):g} spends ε = {one:.3f} at δ={budget.delta:g}, "
+                f"more than the site's whole budget max_epsilon {budget.max_epsilon:g}; one release within it needs "
+                f"{needed_z(budget.max_epsilon, budget.delta, 1)}"
+            )
     return PrivacyPlan(
         filters=[f.model_dump() for f in filters],
         public_metrics=list(site_privacy.public_metrics),
@@ -319,4 +414,6 @@ def site_privacy_plan(site_privacy: SitePrivacy | None, job: JobPrivacy, site: s
         public_meta=list(site_privacy.public_meta),
         delta=site_privacy.delta if site_privacy.delta is not None else job.delta,
         noise_secret_variable=site_privacy.noise_secret_variable,
+        budget=budget.model_dump() if budget is not None else None,
+        run_budget=job.run_budget(),
     )

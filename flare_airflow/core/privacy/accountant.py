@@ -9,7 +9,9 @@ Corollary 3.3), and a μ-GDP mechanism is (ε, δ(ε))-DP for every ε ≥ 0 wit
 
     δ(ε) = Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)
 
-ε at the job's δ is the root of that decreasing function, found by bisection. Unlike an RDP or
+ε at the job's δ is the root of that decreasing function, found by bisection; the second term is
+computed as ``exp(ε + log Φ(·))`` with an asymptotic log Φ deep in the tail, so ε is finite for
+every z > 0 a float can hold (a tiny z spends a huge ε, never an "inf" that no budget can compare). Unlike an RDP or
 moments accountant this is the mechanism's exact (ε, δ) curve, not an upper bound: the tests
 check that the RDP bound is never below it. Pure Python (``math.erfc``), no SciPy: the account
 is kept by the run's tasks, which may run in a minimal environment.
@@ -18,16 +20,26 @@ is kept by the run's tasks, which may run in a minimal environment.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from flare_airflow.core.errors import ConfigError
 
 _BISECTIONS = 200  # far more than float64 needs: the loop stops when the bracket stops shrinking
-_MAX_EPSILON = 700.0  # e^ε overflows a float64 a little above 709: beyond this ε is reported as inf
+_MAX_EPSILON = 1e15  # the doubling search gives up (ε = inf) only beyond this: a z below ~1e-7
+_LOG_PHI_TAIL = -37.0  # below this Φ underflows in erfc: the asymptotic series is exact to float precision
 
 
 def _phi(x: float) -> float:
     """The standard normal CDF; erfc keeps its relative precision deep in the lower tail."""
     return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def _log_phi(x: float) -> float:
+    """log Φ(x), also where Φ(x) underflows (Mills-ratio series, x < -37)."""
+    if x >= _LOG_PHI_TAIL:
+        return math.log(_phi(x))
+    r = 1.0 / (x * x)
+    return -x * x / 2 - math.log(-x) - 0.5 * math.log(2 * math.pi) + math.log1p(-r + 3 * r * r - 15 * r * r * r)
 
 
 def gdp_delta(epsilon: float, mu: float) -> float:
@@ -36,7 +48,8 @@ def gdp_delta(epsilon: float, mu: float) -> float:
         return 0.0
     if math.isinf(mu):
         return 1.0
-    return max(0.0, _phi(-epsilon / mu + mu / 2) - math.exp(epsilon) * _phi(-epsilon / mu - mu / 2))
+    second = math.exp(epsilon + _log_phi(-epsilon / mu - mu / 2))  # e^ε Φ(·) without overflowing e^ε
+    return max(0.0, _phi(-epsilon / mu + mu / 2) - second)
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
@@ -63,6 +76,17 @@ def gdp_epsilon(mu: float, delta: float) -> float:
         else:
             high = mid
     return high
+
+
+def composed_mu_of(mus: Sequence[float]) -> float:
+    """μ of the composition of releases of μ₁, μ₂, ... GDP: sqrt(Σ μᵢ²) (Dong, Roth & Su,
+    Corollary 3.3): exact, so every distinct release is charged and nothing more."""
+    return math.sqrt(math.fsum(m * m for m in mus))
+
+
+def epsilon_of_releases(mus: Sequence[float], delta: float) -> float:
+    """ε at ``delta`` of the releases ``mus`` (each μᵢ = 1/zᵢ), composed exactly."""
+    return gdp_epsilon(composed_mu_of(mus), delta)
 
 
 def composed_mu(noise_multiplier: float, rounds: int) -> float:

@@ -16,15 +16,21 @@ protect nothing. The float64 working copy keeps the difference of two float32 te
   the given percentile of all magnitudes, clip the rest to [-gamma, gamma]). A heuristic that hides small
   changes; it is **not** differential privacy and spends no ε.
 
-The noise is drawn from a generator keyed by :func:`noise_key` -- an HMAC of the site's secret
-and (job, run, round, site) -- so a retried site task publishes the identical release, and a
-different run, round or site gets independent noise.
+The noise is keyed by what is released (:func:`release_noise_key`): an HMAC, under the site's
+secret, of (job, run, round, site) *and* the digest of the clipped update the noise is added to
+(:func:`clipped_digest`). A retried site task that sends the same update publishes the identical
+release (same bytes, no second spend); a try that sends a different update -- a hostile trainer,
+or any non-deterministic honest one -- gets independent noise. Keyed by the identity alone, two
+tries' releases would differ by exactly the difference of their clipped updates, and the
+difference of two releases of one try and the global model would be the raw update
+(docs/privacy.md, "The noise secret, and retries").
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -38,6 +44,9 @@ from flare_airflow.core.errors import FlareAirflowError
 Params = dict[str, np.ndarray]
 # NumPy's generator for the noise: PCG64 (NumPy's default bit generator), seeded from a 256-bit key.
 _KEY_DOMAIN = b"flare-airflow/noise/v1"
+_RELEASE_DOMAIN = b"flare-airflow/noise-release/v2"  # the key of one release: identity + clipped update
+_DIGEST_DOMAIN = b"flare-airflow/clipped-update/v1"
+_RELEASE_ID_DOMAIN = b"flare-airflow/release-id/v1"
 _NOISE_CHUNK = 1 << 20  # noise is drawn and added a cache-sized piece at a time
 
 
@@ -54,13 +63,45 @@ class FilterStep:
 
 
 def noise_key(secret: bytes, job: str, run_id: str, round_num: int, site: str) -> bytes:
-    """The 32-byte key of (job, run, round, site)'s noise under the site's ``secret``.
+    """The 32-byte key of (job, run, round, site) under the site's ``secret``: the identity part of
+    every release's key (:func:`release_noise_key` adds what is released).
 
     HMAC-SHA256 of the identity with the secret: without the secret the noise cannot be
-    regenerated (and so not subtracted), with it every retry of the site task draws the same noise.
+    regenerated (and so not subtracted).
     """
     message = b"\0".join([_KEY_DOMAIN, job.encode(), run_id.encode(), str(int(round_num)).encode(), site.encode()])
     return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def clipped_digest(diff: Mapping[str, np.ndarray], step: Mapping[str, Any]) -> bytes:
+    """SHA-256 of the float tensors the noise is about to be added to (names, dtypes, shapes, bytes)
+    and of the noising step's own parameters (its index, clip and z).
+
+    The parameters are in it because the same noise scaled by two z's would let
+    ``(z₂r₁ - z₁r₂) / (z₂ - z₁)`` cancel it.
+    """
+    h = hashlib.sha256(_DIGEST_DOMAIN)
+    h.update(json.dumps(dict(step), sort_keys=True, default=str).encode())
+    for name in sorted(diff):
+        arr = diff[name]
+        if arr.dtype.kind != "f":
+            continue
+        h.update(b"\0".join([name.encode(), arr.dtype.str.encode(), repr(arr.shape).encode(), b""]))
+        h.update(np.ascontiguousarray(arr).data)
+    return h.digest()
+
+
+def release_noise_key(key: bytes, update_digest: bytes) -> bytes:
+    """The key of one release's noise: HMAC of the identity key (:func:`noise_key`, or the central
+    round key) with the digest of what is noised. Same update, same key; another update, another key."""
+    return hmac.new(key, _RELEASE_DOMAIN + update_digest, hashlib.sha256).digest()
+
+
+def release_id(key: bytes, update_digests: Sequence[bytes]) -> str:
+    """The release's name in the site's ledger: an HMAC (under the identity key) of the digests of
+    every noised step, so one update republished is one release, and the name reveals nothing of
+    the update to anyone without the secret."""
+    return hmac.new(key, _RELEASE_ID_DOMAIN + b"".join(update_digests), hashlib.sha256).hexdigest()
 
 
 def noise_generator(key: bytes, step: int) -> np.random.Generator:
@@ -143,6 +184,7 @@ class FilterResult:
     applied: list[dict[str, Any]]
     excluded: list[str]
     changed: bool
+    release_id: str | None = None  # set when a noising step ran (:func:`release_id`)
 
 
 def apply_filters(
@@ -159,8 +201,9 @@ def apply_filters(
 
     Non-float tensors leave only when named in ``public_tensors`` or excluded (then they carry the
     global model's values); otherwise :class:`PrivacyRefused`. A plan with a noising filter needs
-    ``key``. The result has the update's names, shapes and dtypes; an update no filter changed is
-    returned as the very same arrays.
+    ``key`` (:func:`noise_key`): each noising step draws from :func:`release_noise_key` of it and
+    the digest of the clipped update it noises. The result has the update's names, shapes and
+    dtypes; an update no filter changed is returned as the very same arrays.
     """
     exclude: set[str] = set()
     for step in steps:
@@ -188,6 +231,7 @@ def apply_filters(
                 d -= global_params[name].astype(np.float64)
             diff[name] = d
     applied: list[dict[str, Any]] = []
+    digests: list[bytes] = []
     changed = bool(exclude)
     for index, step in enumerate(steps):
         if step.type == "exclude_vars":
@@ -200,7 +244,9 @@ def apply_filters(
             clip, z = float(step.params["clip"]), float(step.params["noise_multiplier"])
             norm, _ = clip_in_place(diff, clip)
             assert key is not None  # checked above
-            add_gaussian_in_place(diff, z * clip, noise_generator(key, index))
+            digest = clipped_digest(diff, {"index": index, "clip": clip, "noise_multiplier": z})
+            digests.append(digest)
+            add_gaussian_in_place(diff, z * clip, noise_generator(release_noise_key(key, digest), index))
             changed = True
             applied.append({"type": "gaussian", "clip": clip, "noise_multiplier": z, "norm": norm})
         elif step.type == "percentile":
@@ -220,4 +266,5 @@ def apply_filters(
             out[name] = d.astype(arr.dtype)
         else:
             out[name] = arr
-    return FilterResult(params=out, applied=applied, excluded=sorted(exclude), changed=True)
+    rid = release_id(key, digests) if digests and key is not None else None
+    return FilterResult(params=out, applied=applied, excluded=sorted(exclude), changed=True, release_id=rid)

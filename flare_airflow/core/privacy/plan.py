@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flare_airflow.core.privacy.accountant import epsilon_after
+from flare_airflow.core.privacy.accountant import epsilon_after, epsilon_of_releases
 from flare_airflow.core.privacy.filters import FilterStep, Params, PrivacyRefused, apply_filters
+from flare_airflow.core.privacy.ledger import Budget, BudgetExceeded, PrivacyLedger, default_ledger_path
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,19 @@ class PrivacyPlan:
     public_meta: list[str] = field(default_factory=list)
     delta: float | None = None
     noise_secret_variable: str = "flare_noise_secret"  # noqa: S105 - an Airflow variable's name
+    budget: dict[str, Any] | None = None  # the site's SiteBudget: max_epsilon, delta, ledger
+    # The job's max_epsilon over this run, with the job's δ and z: {max_epsilon, delta, noise_multiplier}.
+    run_budget: dict[str, float] | None = None
+
+    def site_budget(self) -> Budget | None:
+        if self.budget is None:
+            return None
+        return Budget(max_epsilon=float(self.budget["max_epsilon"]), delta=float(self.budget["delta"]))
+
+    def ledger(self) -> PrivacyLedger:
+        """The site's ledger on this worker (the budget's file, else the default)."""
+        path = (self.budget or {}).get("ledger")
+        return PrivacyLedger(path or default_ledger_path())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +118,70 @@ def release(
     report: dict[str, Any] = {"filters": result.applied, "excluded": result.excluded}
     if plan.noise_multiplier() is not None:
         report.update({"epsilon": epsilon, "delta": plan.delta, "noise_multiplier": plan.noise_multiplier()})
+    if result.release_id is not None:
+        report["release_id"] = result.release_id
     return Release(params=result.params, metrics=dict(metrics), meta=dict(meta), report=report)
 
 
-__all__ = ["PrivacyPlan", "PrivacyRefused", "Release", "release"]
+def check_budget(plan: PrivacyPlan, site: str, *, job: str, run_id: str, round_num: int) -> dict[str, float] | None:
+    """Before the trainer starts: refuse (:class:`~.ledger.BudgetExceeded`) a site task whose
+    release would take the site beyond its budget, whatever job or run it belongs to, or take this
+    run beyond the job's ``max_epsilon`` (the run's rounds were planned for one release each; a
+    retry that released another update spent more). Counts the task as one new release (a retry
+    may release another update). None without a site budget."""
+    budget, z = plan.site_budget(), plan.noise_multiplier()
+    run_budget = plan.run_budget
+    if run_budget is not None and plan.adds_noise:
+        done = plan.ledger().run_count(site, job, run_id)
+        z_job, d = float(run_budget["noise_multiplier"]), float(run_budget["delta"])
+        would_be = epsilon_after(z_job, done + 1, d)
+        if would_be > float(run_budget["max_epsilon"]):
+            raise BudgetExceeded(
+                f"site {site!r} round {round_num}: the job's max_epsilon {run_budget['max_epsilon']:g} (δ={d:g}) would "
+                f"be crossed: this run has {done} release(s) at this site (ε = {epsilon_after(z_job, done, d):.4f}), "
+                f"and one more would make it ε = {would_be:.4f} -- a retried site task that released another update "
+                "is a release of its own. Nothing was released"
+            )
+    if budget is None:
+        return None
+    if z is None:
+        raise PrivacyRefused(f"site {site!r} has a privacy budget but this job's plan adds no noise: refused")
+    spent, would_be = plan.ledger().check(site, 1.0 / z, budget)
+    return {"spent_epsilon": spent, "would_be_epsilon": would_be, "max_epsilon": budget.max_epsilon}
+
+
+def charge_release(
+    plan: PrivacyPlan, report: dict[str, Any], *, site: str, job: str, run_id: str, round_num: int
+) -> None:
+    """Charge a noised release to the site's ledger before it is published, and put the account in
+    ``report``: the run's ε over the site's distinct releases in this run (``releases``, ``epsilon``
+    at the plan's δ), and with a budget the site's over all its runs. A republished release (same
+    ``release_id``) is not charged again; one that would cross the budget raises
+    :class:`~.ledger.BudgetExceeded` and nothing is written."""
+    z = plan.noise_multiplier()
+    if z is None or "release_id" not in report:
+        return
+    budget = plan.site_budget()
+    charge = plan.ledger().charge(
+        site=site,
+        release_id=report["release_id"],
+        job=job,
+        run_id=run_id,
+        round_num=round_num,
+        noise_multiplier=z,
+        budget=budget,
+    )
+    report["releases"] = charge.run_releases
+    report["charged"] = charge.new
+    if plan.delta is not None:
+        report["epsilon"] = epsilon_of_releases(charge.run_mus, plan.delta)
+    if budget is not None:
+        report["budget"] = {
+            "max_epsilon": budget.max_epsilon,
+            "delta": budget.delta,
+            "epsilon": charge.site_epsilon,
+            "releases": charge.site_releases,
+        }
+
+
+__all__ = ["PrivacyPlan", "PrivacyRefused", "Release", "charge_release", "check_budget", "release"]

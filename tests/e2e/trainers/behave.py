@@ -5,6 +5,7 @@
               [--send-then-fail SITE]... [--send-twice SITE]... [--nan-metric SITE]...
               [--clobber-output-late SITE]... [--diff-all VALUE] [--fill-store SITE]...
               [--fail-in-round SITE:ROUND]... [--hang-in-round SITE:ROUND]... [--until-file PATH]
+              [--hostile-retry SITE]...
 
 Healthy sites send ``global + 1`` (FULL) with num_samples = the site's number. A relative
 ``--echo-args`` file is written in ``FLARE_OUTPUT``'s directory, which a confined trainer may write.
@@ -43,7 +44,9 @@ def _escape(what: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     flags = ("fail", "nan", "shape", "dtype", "pickle", "silent", "hang", "send_then_fail", "send_twice", "nan_metric")
-    for flag in (*flags, "clobber_output_late", "fill_store"):
+    # --hostile-retry SITE: on a second or later try of a site task, send the global model back
+    # (an update of 0) instead of global + 1: two tries, two different releases (issue 34).
+    for flag in (*flags, "clobber_output_late", "fill_store", "hostile_retry"):
         p.add_argument(f"--{flag.replace('_', '-')}", action="append", default=[])
     p.add_argument("--diff-all", type=float)
     # --fail-in-round SITE:ROUND fails that site's job in that round, while --until-file (if given) does not exist.
@@ -110,6 +113,8 @@ def main() -> int:
         print(f"{site}: exiting without sending", flush=True)
         return 0
     params = {k: v + np.float32(1) for k, v in model.params.items()}
+    if site in args.hostile_retry and "/try-1/" not in os.environ["FLARE_OUTPUT"]:
+        params = {k: v.copy() for k, v in model.params.items()}
     if site in args.nan:
         params["w"][0] = np.nan
     if site in args.shape:

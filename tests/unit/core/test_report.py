@@ -41,6 +41,7 @@ def test_round_row() -> None:
         "global_uri": "file:///store/digits/run/round-0001/global.safetensors",
         "sha256": "ab" * 32,
         "epsilon": None,  # the job adds no noise
+        "releases": None,
     }
     assert round_row(SUMMARIES[1], 3)["train_loss"] == 0.25
     empty = round_row({"round": 4}, 2)

@@ -22,7 +22,7 @@ from flare_airflow.site_task.runner import run_site
 from flare_airflow.site_task.spec import NOISE_SECRET_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
 
 PY = sys.executable
-SECRET = "0f" * 32
+SECRET = "38e373fdf7f4143431349998d5e3be233724268a2a39bae2f73f65c78b55f0b8"
 
 # A trainer that does not use send(): it writes its update (tensors + record) straight to FLARE_OUTPUT,
 # a large step away from the global model, with a metric meant to stay home when asked to.
