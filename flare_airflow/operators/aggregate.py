@@ -140,7 +140,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 f"(sha256 {global_record.sha256[:12]}…, published {expected[:12]}…); clear round {r - 1} to rebuild it"
             )
         self._check_sites_done(context, params.rounds)
-        accepted, accepted_blake3, refused = self._accepted(context, run_id)
+        accepted, accepted_blake3, refused, vouched = self._accepted(context, run_id)
         updates: list[tuple[str, WritablePath | None, str | None]] = []
         for site in sorted(job.sites):
             # The update's place comes from the site's name, never from its XCom (docs/threat-model.md).
@@ -238,7 +238,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
             "accepted": sorted(outcome.accepted),
             # The update each site task vouched for when this round was aggregated: publish checks
             # that no site task was re-run (or failed) afterwards, which would make this model stale.
-            "site_sha256": dict(sorted(accepted.items())) if accepted is not None else None,
+            "site_sha256": dict(sorted(vouched.items())) if accepted is not None else None,
             "rejected": outcome.rejected,
             "strategy": strategy.name,
             # The next round reads this state only if its record still names these digests.
@@ -343,18 +343,20 @@ class AggregateOperator(LineageMixin, BaseOperator):
 
     def _accepted(
         self, context: Context, run_id: str
-    ) -> tuple[dict[str, str] | None, dict[str, str] | None, dict[str, str]]:
+    ) -> tuple[dict[str, str] | None, dict[str, str] | None, dict[str, str], dict[str, str]]:
         """Site -> sha256 and site -> BLAKE3 of the update each site task accepted and signed (its
-        XCom, verified against the site's signature; BLAKE3 where it verified one), and site ->
-        why its record was refused; (None, None, {}) without task ids."""
+        XCom, verified against the site's signature; BLAKE3 where it verified one), site -> why its
+        record was refused, and site -> the sha256 each site task's XCom names, refused or not
+        (what publish compares to see whether a site task ran again); (None, None, {}, {}) without task ids."""
         if not self.site_task_ids:
-            return None, None, {}
+            return None, None, {}, {}
         ti = context["ti"]
         summaries = {site: ti.xcom_pull(task_ids=task_id) for site, task_id in self.site_task_ids.items()}
         accepted, blake3, refused = verify_updates(
             summaries, job=self.job.job, run_id=run_id, round_num=self.round_num, log=self.log
         )
-        return accepted, {site: digest for site, digest in blake3.items() if digest}, refused
+        vouched = {s: str(v["sha256"]) for s, v in summaries.items() if isinstance(v, dict) and v.get("sha256")}
+        return accepted, {site: digest for site, digest in blake3.items() if digest}, refused, vouched
 
     def _task_failure(self, context: Context, site: str) -> str | None:
         """The reason a site task put in XCom when it failed (the store may not have taken it)."""
