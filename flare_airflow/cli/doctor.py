@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +40,8 @@ def central_secrets(jobs: list[JobConfig]) -> list[CentralSecret]:
     return found
 
 
-def where_served(secret: CentralSecret, environ: dict[str, str] | None = None) -> str | None:
+def where_served(secret: CentralSecret, environ: Mapping[str, str] = os.environ) -> str | None:
     """Where the api-server would find ``secret`` (so the Execution API serves it), or None."""
-    environ = os.environ if environ is None else environ
     if secret.env_name in environ:
         return f"the api-server's environment ({secret.env_name})"
     from airflow.configuration import ensure_secrets_loaded
