@@ -40,10 +40,16 @@ def cmd_central_keygen(args: argparse.Namespace) -> int:
     return _keygen(CENTRAL, args)
 
 
-def _read(path: Path) -> dict[str, Any]:
-    if not path.exists():
+def _read(path: Path, *, missing_ok: bool = True) -> dict[str, Any]:
+    """A JWKS file, refused (``RegistryError``) unless it is readable, JSON and well-formed."""
+    if missing_ok and not path.exists():
         return {"keys": []}
-    data: dict[str, Any] = json.loads(path.read_text())
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except OSError as exc:
+        raise RegistryError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise RegistryError(f"{path} is not JSON: {exc}") from None
     Registry.from_jwks(data, str(path))  # refuses a malformed registry before it is changed
     return data
 
@@ -59,8 +65,7 @@ def cmd_registry_add(args: argparse.Namespace) -> int:
     """Enrol (or rotate in) a party's public keys: the JWKS its keygen printed, after review."""
     registry = Path(args.registry)
     data = _read(registry)
-    new = json.loads(Path(args.public_jwks).read_text())
-    Registry.from_jwks(new, args.public_jwks)
+    new = _read(Path(args.public_jwks), missing_ok=False)
     known = {k.get("kid") for k in data["keys"]}
     added = [k for k in new["keys"] if k.get("kid") not in known]
     if any("d" in k for k in added):

@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +71,23 @@ def public_jwk(party: str, public: Ed25519PublicKey | X25519PublicKey) -> dict[s
     }
 
 
+# What may name a party (a site, or central): one path component, as the store requires of site names.
+PARTY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def checked_party(party: str) -> str:
+    """``party`` if it can name a site (or ``central``) in key ids and directories, else ``TrustError``."""
+    if not PARTY_NAME.match(party) or ".." in party:
+        raise TrustError(
+            f"{party!r} cannot name a party: use the site's name as in the job (letters, digits, '.', '_', '-'; "
+            "no '/', no '..')"
+        )
+    return party
+
+
 def party_dir(key_dir: Path, party: str) -> Path:
     """Where ``party``'s keys live under a worker's key directory."""
-    return key_dir / CENTRAL if party == CENTRAL else key_dir / "sites" / party
+    return key_dir / CENTRAL if party == CENTRAL else key_dir / "sites" / checked_party(party)
 
 
 def _write_private(path: Path, pem: bytes) -> None:
@@ -111,6 +126,7 @@ def generate_keys(party: str, directory: Path, *, box: bool = True, rotate: bool
     ``<file>.<kid>.retired`` (0600) -- verifiers keep accepting the old key id while the registry
     lists it, and its owner may still need it to prove an old record.
     """
+    checked_party(party)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
     sign_path, box_path = directory / SIGN_FILE, directory / BOX_FILE

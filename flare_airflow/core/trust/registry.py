@@ -10,7 +10,6 @@ only.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from flare_airflow.core.trust.errors import RegistryError, UnknownSigner
-from flare_airflow.core.trust.keys import CENTRAL, PUBLIC_FILE, b64url_decode, key_id
+from flare_airflow.core.trust.keys import CENTRAL, PARTY_NAME, PUBLIC_FILE, b64url_decode, key_id
 
-_PARTY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # A registry lists a few keys per party: far below this.
 MAX_REGISTRY_BYTES = 4 << 20
 
@@ -75,7 +73,7 @@ class Registry:
             if not isinstance(jwk, dict):
                 raise RegistryError(f"{entry} is not an object")
             party, kid = jwk.get("flare_party"), jwk.get("kid")
-            if not isinstance(party, str) or not _PARTY.match(party):
+            if not isinstance(party, str) or not PARTY_NAME.match(party):
                 raise RegistryError(f"{entry}: flare_party must name a site or {CENTRAL!r}, got {party!r}")
             if not isinstance(kid, str) or not kid:
                 raise RegistryError(f"{entry}: kid must be a non-empty string")
