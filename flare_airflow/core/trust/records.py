@@ -29,7 +29,8 @@ def _signed_bytes(payload: Mapping[str, Any]) -> bytes:
     kind = payload.get("type")
     if kind not in _DOMAINS:
         raise BadSignature(f"a signed record's type must be one of {sorted(_DOMAINS)}, got {kind!r}")
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    # allow_nan: a privacy report may hold ε = inf; signer and verifier both write it as Infinity.
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return _DOMAINS[str(kind)] + text.encode()
 
 

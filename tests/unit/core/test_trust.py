@@ -163,3 +163,13 @@ def test_strict_mode_never_makes_keys_and_refuses_unsigned_and_unknown(tmp_path)
     kid, key = signing_key_for(tmp_path / "other", "site-1", create=True)
     with pytest.raises(UnknownSigner):
         settings.verify(sign_record(payload(), kid, key), party="site-1", expect={}, what="u")
+
+
+def test_a_record_survives_the_xcom_round_trip_with_a_privacy_report_of_infinite_epsilon(tmp_path) -> None:
+    keys = generate_keys("site-1", tmp_path)
+    p = {**payload(), "privacy": {"filters": ["clip"], "epsilon": float("inf"), "delta": 1e-5}}
+    signed = sign_record(p, *load_signing_key(tmp_path, "site-1"))
+    back = json.loads(json.dumps(signed))  # XCom stores JSON
+    assert verify_record(back, registry_of(keys.jwks), party="site-1", expect={}, what="u")["privacy"][
+        "epsilon"
+    ] == float("inf")
