@@ -150,7 +150,11 @@ def generate_keys(party: str, directory: Path, *, box: bool = True, rotate: bool
         _write_private(box_path, _pem(boxing))
         keys.append(public_jwk(party, boxing.public_key()))
     jwks = {"keys": keys}
-    (directory / PUBLIC_FILE).write_text(json.dumps(jwks, indent=2) + "\n")
+    # Renamed into place: a verifier on the same machine reads the key directory at any time.
+    public = directory / PUBLIC_FILE
+    tmp = public.with_name(f".{public.name}.tmp")
+    tmp.write_text(json.dumps(jwks, indent=2) + "\n")
+    tmp.replace(public)
     return PartyKeys(party=party, directory=directory, jwks=jwks, retired=tuple(retired))
 
 
