@@ -80,9 +80,13 @@ def aggregate(job, ti: FakeTI, r: int = 1) -> dict:
 
 
 def test_genuine_signed_records_count_and_the_global_record_is_signed_by_central(job, keys) -> None:
-    _, ti, _ = setup_round(job, keys)
+    store, ti, _ = setup_round(job, keys)
+    # A URI in XCom is never where an update is read from: its place comes from the site's name.
+    ti.xcoms[(task("site-1", 1), "return_value")]["uri"] = str(store.site_update(job.job, RUN_ID, 1, "site-3"))
     summary = aggregate(job, ti)
     assert summary["accepted"] == list(SITES) and summary["rejected"] == {}
+    params, _ = read_artifact(store.global_model(job.job, RUN_ID, 1))
+    np.testing.assert_array_equal(params["w"], np.full(3, 2.0, np.float32))  # the mean of 1, 2, 3
     assert summary["signed"]["payload"] == {**summary["signed"]["payload"], "round": 1, "sha256": summary["sha256"]}
     assert summary["signed"]["kid"].startswith("central.")
 
