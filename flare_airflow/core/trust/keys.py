@@ -191,10 +191,16 @@ def signing_key_for(key_dir: Path, party: str, *, create: bool) -> tuple[str, Ed
     one-machine default) made on first use, else :class:`KeyMissing` says how to make and enrol it."""
     directory = party_dir(key_dir, party)
     if create and not (directory / SIGN_FILE).exists():
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # Site tasks of one machine start together: one makes the key, the others load it.
-        with open(directory / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (directory / SIGN_FILE).exists():
-                generate_keys(party, directory, box=party != CENTRAL)
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # Site tasks of one machine start together: one makes the key, the others load it.
+            with open(directory / ".lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (directory / SIGN_FILE).exists():
+                    generate_keys(party, directory, box=party != CENTRAL)
+        except OSError as exc:
+            raise KeyMissing(
+                f"{party}: cannot make its keys in {directory}: {exc.strerror or exc}; set [flare] key_dir "
+                "(or FLARE_KEY_DIR) to a directory this worker's user can write"
+            ) from None
     return load_signing_key(directory, party)

@@ -173,3 +173,9 @@ def test_a_record_survives_the_xcom_round_trip_with_a_privacy_report_of_infinite
     assert verify_record(back, registry_of(keys.jwks), party="site-1", expect={}, what="u")["privacy"][
         "epsilon"
     ] == float("inf")
+
+
+def test_one_machine_mode_without_a_writable_key_dir_says_what_to_set(tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(KeyMissing, match=r"cannot make its keys .* set \[flare\] key_dir"):
+        TrustSettings(key_dir=str(tmp_path / "file" / "keys")).signing_key("site-1")
