@@ -66,6 +66,7 @@ import bench_privacy_keying
 import bench_rounds
 import bench_scale
 import bench_tracking
+import bench_trust
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -90,6 +91,7 @@ OWN_OUTPUTS = {
     "confinement": BENCH_DIR / "results" / "confinement.md",
     "tracking": BENCH_DIR / "results" / "tracking.md",
     "containers": BENCH_DIR / "results" / "containers.md",
+    "trust": BENCH_DIR / "results" / "trust.md",
 }
 
 
@@ -118,6 +120,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "confinement",
             "tracking",
             "containers",
+            "trust",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -192,6 +195,10 @@ def main(argv: list[str]) -> int:
             log("[confinement] one site job, confined (bubblewrap) vs unconfined ...")
             tables = bench_confinement.run(reps=max(args.reps, 5), keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Confinement of process trainers: the cost of one site job", tables))
+        if args.only == "trust":
+            log("[trust] signing and verifying records at 256 MiB; a hello round before and with trust ...")
+            tables = bench_trust.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Trust: signed records, their cost", tables))
         if args.only == "tracking":
             log("[tracking] digits: no tracking, MLflow embedded, MLflow server; under the real scheduler ...")
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)

@@ -31,6 +31,8 @@ from flare_airflow.cli.dag_runs import (
     run_state,
     write_task_logs,
 )
+from flare_airflow.cli.doctor import add_parser as add_doctor_parser
+from flare_airflow.cli.keys import add_parsers as add_trust_parsers
 from flare_airflow.core.config import check_store_backend, load_initial_model, load_job
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.report import format_table, read_metrics
@@ -385,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--name", help="the job's name (default: meta.json's name)")
     p.add_argument("--force", action="store_true", help="replace an earlier import's files")
     p.set_defaults(func=_cmd_import_nvflare)
+    add_trust_parsers(sub)
+    add_doctor_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

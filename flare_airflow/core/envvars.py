@@ -75,3 +75,9 @@ FLARE_K8S_ALLOWED_HOST_PATHS = "FLARE_K8S_ALLOWED_HOST_PATHS"
 """Site policy on the worker: the host path prefixes pods may mount, ``':'``-separated."""
 FLARE_SITE_CONFIG = "FLARE_SITE_CONFIG"
 """Site policy on the worker: the path of the site's policy file (``core/config/policy.py``)."""
+
+# ---------------------------------------------------------------- trust (docs/threat-model.md)
+FLARE_KEY_DIR = "FLARE_KEY_DIR"
+"""A worker's key directory (its party's private keys), overriding Airflow's ``[flare] key_dir``."""
+FLARE_SITE_KEYS = "FLARE_SITE_KEYS"
+"""The consortium registry of public keys (a JWKS), overriding ``[flare] site_keys``: strict mode."""

@@ -29,6 +29,7 @@ from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.core.strategies import StepContext, aggregate_from_store
 from flare_airflow.core.strategies.central_dp import with_central_dp
+from flare_airflow.core.trust import TrustError
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
     FAILURE_XCOM_KEY,
@@ -44,6 +45,7 @@ from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
+from flare_airflow.operators.trust import sign_global, verify_updates
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
@@ -153,11 +155,14 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 f"(sha256 {global_record.sha256[:12]}…, published {expected[:12]}…); clear round {r - 1} to rebuild it"
             )
         self._check_sites_done(context, params.rounds)
-        accepted, accepted_blake3 = self._accepted(context)
+        accepted, accepted_blake3, refused, vouched = self._accepted(context, run_id)
         updates: list[tuple[str, WritablePath | None, str | None]] = []
         for site in sorted(job.sites):
+            # The update's place comes from the site's name, never from its XCom (docs/threat-model.md).
             path = store.site_update(job.job, run_id, r, site)
-            if accepted is not None and site not in accepted:
+            if site in refused:
+                updates.append((site, None, refused[site]))
+            elif accepted is not None and site not in accepted:
                 # Only what the site task itself accepted counts: a failed task's trainer may have
                 # written a file (late, or before failing), and it must not count.
                 reason = (
@@ -241,14 +246,20 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 "is full or not writable: fix it, then resume the run from this round"
             ) from None
         del global_params, outcome.params
+        try:
+            signed = sign_global(job.job, run_id, r, record)
+        except TrustError as exc:
+            raise AirflowFailException(f"round {r}: the global model cannot be signed: {exc}") from None
         summary: dict[str, Any] = {
             "round": r,
             "global_uri": str(global_out),
             "sha256": record.sha256,
+            # The central side's signature on (job, run, round, digests): each site verifies it before training.
+            "signed": signed,
             "accepted": sorted(outcome.accepted),
             # The update each site task vouched for when this round was aggregated: publish checks
             # that no site task was re-run (or failed) afterwards, which would make this model stale.
-            "site_sha256": dict(sorted(accepted.items())) if accepted is not None else None,
+            "site_sha256": dict(sorted(vouched.items())) if accepted is not None else None,
             "rejected": outcome.rejected,
             "strategy": strategy.name,
             # The next round reads this state only if its record still names these digests.
@@ -351,21 +362,22 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 f"{fix}"
             )
 
-    def _accepted(self, context: Context) -> tuple[dict[str, str] | None, dict[str, str] | None]:
-        """Site -> sha256 and site -> BLAKE3 of the update each site task accepted (its XCom; BLAKE3
-        where it verified one); (None, None) without task ids."""
+    def _accepted(
+        self, context: Context, run_id: str
+    ) -> tuple[dict[str, str] | None, dict[str, str] | None, dict[str, str], dict[str, str]]:
+        """Site -> sha256 and site -> BLAKE3 of the update each site task accepted and signed (its
+        XCom, verified against the site's signature; BLAKE3 where it verified one), site -> why its
+        record was refused, and site -> the sha256 each site task's XCom names, refused or not
+        (what publish compares to see whether a site task ran again); (None, None, {}, {}) without task ids."""
         if not self.site_task_ids:
-            return None, None
+            return None, None, {}, {}
         ti = context["ti"]
-        accepted: dict[str, str] = {}
-        blake3: dict[str, str] = {}
-        for site, task_id in self.site_task_ids.items():
-            summary = ti.xcom_pull(task_ids=task_id)
-            if isinstance(summary, dict) and summary.get("sha256"):
-                accepted[site] = str(summary["sha256"])
-                if summary.get("blake3"):
-                    blake3[site] = str(summary["blake3"])
-        return accepted, blake3
+        summaries = {site: ti.xcom_pull(task_ids=task_id) for site, task_id in self.site_task_ids.items()}
+        accepted, blake3, refused = verify_updates(
+            summaries, job=self.job.job, run_id=run_id, round_num=self.round_num, log=self.log
+        )
+        vouched = {s: str(v["sha256"]) for s, v in summaries.items() if isinstance(v, dict) and v.get("sha256")}
+        return accepted, {site: digest for site, digest in blake3.items() if digest}, refused, vouched
 
     def _central_releases(self, store: ModelStore, run_id: str, accepted: dict[str, str | None]) -> int:
         """Record this round's central release (its accepted set) in the round's folder; the run's

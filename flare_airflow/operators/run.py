@@ -19,6 +19,7 @@ from flare_airflow.core.page_paths import run_page_path
 from flare_airflow.core.pools import PoolError, blocking, problems, required_pools
 from flare_airflow.core.report import format_table, round_row
 from flare_airflow.core.store import ModelStore
+from flare_airflow.core.trust import TrustError
 from flare_airflow.hooks.pools import live_pools_from_api
 from flare_airflow.operators.common import (
     RunParamsError,
@@ -31,6 +32,7 @@ from flare_airflow.operators.common import (
 from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
+from flare_airflow.operators.trust import sign_global
 
 
 def _resume_hint(context: Context, round_num: int) -> str:
@@ -116,9 +118,14 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
         target = store.global_model(self.job.job, run_id, 0)
         record = write_artifact(target, FLModel(params=model_params, meta={"source": source}))
         self.log.info("round 0 global model: %s (%s)", target, source)
+        try:
+            signed = sign_global(self.job.job, run_id, 0, record)
+        except TrustError as exc:
+            raise AirflowFailException(f"the round 0 global model cannot be signed: {exc}") from None
         result = {
             "global_uri": str(target),
             "sha256": record.sha256,
+            "signed": signed,
             "source": source,
             "rounds": params.rounds,
             "min_clients": params.min_clients,

@@ -27,6 +27,7 @@ from flare_airflow.core.config import (
 )
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.core.trust import CENTRAL, TrustError
 from flare_airflow.hooks.secrets import secret_value
 from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.operators.common import (
@@ -37,6 +38,7 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
+from flare_airflow.operators.trust import trust_settings
 from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
 
@@ -254,6 +256,35 @@ def produced_sha256(context: Context, task_id: str | None) -> str | None:
     return str(sha256) if sha256 else None
 
 
+def verified_global_sha256(
+    context: Context, job: JobConfig, site: str, round_num: int, global_task_id: str | None
+) -> str | None:
+    """The sha256 of the input global model, from the central side's signed record in its
+    producer's XCom once that record is proven (signed by the central key, for this job, run and
+    round ``round_num - 1``); every backend's trainer start then checks the model against it.
+
+    A record that is refused (unsigned or an unknown key in strict mode, another round's record,
+    a digest changed after signing) refuses this site's start: the reason goes in the site's
+    failure record and XCom, and the trainer never sees the model.
+    """
+    ti: Any = context.get("ti")
+    if global_task_id is None or not hasattr(ti, "xcom_pull"):
+        return None
+    summary = ti.xcom_pull(task_ids=global_task_id)
+    if not isinstance(summary, dict) or not summary.get("sha256"):
+        return None
+    run_id = run_id_of(context)
+    what = f"site {site!r} round {round_num}: the input global model's record (from {global_task_id})"
+    expect = {"job": job.job, "run_id": run_id, "round": round_num - 1, "sha256": summary["sha256"]}
+    try:
+        payload, note = trust_settings().verify(summary.get("signed"), party=CENTRAL, expect=expect, what=what)
+    except TrustError as exc:
+        raise site_config_failed(context, job, site, round_num, f"{exc}; the trainer was not started") from None
+    if note is not None:
+        print(note, flush=True)
+    return str(payload["sha256"]) if payload is not None else str(summary["sha256"])
+
+
 def _run_of(
     job: JobConfig, context: Context, *, site: str, round_num: int, task: str, argv: list[str], **paths_and_devices: Any
 ) -> SiteRun:
@@ -310,7 +341,7 @@ def make_site_run(
         global_model=str(store.global_model(job.job, run_id, round_num - 1)),
         output=str(store.site_update(job.job, run_id, round_num, site)),
         staging=str(store.staging(job.job, run_id, round_num, site, try_number)),
-        global_sha256=produced_sha256(context, global_task_id),
+        global_sha256=verified_global_sha256(context, job, site, round_num, global_task_id),
         env=dict(spec.block.env) if spec.backend.site_env else {},
         cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
         assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
@@ -319,6 +350,8 @@ def make_site_run(
         mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
         privacy=plan.to_dict() if (plan := job.privacy_plan(site)) is not None else None,
         confinement=spec.confinement.model_dump() if local and spec.confinement is not None else None,
+        try_number=try_number,
+        trust=trust_settings().to_dict(),
     )
 
 

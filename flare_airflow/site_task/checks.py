@@ -151,12 +151,44 @@ def check_result(run: SiteRun, output: WritablePath, noise_secret: str | None = 
         if run.privacy is not None:
             record, privacy = apply_privacy(run, sent, params, record, noise_secret)
     del params
-    if run.staging:
-        publish_current_try(sent, output)
     summary = update_summary(run, record)
     if privacy is not None:
         summary["privacy"] = privacy
+    if run.trust is not None and run.task == "train":
+        # Signed before publishing: an update the site cannot sign (its key missing) never leaves.
+        summary["signed"] = sign_update(run, record, summary)
+    if run.staging:
+        publish_current_try(sent, output)
     return summary
+
+
+def sign_update(run: SiteRun, record: Any, summary: dict[str, Any]) -> dict[str, Any]:
+    """The site's signed record of the update it publishes: identity, try, digests, samples, privacy, trainer.
+
+    Signs the record that already carries the digests (no second hash of the update); the
+    aggregation verifies it against the registry (docs/threat-model.md).
+    """
+    from flare_airflow.core.trust import sign_record, update_payload
+    from flare_airflow.core.trust.records import trainer_digest
+    from flare_airflow.core.trust.settings import TrustSettings
+
+    assert run.trust is not None
+    kid, key = TrustSettings.from_dict(run.trust).signing_key(run.site)
+    payload = update_payload(
+        job=run.job,
+        run_id=run.run_id,
+        round_num=run.round,
+        site=run.site,
+        try_number=run.try_number,
+        size=record.size,
+        sha256=summary["sha256"],
+        blake3=summary["blake3"],
+        num_samples=summary["num_samples"],
+        params_type=summary["params_type"],
+        privacy=summary.get("privacy"),
+        trainer=trainer_digest(run.argv),
+    )
+    return sign_record(payload, kid, key)
 
 
 def apply_privacy(

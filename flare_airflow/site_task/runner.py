@@ -170,6 +170,8 @@ def run_site(
         deferred["active"] = 1
         try:
             importlib.import_module("flare_airflow.core.aggregation")
+            if run.trust is not None:  # signing needs cryptography (40-140 ms to import)
+                importlib.import_module("flare_airflow.core.trust")
         finally:
             deferred["active"] = 0
         if deferred["signum"] is not None:

@@ -65,6 +65,11 @@ class SiteRun:
     # The site policy's confinement of a process site's trainer (mode, network, writable, devices);
     # None: the default, mode auto (flare_airflow.site_task.confinement).
     confinement: dict[str, Any] | None = None
+    # The try that runs this job (signed into the update record), and this worker's trust settings
+    # (core.trust.settings.TrustSettings.to_dict(): key directory, registry); None: nothing is signed
+    # (a trainer tried by hand, the server's evaluation).
+    try_number: int | None = None
+    trust: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from flare_airflow.cli import main
+from flare_airflow.core.trust.keys import public_jwk
 from tests.bad_inputs.cases import Case, assert_clear
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -302,6 +304,51 @@ case(
         + ',\n "task_result_filters": [{"tasks": ["train"], "filters": [\n'
         '  {"path": "nvflare.app_common.filters.svt_privacy.SVTPrivacy", "args": {"epsilon": 0.1}}]}]}',
     },
+)
+
+# A genuine public JWKS of site-1 (a fixed key: the table stays the same from run to run).
+_SITE_1 = public_jwk("site-1", Ed25519PrivateKey.from_private_bytes(bytes(range(32))).public_key())
+_JWKS = json.dumps({"keys": [_SITE_1]})
+case(
+    "site-keygen-path-name",
+    "flare-airflow site keygen with a site name that is a path",
+    "'../central' cannot name a party: use the site's name as in the job",
+    ["site", "keygen", "../central", "--out", "{dir}/keys"],
+)
+case(
+    "site-keygen-key-exists",
+    "flare-airflow site keygen where the site already has a signing key",
+    "already holds a signing key; keep it, or make a new one with --rotate",
+    ["site", "keygen", "site-1", "--out", "{dir}/keys"],
+    {"keys/sites/site-1/sign.pem": "a key"},
+)
+case(
+    "registry-add-registry-not-json",
+    "flare-airflow registry add; the registry file is not JSON",
+    "registry.json is not JSON",
+    ["registry", "add", "{dir}/registry.json", "{dir}/site-1.jwks.json"],
+    {"registry.json": "{", "site-1.jwks.json": _JWKS},
+)
+case(
+    "registry-add-private-key",
+    "flare-airflow registry add; the JWKS handed in holds a private half ('d')",
+    "holds a private key ('d'): enrol only public keys",
+    ["registry", "add", "{dir}/registry.json", "{dir}/site-1.jwks.json"],
+    {"site-1.jwks.json": json.dumps({"keys": [{**_SITE_1, "d": "c2VjcmV0"}]})},
+)
+case(
+    "registry-add-kid-of-another-party",
+    "flare-airflow registry add; a key handed in as site-2's carries site-1's key id",
+    "is not this key's id",
+    ["registry", "add", "{dir}/registry.json", "{dir}/site-2.jwks.json"],
+    {"site-2.jwks.json": json.dumps({"keys": [{**_SITE_1, "flare_party": "site-2"}]})},
+)
+case(
+    "registry-revoke-unknown-kid",
+    "flare-airflow registry revoke of a key id the registry does not list",
+    "lists no key 'site-1.nope'",
+    ["registry", "revoke", "{dir}/registry.json", "site-1.nope"],
+    {"registry.json": _JWKS},
 )
 
 

@@ -5,6 +5,7 @@ that is non-finite or built from a failed site's update."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from flare_airflow.core.model import all_finite, read_artifact, read_record
+from flare_airflow.core.trust import CENTRAL, generate_keys
+from flare_airflow.core.trust.keys import party_dir
 from flare_airflow_testing.harness import AirflowHome, RunResult, behave_job
 
 pytestmark = pytest.mark.e2e
@@ -45,23 +48,39 @@ def _run_dir(home: AirflowHome, job: str) -> pathlib.Path:
     return run_dir
 
 
-def test_only_updates_the_site_tasks_accepted_are_counted(airflow_home: AirflowHome) -> None:
+def strict_registry(root: pathlib.Path, enrolled: list[str], not_enrolled: list[str]) -> dict[str, str]:
+    """Keys for every party under ``root`` (as each would make them with keygen) and a registry that
+    lists ``enrolled`` and the central key only; the environment of a strict-mode run."""
+    keys = root / "keys"
+    jwks = [generate_keys(p, party_dir(keys, p), box=p != CENTRAL).jwks for p in (*enrolled, *not_enrolled, CENTRAL)]
+    listed = [k for j in jwks for k in j["keys"] if k["flare_party"] not in not_enrolled]
+    (root / "registry.json").write_text(json.dumps({"keys": listed}))
+    return {"FLARE_KEY_DIR": str(keys), "FLARE_SITE_KEYS": str(root / "registry.json")}
+
+
+def test_only_updates_the_site_tasks_accepted_are_counted(airflow_home: AirflowHome, tmp_path: pathlib.Path) -> None:
     args = [
         "--send-then-fail", "site-2",  # sends, then exits 5
         "--send-twice", "site-3",  # the second send() raises
         "--nan-metric", "site-4",  # send() refuses a NaN metric
         "--clobber-output-late", "site-5",  # a leftover child rewrites its output after the job
     ]  # fmt: skip
-    job = behave_job(airflow_home.root, "accepted-only", sites=5, rounds=2, min_clients=1, args=args)
-    result = airflow_home.run("flare_accepted_only", airflow_home.write_job("accepted_only", job))
+    job = behave_job(airflow_home.root, "accepted-only", sites=6, rounds=2, min_clients=1, args=args)
+    # Strict mode (issue 36): every record signed and verified against the registry through real
+    # Airflow; site-6 trains and signs with a key the registry does not list (revoked).
+    env = strict_registry(tmp_path, [f"site-{i}" for i in range(1, 6)], ["site-6"])
+    result = airflow_home.run("flare_accepted_only", airflow_home.write_job("accepted_only", job), env=env)
     tasks = result.tasks
     assert result.state["state"] == "success", result.log[-4000:]
     for r in (1, 2):
         assert tasks[f"round_{r}.site-1"] == "success" and tasks[f"round_{r}.site-5"] == "success"
         assert {tasks[f"round_{r}.site-{i}"] for i in (2, 3, 4)} == {"failed"}
+        assert tasks[f"round_{r}.site-6"] == "success"  # its task succeeded; the aggregation refused its record
         assert tasks[f"round_{r}.global_model"] == "success"
     report = result.metrics()
     assert [row["sites_valid"] for row in report["rounds"]] == [2, 2]
+    for row in report["rounds"]:
+        assert "never enrolled, or revoked" in row["rejected"]["site-6"], row["rejected"]
     rejected = report["rounds"][0]["rejected"]
     assert "exit code 5" in rejected["site-2"]
     assert "exit code" in rejected["site-3"] and "exit code" in rejected["site-4"]
@@ -72,7 +91,9 @@ def test_only_updates_the_site_tasks_accepted_are_counted(airflow_home: AirflowH
         meta = read_record(run_dir / f"round-{r:04d}" / "global.safetensors").meta
         assert meta["sites"] == ["site-1", "site-5"], meta
         published = sorted(p.name for p in (run_dir / f"round-{r:04d}" / "sites").glob("*.safetensors"))
-        assert published == ["site-1.safetensors", "site-5.safetensors"], "failed sites never publish an update"
+        assert published == ["site-1.safetensors", "site-5.safetensors", "site-6.safetensors"], (
+            "failed sites never publish an update"
+        )
     # site-1 and site-5 each sent global + 1: the model grows by exactly 1 a round
     final = read_artifact(pathlib.Path(report["final_model"].removeprefix("file://")))[0]
     np.testing.assert_array_equal(final["w"], np.full(4, 2.0, np.float32))

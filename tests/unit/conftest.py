@@ -159,3 +159,11 @@ def package_copy(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("pkg")
     shutil.copytree(REPO / "flare_airflow", root / "flare_airflow", ignore=shutil.ignore_patterns("__pycache__"))
     return root
+
+
+@pytest.fixture(autouse=True)
+def _key_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parties' keys made on first use (one-machine trust mode) go to the session's temp dir, not the
+    developer's Airflow home; a test that needs strict mode sets ``FLARE_SITE_KEYS`` itself."""
+    monkeypatch.setenv("FLARE_KEY_DIR", str(tmp_path_factory.getbasetemp() / "flare-keys"))
+    monkeypatch.delenv("FLARE_SITE_KEYS", raising=False)

@@ -47,6 +47,11 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^flare-airflow try-trainer\b", RunBy("tests/unit/test_try_trainer.py", '"try-trainer"')),
     (r"^flare-airflow resume\b", RunBy("tests/e2e/test_resume.py", '"resume", dag_id, run_id')),
     (r"^flare-airflow pools sync\b", RunBy("tests/integration/test_gpu_pools.py", '"pools", "sync"')),
+    (r"^flare-airflow doctor\b", RunBy("tests/unit/test_cli_doctor.py", '"doctor"')),
+    (
+        r"^flare-airflow (site keygen|central keygen|registry (add|revoke))\b",
+        RunBy("tests/unit/test_cli_keys.py", '"registry", "revoke"'),
+    ),
     (r"^airflow (db migrate|dags (trigger|unpause|reserialize))\b", WALKTHROUGH),
     # `flare-airflow run` is `airflow dags test` in-process; every e2e test runs it (flare_airflow_testing/harness.py)
     (r"^airflow dags test$", RunBy("flare_airflow_testing/harness.py", '"flare-airflow"), "run"')),

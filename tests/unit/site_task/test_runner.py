@@ -574,3 +574,29 @@ def test_a_killed_runner_removes_the_task_result_file(
     assert proc.returncode == 128 + signal.SIGTERM
     assert not result_file.exists()
     assert wait(lambda: not alive(trainer_pid), 5)
+
+
+def test_the_site_signs_its_update_record_and_without_its_key_publishes_nothing(
+    trainer, global_model, output, lines, tmp_path
+) -> None:
+    from flare_airflow.core.trust import Registry, verify_record
+    from flare_airflow.core.trust.records import trainer_digest
+
+    trust = {"key_dir": str(tmp_path / "keys"), "registry_path": None}
+    rc, summary = run(trainer, global_model, output, lines, "ok", try_number=2, trust=trust)
+    assert rc is RC.SUCCESS and isinstance(summary, dict), summary
+    payload = verify_record(
+        summary["signed"], Registry.from_key_dir(tmp_path / "keys"), party="site-1", expect={}, what="update"
+    )
+    assert payload == {
+        "type": "update", "job": "demo", "run_id": "manual__2024-01-01T00:00:00+00:00", "round": 1, "site": "site-1",
+        "try": 2, "size": output.stat().st_size, "sha256": summary["sha256"], "blake3": summary["blake3"],
+        "num_samples": 12, "params_type": "FULL", "privacy": None,
+        "trainer": trainer_digest([PY, str(trainer), "ok"]),
+    }  # fmt: skip
+    # Strict mode on a worker that never made its key: the update is refused, nothing published.
+    (tmp_path / "registry.json").write_text('{"keys": []}')
+    strict = {"key_dir": str(tmp_path / "none"), "registry_path": str(tmp_path / "registry.json")}
+    rc, reason = run(trainer, global_model, output, lines, "ok", trust=strict)
+    assert rc is RC.EXECUTION_ERROR and "flare-airflow site keygen site-1" in str(reason)
+    assert not output.exists() and "no signing key" in failure(output)["reason"]

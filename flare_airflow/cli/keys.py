@@ -1,0 +1,116 @@
+"""``flare-airflow site keygen``, ``central keygen`` and ``registry add|revoke``: a party's keys and
+the consortium registry of public keys (docs/threat-model.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from flare_airflow.core.trust import CENTRAL, Registry, RegistryError, generate_keys
+from flare_airflow.core.trust.keys import party_dir
+
+
+def _key_dir(args: argparse.Namespace) -> Path:
+    if args.out:
+        return Path(args.out)
+    from flare_airflow.operators.trust import trust_settings
+
+    return Path(trust_settings().key_dir)
+
+
+def _keygen(party: str, args: argparse.Namespace) -> int:
+    directory = party_dir(_key_dir(args), party)
+    keys = generate_keys(party, directory, box=party != CENTRAL, rotate=args.rotate)
+    for old in keys.retired:
+        print(f"rotated: the old key {old} is kept at {directory} (*.{old}.retired); revoke it once no run needs it")
+    print(f"{party}: private keys in {directory} (mode 0600, never copy them off this machine)")
+    print(f"public keys to enrol in the consortium registry ({directory / 'public.jwks.json'}):")
+    print(json.dumps(keys.jwks, indent=2))
+    return 0
+
+
+def cmd_site_keygen(args: argparse.Namespace) -> int:
+    return _keygen(args.site, args)
+
+
+def cmd_central_keygen(args: argparse.Namespace) -> int:
+    return _keygen(CENTRAL, args)
+
+
+def _read(path: Path, *, missing_ok: bool = True) -> dict[str, Any]:
+    """A JWKS file, refused (``RegistryError``) unless it is readable, JSON and well-formed."""
+    if missing_ok and not path.exists():
+        return {"keys": []}
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except OSError as exc:
+        raise RegistryError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise RegistryError(f"{path} is not JSON: {exc}") from None
+    Registry.from_jwks(data, str(path))  # refuses a malformed registry before it is changed
+    return data
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    Registry.from_jwks(data, str(path))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def cmd_registry_add(args: argparse.Namespace) -> int:
+    """Enrol (or rotate in) a party's public keys: the JWKS its keygen printed, after review."""
+    registry = Path(args.registry)
+    data = _read(registry)
+    new = _read(Path(args.public_jwks), missing_ok=False)
+    known = {k.get("kid") for k in data["keys"]}
+    added = [k for k in new["keys"] if k.get("kid") not in known]
+    if any("d" in k for k in added):
+        raise RegistryError(f"{args.public_jwks} holds a private key ('d'): enrol only public keys")
+    data["keys"].extend(added)
+    _write(registry, data)
+    print(f"{registry}: enrolled {', '.join(k['kid'] for k in added) or 'nothing new'}")
+    return 0
+
+
+def cmd_registry_revoke(args: argparse.Namespace) -> int:
+    """Revoke a key id: its records are refused from now on; nobody else is re-provisioned."""
+    registry = Path(args.registry)
+    data = _read(registry)
+    kept = [k for k in data["keys"] if k.get("kid") != args.kid]
+    if len(kept) == len(data["keys"]):
+        raise RegistryError(f"{registry} lists no key {args.kid!r}")
+    data["keys"] = kept
+    _write(registry, data)
+    print(f"{registry}: revoked {args.kid}")
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    """The trust commands, under the CLI's sub-parsers."""
+    for role, func, help_text in (
+        ("site", cmd_site_keygen, "a site's own keys (run at the site)"),
+        ("central", cmd_central_keygen, "the central (aggregation) side's signing key"),
+    ):
+        group = sub.add_parser(role, help=help_text).add_subparsers(dest=f"{role}_command", required=True)
+        p = group.add_parser("keygen", help=f"make {help_text}: an Ed25519 signing key"
+                             + (" and an X25519 box key" if role == "site" else ""))  # fmt: skip
+        if role == "site":
+            p.add_argument("site", help="the site's name, as in the job")
+        p.add_argument("--out", help="the worker's key directory (default: [flare] key_dir, $AIRFLOW_HOME/flare-keys)")
+        p.add_argument("--rotate", action="store_true", help="replace existing keys with new ones (new key ids)")
+        p.set_defaults(func=func)
+    group = sub.add_parser("registry", help="the consortium registry of public keys").add_subparsers(
+        dest="registry_command", required=True
+    )
+    p = group.add_parser("add", help="enrol a party's public keys (the public.jwks.json its keygen wrote)")
+    p.add_argument("registry")
+    p.add_argument("public_jwks")
+    p.set_defaults(func=cmd_registry_add)
+    p = group.add_parser("revoke", help="remove a key id: its records are refused from then on")
+    p.add_argument("registry")
+    p.add_argument("kid")
+    p.set_defaults(func=cmd_registry_revoke)
