@@ -369,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("job")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the pools do not match")
     p.set_defaults(func=_cmd_pools_sync)
-    site = sub.add_parser("site", help="a site's own state on this worker")
+    site = sub.add_parser("site", help="a site's own state on this worker: its keys, its privacy ledger")
     site_sub = site.add_subparsers(dest="site_command", required=True)
     p = site_sub.add_parser("budget", help="the site's privacy ledger: every release, ε spent, the budget")
     p.add_argument("--site", help="only this site")
@@ -387,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--name", help="the job's name (default: meta.json's name)")
     p.add_argument("--force", action="store_true", help="replace an earlier import's files")
     p.set_defaults(func=_cmd_import_nvflare)
-    add_trust_parsers(sub)
+    add_trust_parsers(sub, site_sub)
     add_doctor_parser(sub)
     args = parser.parse_args(argv)
     try:

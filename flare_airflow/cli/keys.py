@@ -89,13 +89,16 @@ def cmd_registry_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub: Any) -> None:
-    """The trust commands, under the CLI's sub-parsers."""
-    for role, func, help_text in (
-        ("site", cmd_site_keygen, "a site's own keys (run at the site)"),
-        ("central", cmd_central_keygen, "the central (aggregation) side's signing key"),
+def add_parsers(sub: Any, site_sub: Any) -> None:
+    """The trust commands, under the CLI's sub-parsers (``site_sub``: the ``site`` command's own,
+    which holds a site's other commands too)."""
+    central_sub = sub.add_parser("central", help="the central (aggregation) side's own state").add_subparsers(
+        dest="central_command", required=True
+    )
+    for role, group, func, help_text in (
+        ("site", site_sub, cmd_site_keygen, "a site's own keys (run at the site)"),
+        ("central", central_sub, cmd_central_keygen, "the central (aggregation) side's signing key"),
     ):
-        group = sub.add_parser(role, help=help_text).add_subparsers(dest=f"{role}_command", required=True)
         p = group.add_parser("keygen", help=f"make {help_text}: an Ed25519 signing key"
                              + (" and an X25519 box key" if role == "site" else ""))  # fmt: skip
         if role == "site":

@@ -72,7 +72,7 @@ def public_jwk(party: str, public: Ed25519PublicKey | X25519PublicKey) -> dict[s
 
 
 # What may name a party (a site, or central): one path component, as the store requires of site names.
-PARTY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+PARTY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 def checked_party(party: str) -> str:
