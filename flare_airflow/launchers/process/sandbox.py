@@ -148,6 +148,11 @@ def _probe(bwrap: str) -> str | None:
         return f"{bwrap} could not be run ({exc})"
     if out.returncode != 0:
         detail = " ".join(out.stderr.split())[:300] or f"exit code {out.returncode}"
+        if "Unknown option" in out.stderr:
+            return (
+                f"{bwrap} is older than bubblewrap 0.8 ({detail}); install bubblewrap 0.8 or later "
+                "(Debian 12, Ubuntu 24.04)"
+            )
         return f"{bwrap} cannot create a sandbox on this host ({detail}); user namespaces may be disabled"
     return None
 
