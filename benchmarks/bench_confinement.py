@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.launchers.process.sandbox import Confinement, Sandbox, find_bwrap
+from flare_airflow.launchers.process.seccomp import filter_fd
 from flare_airflow.site_task.spec import SPEC_ENV, SiteRun
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -65,12 +66,18 @@ def _site_job(base: pathlib.Path, argv: list[str], hparams: dict, mode: str, n: 
 def _bare_exec(mode: str) -> float:
     """One exec of ``/bin/true``, plain or under the exact bwrap argv a site job gets."""
     argv = ["/bin/true"]
+    fds: tuple[int, ...] = ()
     if mode == "auto":
         sandbox = Sandbox(bwrap=find_bwrap(), confinement=Confinement(), writable=(tempfile.gettempdir(),))
-        argv = sandbox.argv(argv, None, {})
-    started = time.perf_counter()
-    subprocess.run(argv, check=True)
-    return time.perf_counter() - started
+        fds = (filter_fd(),)
+        argv = sandbox.argv(argv, None, {}, seccomp_fd=fds[0])
+    try:
+        started = time.perf_counter()
+        subprocess.run(argv, check=True, pass_fds=fds)
+        return time.perf_counter() - started
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _compare(times: dict[str, list[float]], fmt: str, diff: str) -> list[str]:

@@ -9,9 +9,12 @@ aggregation task to say why the site did not count.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import pathlib
+import stat
 import sys
 from typing import Any, cast
 
@@ -27,6 +30,10 @@ from flare_airflow.core.store import (
 )
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.site_task.tries import publish_current_try
+
+
+class SentFileRefused(FlareAirflowError):
+    """What the trainer left is not a regular file of its own in its staging directory."""
 
 
 class GlobalModelUnusable(FlareAirflowError):
@@ -143,6 +150,7 @@ def check_result(run: SiteRun, output: WritablePath, noise_secret: str | None = 
             f"the trainer exited successfully but sent no {'update' if run.task == 'train' else 'result'} "
             "(did it call flare.send()?)"
         )
+    check_sent_files(run, sent)
     params, record = read_artifact(sent)
     privacy = None
     if run.task == "train":
@@ -189,6 +197,56 @@ def sign_update(run: SiteRun, record: Any, summary: dict[str, Any]) -> dict[str,
         trainer=trainer_digest(run.argv),
     )
     return sign_record(payload, kid, key)
+
+
+def check_sent_files(run: SiteRun, sent: WritablePath) -> None:
+    """Refuse an update or record that is not a regular file the trainer wrote in its own directory.
+
+    A trainer (or a pod, or a container: every backend's result comes through here) could leave
+    ``update.safetensors`` as a symbolic link to the round's input global model, or to any file it
+    can read, with a matching record, and have it counted; or a hard link to such a file, or a FIFO
+    that blocks the reader. So each is opened without following a final link (``O_NOFOLLOW``,
+    ``O_NONBLOCK`` for FIFOs), must be a regular file with one link, and its resolved path must be
+    its directory's own entry: a symlinked staging directory is refused too. Object stores have
+    no links: only local paths are checked.
+    """
+    if not isinstance(sent, pathlib.Path):
+        return
+    where = f"site {run.site} round {run.round}"
+    what = "update" if run.task == "train" else "result"
+    directory = sent.parent
+    try:
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            raise SentFileRefused(
+                f"{where}: the trainer's output directory {directory} is not a directory (a symbolic link?); "
+                f"the {what} is not published"
+            )
+    except OSError as exc:
+        raise SentFileRefused(
+            f"{where}: cannot inspect the trainer's output directory {directory}: {exc.strerror}"
+        ) from None
+    home = os.path.realpath(directory)
+    for path in (sent, record_path(sent)):
+        refused = (
+            f"{where}: the trainer's {what} file {path} {{}}; it must be a regular file the trainer wrote "
+            f"in {directory}; not published"
+        )
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SentFileRefused(refused.format(f"is a symbolic link (to {os.readlink(path)!r})")) from None
+            raise SentFileRefused(refused.format(f"cannot be opened ({exc.strerror})")) from None
+        try:
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SentFileRefused(refused.format("is not a regular file"))
+        if info.st_nlink != 1:
+            raise SentFileRefused(refused.format(f"has {info.st_nlink} hard links (a link to another file)"))
+        if os.path.realpath(path) != os.path.join(home, path.name):
+            raise SentFileRefused(refused.format("resolves outside its directory"))
 
 
 def apply_privacy(

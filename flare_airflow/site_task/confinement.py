@@ -70,7 +70,8 @@ def site_sandbox(run: SiteRun, say: Callable[[str], None] = print) -> Sandbox | 
     say(
         f"{where}: trainer confined (bubblewrap): read-only file system but {', '.join(writable) or 'nothing'}"
         f"{''.join(', ' + p for p in confinement.writable)} and a private /tmp; "
-        f"network {'allowed' if confinement.network else 'none (loopback only)'}",
+        f"network {'allowed' if confinement.network else 'none (loopback only)'}; "
+        "as nobody in its own user namespace, without capabilities or ptrace",
     )
     return Sandbox(bwrap=bwrap, confinement=confinement, writable=tuple(writable), read_only=tuple(read_only))
 

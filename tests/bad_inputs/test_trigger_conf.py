@@ -307,3 +307,47 @@ def test_a_float_hyper_parameter_keeps_what_was_typed(job: Any, typed: Any, expe
     assert schema["type"] == ["number", "string"] and schema["maximum"] == 1.0 and "pattern" in schema
     job_params(job)["hp_lr"].resolve(typed)  # the form's (and the REST API's) schema takes it
     assert run_params(context(job, {"hp_lr": typed}), job).hparams["lr"] == expected
+
+
+# Hyper-parameters a strategy defines (issue 35): aggregator fedprox hands `mu` to the trainers as
+# hp_fedprox_mu; its bounds hold for a run's value in prepare, before any site trains.
+FEDPROX_CASES = [
+    Case("conf-fedprox-mu-huge", "trigger_conf", '{"hp_fedprox_mu": 1e300} with aggregator fedprox',
+         "hp_fedprox_mu=1e+300 is above the job's maximum 1000000.0"),
+    Case("conf-fedprox-mu-negative", "trigger_conf", '{"hp_fedprox_mu": -5} with aggregator fedprox',
+         "hp_fedprox_mu=-5.0 is below the job's minimum 0.0"),
+    Case("conf-fedprox-mu-above-job-range", "trigger_conf",
+         '{"hp_fedprox_mu": 0.5} with the job\'s hparam_ranges.fedprox_mu max 0.1',
+         "hp_fedprox_mu=0.5 is above the job's maximum 0.1"),
+]  # fmt: skip
+FEDPROX_CONF = {"conf-fedprox-mu-huge": 1e300, "conf-fedprox-mu-negative": -5, "conf-fedprox-mu-above-job-range": 0.5}
+CASES = CASES + FEDPROX_CASES  # a new list: the cases above keep their own test
+
+
+def fedprox_job(tmp_path: pathlib.Path, ranges: dict[str, Any]) -> Any:
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "init.safetensors").write_bytes(INITIAL_MODEL.read_bytes())
+    data = {
+        "job": "demo", "rounds": 3, "min_clients": 1, "initial_model": "init.safetensors",
+        "store": str(tmp_path / "store"), "aggregator": {"name": "fedprox", "mu": 0.01},
+        "trainer": {"script": "train.py", "hparams": {"lr": 0.1}, "hparam_ranges": ranges},
+        "sites": {"site-1": {}, "site-2": {}},
+    }  # fmt: skip
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    return load_job(tmp_path / "job.yaml")
+
+
+@pytest.mark.parametrize("bad_case", FEDPROX_CASES, ids=lambda c: c.id)
+def test_a_strategy_hyper_parameter_is_bounded_in_prepare(bad_case: Case, tmp_path: pathlib.Path) -> None:
+    ranges = {"fedprox_mu": {"max": 0.1}} if bad_case.id == "conf-fedprox-mu-above-job-range" else {}
+    job = fedprox_job(tmp_path, ranges)
+    with pytest.raises(RunParamsError) as info:
+        run_params(context(job, {"hp_fedprox_mu": FEDPROX_CONF[bad_case.id]}), job)
+    assert_clear(bad_case, str(info.value))
+
+
+def test_the_form_shows_the_strategy_bounds_and_takes_a_value_inside(tmp_path: pathlib.Path) -> None:
+    job = fedprox_job(tmp_path, {})
+    schema = job_params(job)["hp_fedprox_mu"].schema
+    assert (schema["minimum"], schema["maximum"]) == (0.0, 1e6)
+    assert run_params(context(job, {"hp_fedprox_mu": 0.5}), job).hparams["fedprox_mu"] == 0.5

@@ -286,4 +286,32 @@ def strategy_hparams_to_trainer(data: dict[str, Any]) -> None:
                 f"trainer.hparams.{key} is {short_repr(hparams[key])}, but with aggregator {name} it comes from "
                 f"aggregator.{field}: set {field} there and remove the hyper-parameter"
             )
-    data["trainer"] = {**trainer, "hparams": {**hparams, **{k: v for k, (_, v) in given.items()}}}
+    ranges = trainer.get("hparam_ranges") or {}
+    if not isinstance(ranges, Mapping):
+        return
+    # Each one keeps its field's bounds as the form's range (narrowed by the job's own range for it):
+    # prepare refuses a run's value outside them before any site trains (never mu = 1e300 or -5).
+    bounds = {key: field_range(spec, field, ranges.get(key)) for key, (field, _) in given.items()}
+    data["trainer"] = {
+        **trainer,
+        "hparams": {**hparams, **{k: v for k, (_, v) in given.items()}},
+        "hparam_ranges": {**ranges, **bounds},
+    }
+
+
+def field_range(spec: type[StrategySpec], field: str, job_range: Any) -> dict[str, float]:
+    """The bounds of ``spec``'s numeric ``field`` (its ``ge``/``gt``/``le``/``lt``) as a hyper-parameter
+    range ``{min, max}`` (inclusive, as the form's: a ``gt`` bound becomes the minimum), narrowed by the
+    job's own ``trainer.hparam_ranges`` entry ``job_range``."""
+    bounds: dict[str, float] = {}
+    for item in spec.model_fields[field].metadata:
+        for attr, key in (("ge", "min"), ("gt", "min"), ("le", "max"), ("lt", "max")):
+            value = getattr(item, attr, None)
+            if isinstance(value, int | float):
+                bounds[key] = float(value)
+    given = job_range if isinstance(job_range, Mapping) else {}
+    for key, pick in (("min", max), ("max", min)):
+        value = given.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            bounds[key] = pick(bounds[key], float(value)) if key in bounds else float(value)
+    return bounds

@@ -9,13 +9,17 @@ mounted (read-only) and the try's staging directory (read-write). The argv is bu
 
 from __future__ import annotations
 
+import grp
+import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from flare_airflow.core.config.kubernetes import image_reference
 from flare_airflow.core.config.process import AirflowEnvBlock, AirflowSecretRef
 from flare_airflow.core.config.validators import (
+    SITE_POLICY_CONTEXT,
     Strict,
     argv,
     env_or_secret,
@@ -35,6 +39,20 @@ _PRIVILEGED_KEYS = {
     "devices": "GPUs are given as gpu_devices, nothing else",
 }
 _ROOT_USERS = ("0", "root")
+_MAX_ID = 4294967294  # 2**32 - 2: (uid_t)-1 means "unchanged" to the kernel
+# What a job file may pass as a GPU (issue 35): CDI names of GPU vendors, NVIDIA device nodes, DRM
+# render/card nodes and AMD's KFD -- never a disk (/dev/vda), /dev/mem, /dev/kvm, nor a permission
+# suffix (:rwm). Any other device only from the site policy, the site admin's.
+_GPU_DEVICE = re.compile(
+    r"(nvidia\.com|amd\.com|intel\.com)/gpu=[A-Za-z0-9_.-]+"
+    r"|/dev/nvidia([0-9]+|ctl|-uvm|-uvm-tools|-modeset|-caps/nvidia-cap[0-9]+)"
+    r"|/dev/dri/(renderD|card)[0-9]+|/dev/kfd"
+)
+# Groups that reach the host past a container (raw disks, kernel memory, password hashes, the
+# engine's socket, admin rights): a job file's user may not name them; the site policy may.
+_PRIVILEGED_GROUP_IDS = {0: "root", 4: "adm", 5: "tty", 6: "disk", 15: "kmem", 27: "sudo", 42: "shadow"}
+_PRIVILEGED_GROUP_NAMES = ("root", "adm", "tty", "disk", "kmem", "sudo", "wheel", "shadow", "docker", "lxd", "libvirt",
+                           "kvm", "systemd-journal")  # fmt: skip
 
 
 class ContainerVolume(Strict):
@@ -107,12 +125,20 @@ class ContainerLaunchSpec(AirflowEnvBlock):
 
     @field_validator("user")
     @classmethod
-    def _user(cls, value: str) -> str:
+    def _user(cls, value: str, info: ValidationInfo) -> str:
         uid, _, gid = value.partition(":")
         if not uid.isdigit() or (gid and not gid.isdigit()):
             raise ValueError(f"user {value!r} must be a numeric uid or uid:gid, e.g. 1000:1000 (the image's trainer)")
         if uid in _ROOT_USERS or int(uid) == 0 or (gid and int(gid) == 0):
             raise ValueError(f"user {value!r} is root: container sites run the trainer as a non-root uid:gid")
+        if int(uid) > _MAX_ID or (gid and int(gid) > _MAX_ID):
+            raise ValueError(f"user {value!r}: uid and gid must be at most {_MAX_ID}")
+        group = _privileged_group(int(gid)) if gid else None
+        if group is not None and not _from_site_policy(info):
+            raise ValueError(
+                f"user {value!r}: gid {gid} is the host's group {group!r}, which reaches the host past the container; "
+                "a job file may not name it (only the site policy may), use the image's own group, e.g. 1000:1000"
+            )
         return value
 
     @field_validator("trainer_command", mode="before")
@@ -129,11 +155,17 @@ class ContainerLaunchSpec(AirflowEnvBlock):
 
     @field_validator("gpu_devices")
     @classmethod
-    def _gpus(cls, value: list[str]) -> list[str]:
+    def _gpus(cls, value: list[str], info: ValidationInfo) -> list[str]:
         for device in value:
             if not device or any(c.isspace() or ord(c) < 32 for c in device) or device.startswith("-"):
                 raise ValueError(
                     f"gpu device {device!r} must be a device name such as nvidia.com/gpu=0 or /dev/nvidia0"
+                )
+            if not _from_site_policy(info) and not _GPU_DEVICE.fullmatch(device):
+                raise ValueError(
+                    f"gpu device {device!r} is not a GPU: a job file may pass only GPUs (CDI names such as "
+                    "nvidia.com/gpu=0, /dev/nvidiaN, /dev/dri/renderDN, /dev/kfd; no ':rwm' suffix); any other "
+                    "device only in the site policy (sites.<site>.launcher_spec.container.gpu_devices)"
                 )
         if len(set(value)) != len(value):
             raise ValueError("gpu_devices lists a device twice")
@@ -153,7 +185,7 @@ class ContainerLaunchSpec(AirflowEnvBlock):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> ContainerLaunchSpec:
+    def _consistent(self, info: ValidationInfo) -> ContainerLaunchSpec:
         env_or_secret(self.env, self.secret_env)
         for volume in self.volumes:
             if not any(path_within(volume.host_path, top) for top in self.allowed_host_paths):
@@ -162,8 +194,46 @@ class ContainerLaunchSpec(AirflowEnvBlock):
                     f"volume host_path {volume.host_path} is not under the site's allowed_host_paths ({allowed}): "
                     "the site admin lists the host directories trainers may see in allowed_host_paths"
                 )
+        if self.allowed_host_paths and not _from_site_policy(info):
+            # A job file that could grant host directories would let any job author mount the
+            # worker's store or AIRFLOW_HOME (process sites refuse a job's confinement alike).
+            raise ValueError(
+                "allowed_host_paths is the site admin's, not the job's: a job file cannot grant host directories "
+                "to its trainers; set allowed_host_paths and volumes in the site policy "
+                "(sites.<site>.launcher_spec.container in the worker's FLARE_SITE_CONFIG file or flare_site_policy "
+                "variable)"
+            )
         paths = [v.mount_path for v in self.volumes]
         dupes = sorted({p for p in paths if paths.count(p) > 1})
         if dupes:
             raise ValueError(f"mount_path {dupes[0]!r} is used by two volumes")
         return self
+
+
+def _from_site_policy(info: ValidationInfo) -> bool:
+    return bool((info.context or {}).get(SITE_POLICY_CONTEXT))
+
+
+def _privileged_group(gid: int) -> str | None:
+    """The name of a privileged host group ``gid`` is (well-known numbers, or this host's groups)."""
+    if gid in _PRIVILEGED_GROUP_IDS:
+        return _PRIVILEGED_GROUP_IDS[gid]
+    for name in _PRIVILEGED_GROUP_NAMES:
+        try:
+            if grp.getgrnam(name).gr_gid == gid:
+                return name
+        except KeyError:
+            continue
+    return None
+
+
+def protected_mount_problem(host_path: str, protected: Mapping[str, str]) -> str | None:
+    """Why a container volume of ``host_path`` may not be mounted: it is, holds or lies inside one
+    of ``protected`` (what -> host directory: the model store, AIRFLOW_HOME); ``None`` if clear."""
+    for what, top in protected.items():
+        if path_within(host_path, top) or path_within(top, host_path):
+            return (
+                f"volume host_path {host_path} would expose {what} ({top}) to the trainer: other sites' updates, "
+                "the round's input model or Airflow's own files; mount a data directory of its own"
+            )
+    return None

@@ -30,6 +30,7 @@ the policy's limits fails that site's task with a :class:`~flare_airflow.core.er
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -38,6 +39,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from flare_airflow.core import envvars
 from flare_airflow.core.backends import BackendName, backend
+from flare_airflow.core.config.container import protected_mount_problem
 from flare_airflow.core.config.describe import cap, describe
 from flare_airflow.core.config.job import JobConfig
 from flare_airflow.core.config.privacy import SitePrivacy
@@ -83,7 +85,8 @@ class SitePolicyEntry(Strict):
     @field_validator("launcher_spec")
     @classmethod
     def _backends(cls, value: dict[str, Any]) -> dict[str, Any]:
-        LauncherSpec.model_validate(value)  # each block checked now, where the admin reads the error
+        # each block checked now, where the admin reads the error, as the admin's (the site policy's)
+        LauncherSpec.model_validate(value, context={SITE_POLICY_CONTEXT: True})
         unknown = [k for k in value if k not in SUPPORTED_BACKENDS]
         if unknown:
             raise ValueError(
@@ -159,6 +162,20 @@ def _parsed_policy(read: Callable[[], Mapping[str, Any]], source: str, what: str
     return site_policy_from_dict(data, source=source)
 
 
+def _protected_mounts(block: Any, job: JobConfig, where: str) -> None:
+    """A container site's volumes never expose the model store or AIRFLOW_HOME, whoever wrote them."""
+    if block is None:
+        return
+    home = os.path.abspath(os.path.expanduser(os.environ.get("AIRFLOW_HOME") or "~/airflow"))
+    protected = {"AIRFLOW_HOME": home}
+    if job.store_scheme == "file" and job.store:
+        protected["the model store"] = os.path.abspath(job.store.removeprefix("file://"))
+    for volume in block.volumes:
+        problem = protected_mount_problem(volume.host_path, protected)
+        if problem is not None:
+            raise ConfigError(cap(f"{where}: {problem}"))
+
+
 def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfig:
     """The job as ``site`` runs it: the job's request on top of the site's policy.
 
@@ -188,6 +205,7 @@ def apply_site_policy(job: JobConfig, site: str, policy: SitePolicy) -> JobConfi
     except ValidationError as exc:
         reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
         raise ConfigError(cap(f"{where}: the job's request does not fit the site's policy: {reasons}")) from None
+    _protected_mounts(spec.launcher_spec.container, job, where)
     if spec.gpus_per_job != asked.gpus_per_job:
         # The task's pool slots were fixed when the DAG was parsed, from the job's nodes x GPUs:
         # a job spanning more nodes here would hold fewer slots than the GPUs it takes.

@@ -140,6 +140,19 @@ class ProcessConfinement(Strict):
     )
     devices: list[str] = Field(default_factory=list, description="device nodes passed through besides the GPUs")
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        # YAML 1.1 (PyYAML) reads an unquoted `off` (and `no`, `false`) as the boolean false: the docs'
+        # `mode: off` must mean mode 'off', not fail. An unquoted `on`/`yes`/`true` names no mode.
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError(
+                "must be 'auto', 'required' or 'off'; `on`/`yes`/`true` names no mode (YAML reads it as true)"
+            )
+        return value
+
     @field_validator("writable")
     @classmethod
     def _writable(cls, value: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from flare_airflow.core.config.validators import (
     MAX_SECONDS,
     MAX_WEIGHT,
     MIN_WEIGHT,
+    SITE_POLICY_CONTEXT,
     Strict,
     airflow_executor,
     queue_name,
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SITE = "@default"
 NVFLARE_DEFAULT = "default"
-# The validation context under which a site's spec may carry the site policy's own fields.
-SITE_POLICY_CONTEXT = "site_policy"
 # The backends this version runs: the registry's (flare_airflow.core.backends).
 SUPPORTED_BACKENDS = tuple(BACKENDS)
 

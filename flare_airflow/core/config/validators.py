@@ -33,6 +33,11 @@ _CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}\Z")
 _EXECUTOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 
 
+# The validation context key set when a block comes from the site policy (the site admin's), not a
+# job file: rules that only an admin may relax (confinement, container devices and mounts) read it.
+SITE_POLICY_CONTEXT = "site_policy"
+
+
 class Strict(BaseModel):
     # strict: no silent coercion (`rounds: true` is not 1, `evaluate: "no"` is not True);
     # allow_inf_nan=False: `.inf` / `.nan` are no timeout, weight or CPU count.

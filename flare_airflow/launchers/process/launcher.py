@@ -39,6 +39,7 @@ from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.process.environment import check_environment, check_launchable, trainer_environment
 from flare_airflow.launchers.process.naming import TREE_MARK_ENV, new_tree_mark
 from flare_airflow.launchers.process.sandbox import Sandbox, sandboxed_exit
+from flare_airflow.launchers.process.seccomp import filter_fd
 from flare_airflow.launchers.process.tree import (
     POLL_INTERVAL,
     become_subreaper,
@@ -322,8 +323,16 @@ class ProcessLauncher(JobLauncherSpec):
         env = trainer_environment(os.environ, extra)
         check_launchable(job_meta, env.get("PATH", os.defpath))
         argv = list(job_meta.argv)
+        seccomp_fd: int | None = None
         if sandbox is not None and sandbox_dir is not None:
-            argv = sandbox.argv(argv, job_meta.cwd, env, also_writable=(str(sandbox_dir),))
+            try:
+                seccomp_fd = filter_fd()
+                argv = sandbox.argv(argv, job_meta.cwd, env, also_writable=(str(sandbox_dir),), seccomp_fd=seccomp_fd)
+            except LaunchError as exc:
+                if seccomp_fd is not None:
+                    os.close(seccomp_fd)
+                shutil.rmtree(sandbox_dir, ignore_errors=True)
+                raise LaunchError(f"{job_meta.label}: {exc}") from None
         prefix = output_prefix(job_meta) if self.prefix_lines else ""
         sink = self.sink
 
@@ -343,6 +352,7 @@ class ProcessLauncher(JobLauncherSpec):
                 bufsize=1,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=() if seccomp_fd is None else (seccomp_fd,),
                 preexec_fn=child_preexec(),
             )
         except (OSError, ValueError) as exc:
@@ -352,6 +362,9 @@ class ProcessLauncher(JobLauncherSpec):
                 shutil.rmtree(sandbox_dir, ignore_errors=True)
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise LaunchError(f"{job_meta.label}: cannot start {job_meta.argv[0]!r}: {detail}") from exc
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)  # bwrap has its copy (it reads the filter before the trainer starts)
         return ProcessJobHandle(
             job_meta, proc, emit, handshake, mark, self.adopt_orphans, self.hidden, sandbox_dir=sandbox_dir
         )

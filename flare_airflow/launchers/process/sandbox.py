@@ -5,7 +5,9 @@ A confined trainer sees the host's file system read-only, except its own output 
 ``confinement.writable``, and a private ``/tmp`` (and ``$TMPDIR``) that vanishes with it. Its input
 global model is read-only, so it cannot change what the other sites of the round read. It has its
 own PID namespace (it cannot see or signal the worker's processes, and everything it started dies
-with it), its own IPC namespace, a minimal ``/dev`` with the host's GPU devices passed through, and
+with it), its own IPC namespace, its own user namespace in which it is ``nobody`` with no capability
+(so even a worker running as root gives it none: no mount, no new namespaces, no raw sockets, no
+setuid gain), no ``ptrace`` (:mod:`.seccomp`), a minimal ``/dev`` with the host's GPU devices passed through, and
 -- when the site policy says ``network: false`` -- no network but its own loopback.
 
 Why bubblewrap and not Landlock: bwrap gives the PID namespace (the end of the trainer ends all it
@@ -31,6 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flare_airflow.launchers.errors import LaunchError
+from flare_airflow.launchers.process.seccomp import filter_fd
+
 BWRAP = "bwrap"
 # The GPU devices a trainer may need (NVIDIA, and DRM render nodes for others), passed through as is.
 GPU_DEVICE_GLOBS = ("/dev/nvidia*", "/dev/nvidia-caps", "/dev/dri")
@@ -39,6 +44,9 @@ _SIGNAL_EXIT_BASE = 128
 # The mount point of the trainer's private temporary directory (a fresh tmpfs, not the host's).
 PRIVATE_TMP = "/tmp"  # noqa: S108
 _PROBE_TIMEOUT = 20.0
+# The trainer's uid and gid inside its user namespace: nobody/nogroup, an unprivileged id. Outside,
+# its files stay the worker's (the namespace maps this id to the worker's uid, and only that one).
+SANDBOX_UID = 65534
 
 
 class ConfinementUnavailable(Exception):
@@ -78,13 +86,30 @@ class Confinement:
         return self.mode != "off"
 
 
-def _bwrap_base(network: bool) -> list[str]:
+def _bwrap_base(network: bool, seccomp_fd: int) -> list[str]:
+    # --unshare-user --uid/--gid: the trainer is nobody in a user namespace of its own, and
+    # --cap-drop ALL leaves it no capability even there. A worker running as root (the usual case:
+    # CI, compose, containers) would otherwise hand the trainer every capability, and with them
+    # `mount -o remount,rw /`. The namespace maps only the trainer's uid, to the worker's, so files
+    # it writes are the worker's as before. --disable-userns: it cannot make a nested user namespace
+    # (where it would be root again). bwrap always sets no-new-privs, and mounts nosuid.
     # --die-with-parent: the sandbox (and everything in its PID namespace) is SIGKILLed when the
     # launcher dies, kill -9 included. --new-session: the trainer gets its own session and group,
     # apart from bwrap's, so terminate() can SIGTERM it and give it its grace period (a SIGTERM to
     # bwrap itself would end the namespace at once).
+    uid = str(SANDBOX_UID)
     argv = [
         "--die-with-parent",
+        "--unshare-user",
+        "--uid",
+        uid,
+        "--gid",
+        uid,
+        "--disable-userns",
+        "--cap-drop",
+        "ALL",
+        "--seccomp",
+        str(seccomp_fd),
         "--unshare-pid",
         "--unshare-ipc",
         "--new-session",
@@ -106,18 +131,28 @@ def _bwrap_base(network: bool) -> list[str]:
 @functools.cache
 def _probe(bwrap: str) -> str | None:
     try:
-        out = subprocess.run(
-            [bwrap, *_bwrap_base(network=False), "--", "/bin/true"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=_PROBE_TIMEOUT,
-            check=False,
-        )
+        fd = filter_fd()
+        try:
+            out = subprocess.run(
+                [bwrap, *_bwrap_base(network=False, seccomp_fd=fd), "--", "/bin/true"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=_PROBE_TIMEOUT,
+                check=False,
+                pass_fds=(fd,),
+            )
+        finally:
+            os.close(fd)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{bwrap} could not be run ({exc})"
     if out.returncode != 0:
         detail = " ".join(out.stderr.split())[:300] or f"exit code {out.returncode}"
+        if "Unknown option" in out.stderr:
+            return (
+                f"{bwrap} is older than bubblewrap 0.8 ({detail}); install bubblewrap 0.8 or later "
+                "(Debian 12, Ubuntu 24.04)"
+            )
         return f"{bwrap} cannot create a sandbox on this host ({detail}); user namespaces may be disabled"
     return None
 
@@ -158,28 +193,68 @@ class Sandbox:
     read_only: tuple[str, ...] = ()
 
     def argv(
-        self, argv: Sequence[str], cwd: str | None, env: Mapping[str, str], also_writable: Iterable[str] = ()
+        self,
+        argv: Sequence[str],
+        cwd: str | None,
+        env: Mapping[str, str],
+        also_writable: Iterable[str] = (),
+        *,
+        seccomp_fd: int,
     ) -> list[str]:
-        """The exact argv that runs ``argv`` confined (never a shell string).
+        """The exact argv that runs ``argv`` confined (never a shell string); bwrap reads the
+        seccomp filter from ``seccomp_fd`` (:func:`~.seccomp.filter_fd`, passed to the child).
 
         Order matters to bwrap: the read-only root first, then private temporary directories and
         the writable directories over it, then the read-only files over those.
+
+        Raises :class:`LaunchError` for a ``TMPDIR`` whose private tmpfs would hide what the
+        trainer needs (``/``, or a directory holding its program, working or output directory).
         """
-        out = [self.bwrap, *_bwrap_base(self.confinement.network)]
+        writable = list(dict.fromkeys([*self.writable, *self.confinement.writable, *also_writable]))
+        out = [self.bwrap, *_bwrap_base(self.confinement.network, seccomp_fd)]
         for device in host_devices(self.confinement.devices):
             out += ["--dev-bind", device, device]
         for entry in tmp_entries_named(argv, cwd, env):
             out += ["--ro-bind", entry, entry]
         tmpdir = env.get("TMPDIR")
         if tmpdir and os.path.isabs(tmpdir) and os.path.isdir(tmpdir) and os.path.realpath(tmpdir) != PRIVATE_TMP:
+            _check_private_tmpdir(tmpdir, [*argv[:2], cwd or os.getcwd()], writable)
             out += ["--tmpfs", tmpdir]  # the trainer's TMPDIR stays what it was, and private
-        for path in dict.fromkeys([*self.writable, *self.confinement.writable, *also_writable]):
+        for path in writable:
             out += ["--bind", path, path]
         for path in self.read_only:
             if os.path.exists(path):
                 out += ["--ro-bind", path, path]
         out += ["--chdir", cwd or os.getcwd(), "--", *argv]
         return out
+
+
+def _check_private_tmpdir(tmpdir: str, needed: Iterable[str], rebound: Iterable[str]) -> None:
+    """A confined trainer's ``$TMPDIR`` becomes an empty private tmpfs: refuse one that would hide
+    the host's root or a path the trainer needs, its program or working directory (bwrap would fail
+    with a bare mount error, or the trainer would not find its program). The ``rebound`` (writable)
+    directories are bound again over the tmpfs, so they may lie under it."""
+    real = os.path.realpath(tmpdir)
+    over = [os.path.realpath(r) for r in rebound]
+    hidden = [
+        p
+        for p in needed
+        if p
+        and os.path.isabs(p)
+        and _under(os.path.realpath(p), real)
+        and not any(_under(os.path.realpath(p), r) for r in over)
+    ]
+    if real == "/" or hidden:
+        what = "the whole file system" if real == "/" else ", ".join(dict.fromkeys(hidden))
+        raise LaunchError(
+            f"TMPDIR={tmpdir!r} cannot be a confined trainer's temporary directory: it becomes an empty "
+            f"private tmpfs, which would hide {what}; set TMPDIR to /tmp or a directory of its own (or unset it) "
+            "in the site's launcher_spec.process.env"
+        )
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def tmp_entries_named(argv: Sequence[str], cwd: str | None, env: Mapping[str, str]) -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from flare_airflow.core.config import job_from_dict
+from flare_airflow.core.config import apply_site_policy, job_from_dict, site_policy_from_dict
 from flare_airflow.core.model import FLModel, read_record, write_artifact
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.container import SiteContainerOperator
@@ -54,9 +54,9 @@ def site_task(tmp_path: Path, image: str) -> tuple[SiteContainerOperator, ModelS
         "image": image,
         "pull": "never",
         "trainer_script": "/opt/code/trainer.py",
-        "allowed_host_paths": [str(tmp_path)],
-        "volumes": [{"host_path": str(code), "mount_path": "/opt/code"}],
     }
+    # Host directories are the site admin's to grant (a job file cannot): the site policy mounts the code.
+    granted = {"allowed_host_paths": [str(tmp_path)], "volumes": [{"host_path": str(code), "mount_path": "/opt/code"}]}
     job = job_from_dict(
         {
             "job": "cleared",
@@ -68,6 +68,8 @@ def site_task(tmp_path: Path, image: str) -> tuple[SiteContainerOperator, ModelS
             "sites": {"site-1": {"launcher": "container", "launcher_spec": {"container": container}}},
         }
     )
+    policy = {"sites": {"site-1": {"launcher": "container", "launcher_spec": {"container": {**container, **granted}}}}}
+    job = apply_site_policy(job, "site-1", site_policy_from_dict(policy, source="site.yaml"))
     models = ModelStore(store)
     write_artifact(
         models.global_model("cleared", RUN_ID, 0),

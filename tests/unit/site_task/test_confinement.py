@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -263,3 +264,77 @@ def test_the_digits_update_is_bitwise_identical_confined_or_not(site, tmp_path) 
         assert rc is RC.SUCCESS, summary
         updates[mode] = pathlib.Path(run.output).read_bytes()
     assert updates["auto"] == updates["off"], "confinement changed the digits update"
+
+
+HOSTILE = """
+import ctypes, errno, json, os, pathlib, socket, subprocess
+import flare_airflow.client as flare
+m = flare.receive()
+libc = ctypes.CDLL(None, use_errno=True)
+results = {}
+def err(rc):
+    return "ok" if rc == 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+def run(argv):
+    out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    return [out.returncode, out.stdout.strip(), out.stderr.strip()]
+status = dict(line.split(":", 1) for line in pathlib.Path("/proc/self/status").read_text().splitlines())
+results["ids"] = [os.getuid(), os.geteuid(), os.getgid()]
+results["cap_eff"] = status["CapEff"].strip()
+results["no_new_privs"] = status["NoNewPrivs"].strip()
+results["mount_cmd"] = run(["mount", "-o", "remount,bind,rw", "/"])[0]
+MS_REMOUNT, MS_BIND = 32, 4096
+results["mount_syscall"] = err(libc.mount(None, b"/", None, MS_REMOUNT | MS_BIND, None))
+try:
+    pathlib.Path(os.environ["STORE_ROOT"], "pwned").write_text("x")
+    results["write_store"] = "written"
+except OSError as exc:
+    results["write_store"] = errno.errorcode[exc.errno]
+# unshare(2) from a single-threaded process (the client's threads would make it EINVAL)
+for name in ("user", "mount", "net", "pid"):
+    results["unshare_" + name] = run(["unshare", "--" + name, "true"])[::2]
+results["su"] = run(["su", "-c", "id -u", "root"])[:2]
+results["setuid_copy"] = run([os.environ["SETUID_ID"], "-u"])[:2]
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP).close()
+    results["raw_socket"] = "ok"
+except OSError as exc:
+    results["raw_socket"] = errno.errorcode[exc.errno]
+PTRACE_ATTACH = 16
+results["ptrace_parent"] = err(libc.ptrace(PTRACE_ATTACH, os.getppid(), None, None))
+results["ptrace_worker"] = err(libc.ptrace(PTRACE_ATTACH, int(os.environ["WORKER_PID"]), None, None))
+print("RESULTS " + json.dumps(results), flush=True)
+flare.send(flare.FLModel(params=m.params, meta={"num_samples": 1}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the worker must run as root: where bwrap used to keep every capability")
+def test_a_hostile_trainer_under_a_root_worker_gains_no_privilege(site, global_model, tmp_path) -> None:
+    """Issue 35: bwrap started by root kept every capability, so a trainer could remount / read-write."""
+    setuid_id = tmp_path / "setuid-bin" / "id"
+    setuid_id.parent.mkdir()
+    shutil.copy2("/usr/bin/id", setuid_id)
+    os.chown(setuid_id, 0, 0)
+    setuid_id.chmod(0o4755)
+    before = global_model.read_bytes()
+    lines: list[str] = []
+    run = site(HOSTILE)
+    run.env.update({"SETUID_ID": str(setuid_id), "WORKER_PID": str(os.getpid())})
+    rc, summary = run_site(run, ProcessLauncher(sink=lines.append), handle_signals=False)
+    assert rc is RC.SUCCESS, (summary, lines[-20:])
+    got = _results(lines)
+    assert got["ids"] == [65534, 65534, 65534], "the trainer is nobody in its user namespace, not root"
+    assert got["cap_eff"] == "0000000000000000" and got["no_new_privs"] == "1", got
+    assert got["mount_cmd"] != 0 and got["mount_syscall"] == "EPERM", got
+    assert got["write_store"] == "EROFS", got
+    # --disable-userns: no nested user namespace (its limit is reached: ENOSPC); no other without a capability
+    assert got["unshare_user"] == [1, "unshare: unshare failed: No space left on device"], got
+    for kind in ("mount", "net", "pid"):
+        assert got[f"unshare_{kind}"] == [1, "unshare: unshare failed: Operation not permitted"], got
+    assert got["su"][0] != 0 and got["su"][1] != "0", got
+    assert got["setuid_copy"] == [0, "65534"], "a setuid-root binary gives no root (nosuid, no-new-privs)"
+    assert got["raw_socket"] == "EPERM", got
+    assert got["ptrace_parent"] == "EPERM", "seccomp: no ptrace, even of bwrap's init in the sandbox"
+    assert got["ptrace_worker"] in ("ESRCH", "EPERM"), "the worker is outside the trainer's PID namespace"
+    assert not (site.store / "pwned").exists() and global_model.read_bytes() == before
+    published = pathlib.Path(run.output)
+    assert published.stat().st_uid == os.getuid(), "the update is the worker's file, as before confinement"
