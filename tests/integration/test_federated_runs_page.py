@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from flare_airflow_testing.local_airflow import REPO, Api, LocalAirflow, process
 
 CHROMIUM = "/usr/bin/chromium"
 PASSWORDS = {"admin": "admin-pw-for-test", "outsider": "outsider-pw-for-test"}
-DEMO, ONE_DOWN, NO_QUORUM = "flare_digits", "flare_one_down", "flare_no_quorum"
+DEMO, ONE_DOWN, NO_QUORUM, TYPED = "flare_digits", "flare_one_down", "flare_no_quorum", "flare_typed"
 MLFLOW_UI = "http://127.0.0.1:5999"  # [flare_airflow] mlflow_ui_url: where this deployment serves `mlflow ui`
 
 
@@ -65,7 +66,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     job = behave_job(root, "one-down", sites=4, rounds=2, min_clients=3, args=["--fail", "site-4"])
     job["tracking"] = {"backend": "mlflow"}
     lost = behave_job(root, "no-quorum", sites=2, rounds=1, min_clients=2, args=["--fail", "site-2"])
-    for name, spec in (("one_down", job), ("no_quorum", lost)):
+    # A float hyper-parameter typed into Airflow's own trigger dialog (issue 37): one site, one round.
+    typed = behave_job(root, "typed", sites=1, rounds=1, min_clients=1, args=["--echo-args", "echo.json"])
+    typed["evaluate"] = False
+    typed["trainer"]["hparams"] = {"lr": 0.01, "local_epochs": 5}
+    typed["trainer"]["hparam_ranges"] = {"lr": {"min": 0, "max": 1}, "local_epochs": {"min": 1, "max": 50}}
+    for name, spec in (("one_down", job), ("no_quorum", lost), ("typed", typed)):
         (dags / f"{name}.yaml").write_text(yaml.safe_dump(spec))
         (dags / f"{name}_dag.py").write_text(
             "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
@@ -388,3 +394,78 @@ def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser:
     assert script.headers["content-type"].startswith("text/javascript") and "data-airflow" in script.text
     bad = httpx.get(f"{stack.base}/flare/", headers={"Authorization": "Bearer not-a-token"}, timeout=30)
     assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer", (bad.status_code, bad.text)
+
+
+# What an operator types into the lr field, key by key, and what must train (or the sentence that refuses it).
+TYPED_LR: dict[str, float | str] = {
+    "0.001": 0.001,
+    "0.0005": 0.0005,
+    "1e-3": 0.001,
+    "5e-4": 0.0005,
+    "3": "hp_lr=3.0 is above the job's maximum 1.0 (trainer.hparam_ranges)",
+    "-1": "hp_lr=-1.0 is below the job's minimum 0.0 (trainer.hparam_ranges)",
+    "abc": "hp_lr must be a finite number like the job's default 0.01, got 'abc'",
+}
+
+
+def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(stack: Stack, browser: Browser) -> None:
+    """Issue 37 #1: Airflow's JSON box for a param of several types re-read the text at each key:
+    typed 0.001 arrived as 001 and trained at 1.0. Typed here one key at a time into Airflow's own
+    dialog; the run's conf keeps the text, prepare and the trainer get the number, and what is no
+    number in range is refused by prepare with a sentence before any site trains."""
+    from flare_airflow.core.config import load_job
+    from flare_airflow.operators.common import RunParamsError, run_params
+
+    page = _page(browser, stack, stack.admin)
+    job = load_job(stack.root / "dags" / "typed.yaml")
+    runs: dict[str, str] = {}
+    for text in TYPED_LR:
+        page.goto(f"{stack.base}/dags/{TYPED}")
+        page.get_by_role("button", name="Trigger").first.click()
+        dialog = page.locator("[data-scope=dialog][data-part=content][data-state=open]")
+        # Kept paused: the runs queue, and only the ones this test lets go run (the others are
+        # checked with prepare's own function, below).
+        dialog.get_by_text(f"Unpause {TYPED} on trigger").click()
+        dialog.get_by_text("Trainer hyper-parameters").click()
+        field = dialog.locator("#element_hp_lr")
+        assert field.evaluate("e => e.tagName") == "INPUT"  # one line for one number, not a JSON box
+        field.click()
+        field.press("Control+a")
+        field.press("Delete")
+        field.press_sequentially(text, delay=20)
+        assert field.input_value() == text
+        with page.expect_response(lambda r: r.url.endswith("/dagRuns") and r.request.method == "POST") as answer:
+            dialog.get_by_role("button", name="Trigger").click()
+        assert answer.value.status == 200, answer.value.text()
+        run = answer.value.json()
+        assert run["conf"]["hp_lr"] == text, run["conf"]  # what was typed, as typed
+        runs[text] = run["dag_run_id"]
+    _shot(page, stack, "typed-dialog")
+    for text, expected in TYPED_LR.items():
+        conf = stack.api("GET", f"/dags/{TYPED}/dagRuns/{quote(runs[text], safe='')}")["conf"]
+        context = {"params": {**conf}, "dag_run": type("Run", (), {"conf": conf})()}
+        if isinstance(expected, float):
+            assert run_params(context, job).hparams["lr"] == expected, text
+        else:
+            with pytest.raises(RunParamsError, match=re.escape(expected)):
+                run_params(context, job)
+    # The real run of 0.001 and of the refusals: what prepare resolved, what the trainer got, and
+    # the sentence on the run's page.
+    let_go = ["0.001", "3", "abc"]
+    for text in TYPED_LR:
+        if text not in let_go:
+            stack.api("DELETE", f"/dags/{TYPED}/dagRuns/{quote(runs[text], safe='')}")
+    stack.api("PATCH", f"/dags/{TYPED}", json={"is_paused": False})
+    assert stack.api.wait(TYPED, runs["0.001"]) == "success"
+    prepared = stack.api(
+        "GET", f"/dags/{TYPED}/dagRuns/{quote(runs['0.001'], safe='')}/taskInstances/prepare/xcomEntries/return_value"
+    )["value"]
+    assert prepared["hparams"] == {"lr": 0.001, "local_epochs": 5}
+    (echo,) = stack.root.rglob("echo.json")  # only this run trained
+    assert json.loads(echo.read_text())["hparams"]["lr"] == 0.001  # what the site trained with
+    for text in ("3", "abc"):
+        assert stack.api.wait(TYPED, runs[text]) == "failed"
+        page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs[text], safe='')}")
+        reason = page.locator('table.failures tr[data-task="prepare"] td.reason').inner_text()
+        assert reason == f"invalid run parameters: {TYPED_LR[text]}", reason
+        assert "Failed validating" not in page.content()
