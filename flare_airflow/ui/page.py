@@ -182,6 +182,10 @@ def _cell(view: RunView, ui_base: str, site: str, r: int) -> str:
         extra.append(f'<small class="samples">samples {cell.num_samples}</small>')
     if cell.train_loss is not None:
         extra.append(f'<small class="loss">train loss {cell.train_loss:.4f}</small>')
+    if cell.epsilon is not None:
+        extra.append(f'<small class="epsilon" data-value="{cell.epsilon!r}">ε {cell.epsilon:.3f}</small>')
+    if cell.releases is not None:
+        extra.append(f'<small class="releases">releases {cell.releases}</small>')
     if cell.reason:
         extra.append(_reason(cell.reason))
     link = ui_link(ui_base, view.dag_id, view.run_id, cell.task_id, try_number=cell.try_number or 1)
@@ -220,7 +224,10 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
         valid = _tries(rnd.try_number)
         valid += "" if rnd.valid is None else f"<small>{rnd.valid}/{len(view.sites)} valid</small>"
         if rnd.epsilon is not None:
-            valid += f'<small class="epsilon">ε {rnd.epsilon:.3f}</small>'
+            valid += f'<small class="epsilon" data-value="{rnd.epsilon!r}">ε {rnd.epsilon:.3f}</small>'
+        elif site_eps := [c.epsilon for c in rnd.sites.values() if c.epsilon is not None]:
+            # Noise added by the sites' own filters: the round is as private as its least private site.
+            valid += f'<small class="epsilon" data-value="{max(site_eps)!r}">ε ≤ {max(site_eps):.3f} (sites)</small>'
         if rnd.reason:
             valid += _reason(rnd.reason)
         body.append(
@@ -231,7 +238,8 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
         )
     if view.rounds:
         table = (
-            f'<table class="rounds"><tr><th>round</th>{head}<th>global model (FedAvg)</th></tr>{"".join(body)}</table>'
+            f'<table class="rounds"><tr><th>round</th>{head}<th class="strategy">global model'
+            f"{f' ({escape(view.strategy)})' if view.strategy else ''}</th></tr>{''.join(body)}</table>"
         )
     else:
         table = (
@@ -239,9 +247,14 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
             "<code>round_N.global_model</code> (not a flare-airflow job?).</p>"
         )
     figures = "".join(svg.render(c) for c in charts(view))
+    listed = dict(view.params)
+    if view.strategy:
+        listed["strategy"] = " ".join(
+            [view.strategy, *(f"{k}={json.dumps(v)}" for k, v in sorted(view.strategy_params.items()))]
+        )
     params = "".join(
         f"<tr><th>{escape(k)}</th><td>{escape(v if isinstance(v, str) else json.dumps(v, sort_keys=True))}</td></tr>"
-        for k, v in view.params.items()
+        for k, v in listed.items()
         if v not in (None, {}, "")
     )
     tracked = ""

@@ -33,6 +33,10 @@ class SiteCell:
     num_samples: int | None = None
     train_loss: float | None = None
     reason: str | None = None  # why it did not count / failed (from the round's summary)
+    # The site's own privacy account of this update (its task's XCom ``privacy``): ε after this
+    # round at its δ, and how many releases it counted, when its filters add noise.
+    epsilon: float | None = None
+    releases: int | None = None
 
 
 @dataclass
@@ -59,6 +63,7 @@ class RoundView:
     valid: int | None = None  # updates counted (from the summary), None while not aggregated
     reason: str | None = None  # why the aggregation failed (its XCom ``failure``), e.g. no quorum
     epsilon: float | None = None  # the run's ε after this round (its summary's ``privacy``), None without noise
+    strategy: str | None = None  # the strategy that aggregated the round (its summary's ``strategy``)
 
 
 @dataclass
@@ -75,6 +80,9 @@ class RunView:
     failures: list[RunFailure] = field(default_factory=list)  # the run's own tasks that failed
     # The run's MLflow run (experiment_id, run_id, url or None) when the job tracks with MLflow.
     mlflow_run: dict[str, str | None] | None = None
+    # The aggregation: the strategy's name (the latest aggregated round's) and the job's parameters for it.
+    strategy: str | None = None
+    strategy_params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -110,6 +118,14 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 def _epsilon(summary: Mapping[str, Any]) -> float | None:
     value = _mapping(summary.get("privacy")).get("epsilon")
     return float(value) if isinstance(value, int | float) else None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _releases(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def train_loss(metrics: Mapping[str, Any] | None) -> float | None:
@@ -164,6 +180,7 @@ def build_run_view(
             valid=len(summary["accepted"]) if isinstance(summary.get("accepted"), list) else None,
             reason=failures.get(agg_id),
             epsilon=_epsilon(summary),
+            strategy=str(summary["strategy"]) if isinstance(summary.get("strategy"), str) else None,
         )
         site_metrics = dict(summary.get("site_metrics") or {})
         for site in sites:
@@ -175,6 +192,7 @@ def build_run_view(
             if state == "success" and site in rejected:
                 state = "not counted"
             samples = sent.get("num_samples")
+            account = _mapping(sent.get("privacy"))
             view.sites[site] = SiteCell(
                 task_id=task_id,
                 state=state,
@@ -182,6 +200,8 @@ def build_run_view(
                 num_samples=samples if isinstance(samples, int) else None,
                 train_loss=train_loss(sent.get("metrics")) if sent else train_loss(site_metrics.get(site)),
                 reason=str(reason) if reason is not None else None,
+                epsilon=_number(account.get("epsilon")),
+                releases=_releases(account.get("releases")),
             )
         views.append(view)
     params = {
@@ -204,6 +224,7 @@ def build_run_view(
         for task_id, ti in sorted(task_instances.items())
         if ti.get("state") in FAILURE_STATES and not in_rounds.match(task_id)
     ]
+    last = summaries[max(summaries)] if summaries else {}
     return RunView(
         dag_id=dag_id,
         run_id=str(run.get("dag_run_id") or run.get("run_id")),
@@ -215,6 +236,8 @@ def build_run_view(
         params=params,
         rows_from=rows_from,
         failures=run_failures,
+        strategy=next((v.strategy for v in reversed(views) if v.strategy), None),
+        strategy_params={str(k): v for k, v in _mapping(last.get("strategy_params")).items()},
         mlflow_run=_mlflow_run(_mapping(xcoms.get(prefix + "publish")).get("mlflow_run"), prepare.get("mlflow_run")),
     )
 

@@ -27,6 +27,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from flare_airflow.core.privacy.accountant import epsilon_after
 from flare_airflow.core.tracking import run_key
 from flare_airflow_testing.harness import behave_job
 from flare_airflow_testing.local_airflow import REPO, Api, LocalAirflow, process_tree, started
@@ -34,6 +35,7 @@ from flare_airflow_testing.local_airflow import REPO, Api, LocalAirflow, process
 CHROMIUM = "/usr/bin/chromium"
 PASSWORDS = {"admin": "admin-pw-for-test", "outsider": "outsider-pw-for-test"}
 DEMO, ONE_DOWN, NO_QUORUM, TYPED = "flare_digits", "flare_one_down", "flare_no_quorum", "flare_typed"
+SITE_NOISE = {"filters": [{"type": "gaussian", "clip": 1.0, "noise_multiplier": 1.1}], "delta": 1.0e-5}
 MLFLOW_UI = "http://127.0.0.1:5999"  # [flare_airflow] mlflow_ui_url: where this deployment serves `mlflow ui`
 
 
@@ -71,6 +73,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     typed["evaluate"] = False
     typed["trainer"]["hparams"] = {"lr": 0.01, "local_epochs": 5}
     typed["trainer"]["hparam_ranges"] = {"lr": {"min": 0, "max": 1}, "local_epochs": {"min": 1, "max": 50}}
+    # ... aggregated by FedAdam, with a gaussian filter in the site's own privacy block (issue 37 #2).
+    typed["aggregator"] = {"name": "fedadam", "eta": 0.05}
+    typed["sites"]["site-1"] = {"privacy": {**SITE_NOISE, "public_metrics": ["train_loss"]}}
     for name, spec in (("one_down", job), ("no_quorum", lost), ("typed", typed)):
         (dags / f"{name}.yaml").write_text(yaml.safe_dump(spec))
         (dags / f"{name}_dag.py").write_text(
@@ -97,6 +102,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "FLARE_TEST_DENIED_DAGS": f"outsider:{DEMO}",
             "PYTHONPATH": str(auth),
             "AIRFLOW__FLARE_AIRFLOW__MLFLOW_UI_URL": MLFLOW_UI,
+            "AIRFLOW_VAR_FLARE_NOISE_SECRET": "5e" * 32,  # the sites' noise secret, as a site's worker holds it
         },
     )
     airflow.start()
@@ -463,9 +469,38 @@ def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(st
     assert prepared["hparams"] == {"lr": 0.001, "local_epochs": 5}
     (echo,) = stack.root.rglob("echo.json")  # only this run trained
     assert json.loads(echo.read_text())["hparams"]["lr"] == 0.001  # what the site trained with
+    # Issue 37 #2: the page names the strategy and its parameters, and the ε the site reported.
+    page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs['0.001'], safe='')}")
+    _shot(page, stack, "typed-run")
+    assert page.locator("table.rounds th.strategy").inner_text() == "global model (fedadam)"
+    assert "fedadam eta=0.05" in page.locator("h2:text('Parameters') + table").inner_text()
+    spent = epsilon_after(1.1, 1, 1.0e-5)
+    site = page.locator('table.rounds td[data-round="1"][data-site="site-1"] small.epsilon')
+    assert float(site.get_attribute("data-value") or "nan") == pytest.approx(spent)
+    aggregate = page.locator('table.rounds td.aggregate[data-round="1"] small.epsilon')
+    assert f"ε ≤ {spent:.3f} (sites)" == aggregate.inner_text()
     for text in ("3", "abc"):
         assert stack.api.wait(TYPED, runs[text]) == "failed"
         page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs[text], safe='')}")
         reason = page.locator('table.failures tr[data-task="prepare"] td.reason').inner_text()
         assert reason == f"invalid run parameters: {TYPED_LR[text]}", reason
         assert "Failed validating" not in page.content()
+    # Issue 37 #6: nothing the runs left behind stays <defunct> under the launcher (it reaps each second).
+    launcher = stack.airflow.proc.pid if stack.airflow.proc else 0
+    deadline = time.monotonic() + 10
+    while (zombies := _defunct_children(launcher)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not zombies, zombies
+
+
+def _defunct_children(parent: int) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if state == "Z" and int(ppid) == parent:
+            found.append(stat[: stat.rfind(")") + 1])
+    return found

@@ -171,8 +171,29 @@ def test_the_privacy_spent_after_each_round_and_the_budget_show_on_the_page() ->
     assert [rnd.epsilon for rnd in view.rounds] == [1.993, 2.918]
     assert [row["epsilon"] for row in view.rows] == [1.993, 2.918]
     html = page.run_content(view, "/ui", [])
-    assert '<small class="epsilon">ε 2.918</small>' in html
+    assert '<small class="epsilon" data-value="2.918">ε 2.918</small>' in html
     assert "privacy budget exhausted at round 3" in html
+
+
+def test_the_strategy_and_each_sites_own_epsilon_and_releases_show() -> None:
+    """Issue 37 #2: the aggregation column named FedAvg whatever the strategy, and with a gaussian
+    filter in the sites' own policy (no job-level noise) no ε was shown, though every site reported it."""
+    xcoms = _xcoms(2, {})
+    for r in (1, 2):
+        xcoms[f"round_{r}.global_model"].update(strategy="fedadam", strategy_params={"eta": 0.05, "tau": 0.001})
+        for i, s in enumerate(SITES):
+            account = {"epsilon": 1.5 * r + i, "delta": 1e-5, "noise_multiplier": 1.1, "filters": ["gaussian"]}
+            xcoms[f"round_{r}.{s}"]["privacy"] = {**account, **({"releases": r} if s == "site-1" else {})}
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "success", "conf": {}}, _tis(2, {}), xcoms, None)
+    html = page.run_content(view, "/ui", [])
+    assert '<th class="strategy">global model (fedadam)</th>' in html and "FedAvg" not in html
+    assert "<th>strategy</th><td>fedadam eta=0.05 tau=0.001</td>" in html
+    site_3 = re.search(r'<td class="cell" data-round="2" data-site="site-3".*?</td>', html)
+    assert site_3 and '<small class="epsilon" data-value="5.0">ε 5.000</small>' in site_3.group(0)
+    site_1 = re.search(r'<td class="cell" data-round="2" data-site="site-1".*?</td>', html)
+    assert site_1 and '<small class="releases">releases 2</small>' in site_1.group(0)
+    aggregate = re.search(r'<td class="cell aggregate" data-round="2".*?</td>', html)
+    assert aggregate and "ε ≤ 5.000 (sites)" in aggregate.group(0)
 
 
 def test_the_run_links_to_its_mlflow_run_and_only_through_http() -> None:
