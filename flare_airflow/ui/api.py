@@ -293,7 +293,8 @@ async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView
     prefix = federated_prefix(list(reads.task_instances))
     outputs = await run_in_threadpool(_outputs, run_id, reads.xcoms.get(prefix + "publish"))
     metrics = await run_in_threadpool(_read_metrics, outputs["metrics"]) if "metrics" in outputs else None
-    view = build_run_view(dag_id, reads.run, reads.task_instances, reads.xcoms, metrics, reads.failures)
+    mlflow_ui = (conf.get("flare_airflow", "mlflow_ui_url", fallback="") or "").strip() or None
+    view = build_run_view(dag_id, reads.run, reads.task_instances, reads.xcoms, metrics, reads.failures, mlflow_ui)
     downloads = await run_in_threadpool(_describe, ui_base(), dag_id, run_id, outputs)
     return view, downloads
 

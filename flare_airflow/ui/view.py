@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flare_airflow.core.report import TRAIN_LOSS_KEYS, round_row
+from flare_airflow.core.tracking import mlflow_run_url
 
 AGGREGATE_TASK = "global_model"  # the builder's name for a round's aggregation task
 _AGGREGATE = re.compile(r"^(.*?)round_(\d+)\.global_model$")
@@ -143,6 +144,7 @@ def build_run_view(
     xcoms: Mapping[str, Any],
     metrics: Mapping[str, Any] | None,
     failures: Mapping[str, str] | None = None,
+    mlflow_ui: str | None = None,
 ) -> RunView:
     """The page's model of one run.
 
@@ -150,6 +152,7 @@ def build_run_view(
     ``xcoms``: task id -> that task's ``return_value`` XCom (absent when it has none).
     ``metrics``: the published ``metrics.json`` or None.
     ``failures``: task id -> the reason a failed task left in its XCom ``failure``.
+    ``mlflow_ui``: ``[flare_airflow] mlflow_ui_url`` now (links to runs not tracked on a server).
     """
     failures = failures or {}
     prefix = federated_prefix(list(task_instances))
@@ -238,22 +241,34 @@ def build_run_view(
         failures=run_failures,
         strategy=next((v.strategy for v in reversed(views) if v.strategy), None),
         strategy_params={str(k): v for k, v in _mapping(last.get("strategy_params")).items()},
-        mlflow_run=_mlflow_run(_mapping(xcoms.get(prefix + "publish")).get("mlflow_run"), prepare.get("mlflow_run")),
+        mlflow_run=_mlflow_run(
+            mlflow_ui, _mapping(xcoms.get(prefix + "publish")).get("mlflow_run"), prepare.get("mlflow_run")
+        ),
     )
 
 
-def _mlflow_run(*candidates: Any) -> dict[str, str | None] | None:
-    """The first well-formed MLflow link of the run's XComs (publish's, then prepare's).
+def _mlflow_run(mlflow_ui: str | None, *candidates: Any) -> dict[str, str | None] | None:
+    """The first well-formed MLflow link of the run's XComs (publish's, then prepare's), resolved now.
 
-    An XCom is any task's to write: only ids and an http(s) URL get onto the page.
+    A run tracked on a server links to that server's UI (its ``server``); any other (the embedded
+    store) to ``mlflow_ui``, the deployment's ``[flare_airflow] mlflow_ui_url`` as set now -- also for
+    links written before they were resolved here, whose stored ``url`` is the fallback. An XCom is
+    any task's to write: only ids and an http(s) URL get onto the page.
     """
     for found in candidates:
         if not isinstance(found, Mapping):
             continue
-        ids = {k: found.get(k) for k in ("experiment_id", "run_id")}
-        if not all(isinstance(v, str) and v for v in ids.values()):
+        experiment, run = found.get("experiment_id"), found.get("run_id")
+        if not (isinstance(experiment, str) and experiment and isinstance(run, str) and run):
             continue
-        url = found.get("url")
+        ids: dict[str, str | None] = {"experiment_id": experiment, "run_id": run}
+        server = found.get("server")
+        if isinstance(server, str) and server:
+            url: Any = mlflow_run_url(server.rstrip("/"), experiment, run)
+        elif mlflow_ui:
+            url = mlflow_run_url(mlflow_ui.rstrip("/"), experiment, run)
+        else:
+            url = None if "server" in found else found.get("url")
         ok = isinstance(url, str) and url.startswith(("http://", "https://"))
         return {**ids, "url": url if ok else None}
     return None

@@ -213,3 +213,25 @@ def test_the_run_links_to_its_mlflow_run_and_only_through_http() -> None:
     assert view.mlflow_run == {**link, "url": None}
     html = page.run_content(view, "", [])
     assert "javascript:" not in html and "MLflow: run abc (experiment 3)" in html
+
+
+def test_the_mlflow_link_resolves_when_the_page_renders() -> None:
+    """Issue 37 #4: a run tracked on its own server links there, whatever mlflow_ui_url says; a run
+    of the embedded store follows mlflow_ui_url as set now (stored links were frozen at run time)."""
+    run = {"dag_run_id": "r1", "state": "success", "conf": {}}
+    xcoms = _xcoms(1, {})
+
+    def url(link: dict, mlflow_ui: str | None) -> str | None:
+        xcoms["prepare"]["mlflow_run"] = link
+        found = build_run_view("d", run, _tis(1, {}), xcoms, None, mlflow_ui=mlflow_ui).mlflow_run
+        return found["url"] if found else "no link"
+
+    on_server = {"experiment_id": "3", "run_id": "abc", "server": "http://team:5000", "url": "http://team:5000/x"}
+    assert url(on_server, "http://ui.now") == "http://team:5000/#/experiments/3/runs/abc"
+    embedded = {"experiment_id": "3", "run_id": "abc", "server": None, "url": None}
+    assert url(embedded, None) is None
+    assert url(embedded, "http://ui.now/") == "http://ui.now/#/experiments/3/runs/abc"  # set after the run
+    older = {"experiment_id": "3", "run_id": "abc", "url": "http://ui.then/#/experiments/3/runs/abc"}
+    assert url(older, "http://ui.now") == "http://ui.now/#/experiments/3/runs/abc"
+    assert url(older, None) == "http://ui.then/#/experiments/3/runs/abc"
+    assert url({**on_server, "server": "javascript:alert(1)//"}, None) is None
