@@ -10,7 +10,7 @@ from urllib.parse import quote, urlencode
 
 from flare_airflow.core.page_paths import PREFIX, dag_page_path, run_page_path
 from flare_airflow.ui import svg
-from flare_airflow.ui.view import RunView, charts
+from flare_airflow.ui.view import RunFailure, RunView, charts
 
 STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:16px;color:#1a202c;font-size:14px}
@@ -165,6 +165,11 @@ def dag_page(ui_base: str, dag_id: str, runs: Sequence[Mapping[str, Any]]) -> st
     return _doc(ui_base, dag_id, body)
 
 
+def never_ran(state: str, try_number: int) -> bool:
+    """A task that never started has no log to link to (Airflow shows an empty one)."""
+    return try_number == 0 or state in ("upstream_failed", "none", "removed")
+
+
 def _tries(try_number: int) -> str:
     return f'<small class="try">try {try_number}</small>' if try_number > 1 else ""
 
@@ -188,12 +193,24 @@ def _cell(view: RunView, ui_base: str, site: str, r: int) -> str:
         extra.append(f'<small class="releases">releases {cell.releases}</small>')
     if cell.reason:
         extra.append(_reason(cell.reason))
-    link = ui_link(ui_base, view.dag_id, view.run_id, cell.task_id, try_number=cell.try_number or 1)
-    extra.append(f"<small>{_airflow_a(link, 'log', 'log')}</small>")
+    if not never_ran(cell.state, cell.try_number):
+        link = ui_link(ui_base, view.dag_id, view.run_id, cell.task_id, try_number=cell.try_number)
+        extra.append(f"<small>{_airflow_a(link, 'log', 'log')}</small>")
     return (
         f'<td class="cell" data-round="{r}" data-site="{escape(site)}" data-state="{escape(cell.state)}">'
         f"{_state(cell.state)}{''.join(extra)}</td>"
     )
+
+
+def _no_reason(view: RunView, failure: RunFailure) -> str:
+    """What to say of a run task that left no reason: for one that never ran, which tasks failed."""
+    if failure.state != "upstream_failed":
+        return "no reason recorded: see the log"
+    failed = [f.task_id for f in view.failures if f.state == "failed" and f.task_id != failure.task_id]
+    failed += [r.aggregate_task_id for r in view.rounds if r.aggregate_state == "failed"]
+    if not failed:
+        return "not run: a task it waits for did not succeed"
+    return f"not run: a task it waits for failed ({', '.join(failed)}); its reason is shown there"
 
 
 def _run_failures(view: RunView, ui_base: str) -> str:
@@ -206,8 +223,8 @@ def _run_failures(view: RunView, ui_base: str) -> str:
         rows.append(
             f'<tr data-task="{escape(f.task_id)}" data-state="{escape(f.state)}"><td>{escape(f.task_id)}</td>'
             f"<td>{_state(f.state)}{_tries(f.try_number)}</td>"
-            f'<td class="reason">{escape(f.reason or "no reason recorded: see the log")}</td>'
-            f"<td>{_airflow_a(log, 'log', 'log')}</td></tr>"
+            f'<td class="reason">{escape(f.reason or _no_reason(view, f))}</td>'
+            f"<td>{'' if never_ran(f.state, f.try_number) else _airflow_a(log, 'log', 'log')}</td></tr>"
         )
     return (
         '<h2>Run failures</h2><table class="failures"><tr><th>task</th><th>state</th><th>reason</th><th></th></tr>'
@@ -246,7 +263,11 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
             '<p class="muted">This run has no federated rounds: its DAG holds no task '
             "<code>round_N.global_model</code> (not a flare-airflow job?).</p>"
         )
-    figures = "".join(svg.render(c) for c in charts(view))
+    if view.rows:
+        figures = "".join(svg.render(c) for c in charts(view))
+    else:  # four empty charts say less than one sentence
+        figures = '<p class="muted no-charts">No round has been aggregated in this run: nothing to chart yet.</p>'
+
     listed = dict(view.params)
     if view.strategy:
         listed["strategy"] = " ".join(

@@ -194,10 +194,13 @@ def test_demo_run_page_updates_while_running_and_matches_metrics_json(stack: Sta
             cell = row.locator(f'td[data-site="{site}"]')
             expected = states[f"round_{r}.{site}"]
             assert cell.get_attribute("data-state") == expected == ("success" if r <= 3 else "skipped")
-            log = cell.locator("a.log").get_attribute("href")
-            assert log == f"/dags/{DEMO}/runs/{quote(stack.runs[DEMO], safe='')}/tasks/round_{r}.{site}?try_number=1"
             if r <= 3:
+                log = cell.locator("a.log").get_attribute("href")
+                run = quote(stack.runs[DEMO], safe="")
+                assert log == f"/dags/{DEMO}/runs/{run}/tasks/round_{r}.{site}?try_number=1"
                 assert "samples" in cell.inner_text() and "train loss" in cell.inner_text()
+            else:  # issue 37 #7: a task that never ran has no log to open
+                assert cell.locator("a.log").count() == 0
         aggregate = row.locator("td.aggregate")
         assert aggregate.get_attribute("data-state") == ("success" if r <= 3 else "skipped")
     rows = _metrics(stack, DEMO)["rounds"]
@@ -286,6 +289,7 @@ def test_a_round_without_quorum_shows_why(stack: Stack, browser: Browser) -> Non
     site = row.locator('td[data-site="site-2"]')
     assert site.get_attribute("data-state") == "failed" and "exit code 3" in site.inner_text()
     assert page.locator('svg[data-chart="valid"] circle.point').count() == 0  # no round was aggregated
+    assert page.locator("p.no-charts").count() == 1  # a sentence, not four empty charts
     assert page.locator("tr[data-file]").count() == 0  # nothing published
 
 
@@ -457,7 +461,7 @@ def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(st
                 run_params(context, job)
     # The real run of 0.001 and of the refusals: what prepare resolved, what the trainer got, and
     # the sentence on the run's page.
-    let_go = ["0.001", "3", "abc"]
+    let_go = ["0.001", "abc"]
     for text in TYPED_LR:
         if text not in let_go:
             stack.api("DELETE", f"/dags/{TYPED}/dagRuns/{quote(runs[text], safe='')}")
@@ -479,7 +483,7 @@ def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(st
     assert float(site.get_attribute("data-value") or "nan") == pytest.approx(spent)
     aggregate = page.locator('table.rounds td.aggregate[data-round="1"] small.epsilon')
     assert f"ε ≤ {spent:.3f} (sites)" == aggregate.inner_text()
-    for text in ("3", "abc"):
+    for text in ("abc",):
         assert stack.api.wait(TYPED, runs[text]) == "failed"
         page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs[text], safe='')}")
         reason = page.locator('table.failures tr[data-task="prepare"] td.reason').inner_text()

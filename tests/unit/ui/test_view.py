@@ -235,3 +235,24 @@ def test_the_mlflow_link_resolves_when_the_page_renders() -> None:
     assert url(older, "http://ui.now") == "http://ui.now/#/experiments/3/runs/abc"
     assert url(older, None) == "http://ui.then/#/experiments/3/runs/abc"
     assert url({**on_server, "server": "javascript:alert(1)//"}, None) is None
+
+
+def test_tasks_that_never_ran_have_no_log_and_a_run_without_rounds_has_no_empty_charts() -> None:
+    """Issue 37 #7: a "log" link to an empty log; "no reason recorded: see the log" for a publish
+    that never ran; four empty charts for a run that never aggregated."""
+    tis = _tis(1, {"round_1.site-1": "failed", "round_1.global_model": "failed"})
+    tis["round_1.global_model"]["try_number"] = 1
+    tis["round_1.site-2"] = {"state": "upstream_failed", "try_number": 0}
+    tis["publish"] = {"state": "upstream_failed", "try_number": 0}
+    xcoms = _xcoms(1, {})
+    del xcoms["round_1.global_model"]
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "failed", "conf": {}}, tis, xcoms, None)
+    html = page.run_content(view, "", [])
+    site_2 = re.search(r'<td class="cell" data-round="1" data-site="site-2".*?</td>', html)
+    assert site_2 and "log" not in site_2.group(0)
+    site_1 = re.search(r'<td class="cell" data-round="1" data-site="site-1".*?</td>', html)
+    assert site_1 and 'class="log"' in site_1.group(0)
+    publish = re.search(r'<tr data-task="publish".*?</tr>', html)
+    assert publish and "not run: a task it waits for failed (round_1.global_model)" in publish.group(0)
+    assert 'class="log"' not in publish.group(0)
+    assert "<svg" not in html and "No round has been aggregated in this run" in html
