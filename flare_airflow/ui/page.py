@@ -296,6 +296,13 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
             for d in downloads
         )
         files = f"<table><tr><th>file</th><th>bytes</th><th>sha256</th><th>sha256 from</th></tr>{files}</table>"
+    elif any(f.task_id.rsplit(".", 1)[-1] == "publish" and f.state == "failed" for f in view.failures):
+        # A failed re-run of publish leaves no XCom to read, while what an earlier try wrote stays.
+        files = (
+            '<p class="muted unpublished">Not published: the latest try of <code>publish</code> failed (its '
+            "reason is under Run failures). Files and the Asset event an earlier try of it published, if any, "
+            "remain in the model store and in Airflow until a try succeeds.</p>"
+        )
     else:
         files = '<p class="muted">Published when the run succeeds (task <code>publish</code>).</p>'
     return (

@@ -476,8 +476,20 @@ def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(st
     assert prepared["hparams"] == {"lr": 0.001, "local_epochs": 5}
     (echo,) = stack.root.rglob("echo.json")  # only this run trained
     assert json.loads(echo.read_text())["hparams"]["lr"] == 0.001  # what the site trained with
+    # Issue 37 #5: what a render costs the api-server, from its access log: the first render of
+    # the finished run reads the run, its tasks and their XComs; the next ones the run only.
+    access_log = stack.airflow.home / "local" / "api-server.log"
+    calls = []
+    for _ in range(2):
+        before = access_log.stat().st_size
+        page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs['0.001'], safe='')}")
+        time.sleep(1)  # the access log line is written once the response is sent
+        with access_log.open("rb") as fh:
+            fh.seek(before)
+            calls.append(fh.read().decode(errors="replace").count(f"path=/api/v2/dags/{TYPED}/dagRuns/"))
+    print(f"REST calls per render of a finished run: {calls}")
+    assert calls[0] >= 5 and calls[1] == 1, calls
     # Issue 37 #2: the page names the strategy and its parameters, and the ε the site reported.
-    page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs['0.001'], safe='')}")
     _shot(page, stack, "typed-run")
     assert page.locator("table.rounds th.strategy").inner_text() == "global model (fedadam)"
     assert "fedadam eta=0.05" in page.locator("h2:text('Parameters') + table").inner_text()

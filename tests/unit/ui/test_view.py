@@ -256,3 +256,13 @@ def test_tasks_that_never_ran_have_no_log_and_a_run_without_rounds_has_no_empty_
     assert publish and "not run: a task it waits for failed (round_1.global_model)" in publish.group(0)
     assert 'class="log"' not in publish.group(0)
     assert "<svg" not in html and "No round has been aggregated in this run" in html
+
+
+def test_a_failed_publish_does_not_promise_a_publication() -> None:
+    """Issue 37 #7: after a publish re-run failed, the page said "Published when the run succeeds"
+    while final/ and the Asset event of the earlier try remained."""
+    tis = {**_tis(1, {}), "publish": {"state": "failed", "try_number": 2}}
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "failed", "conf": {}}, tis, _xcoms(1, {}), None)
+    html = page.run_content(view, "", [])
+    assert "Published when the run succeeds" not in html
+    assert "Not published: the latest try of <code>publish</code> failed" in html
