@@ -204,6 +204,14 @@ def _cell(view: RunView, ui_base: str, site: str, r: int) -> str:
 
 def _no_reason(view: RunView, failure: RunFailure) -> str:
     """What to say of a run task that left no reason: for one that never ran, which tasks failed."""
+    if view.run_id in (".", "..") and failure.state == "failed":
+        # The Task SDK's HTTP client drops "." and ".." path segments (RFC 3986): a task of this
+        # run cannot reach its run's XComs, not even to leave its reason.
+        return (
+            f"Airflow's task runtime cannot serve a run with the id {view.run_id!r}: its API client drops '.' and "
+            "'..' path segments, so the task could not read or write its XComs (nor leave a reason). Trigger the "
+            "run again with another run id (or none: Airflow makes one)"
+        )
     if failure.state != "upstream_failed":
         return "no reason recorded: see the log"
     failed = [f.task_id for f in view.failures if f.state == "failed" and f.task_id != failure.task_id]

@@ -387,6 +387,12 @@ def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser:
     assert "unknown run parameter(s) 'roundz' (did you mean 'rounds'?)" in rows["prepare"]
     assert rows["prepare"].endswith("allowed: rounds, min_clients, warm_start"), rows["prepare"]  # whole
     assert f"flare-airflow resume {NO_QUORUM} {bad_run}" in rows["verdict"]
+    # Issue 37 #7: a run id "." failed prepare with no reason (the task runtime cannot address it).
+    dot = stack.api("POST", f"/dags/{NO_QUORUM}/dagRuns", json={"dag_run_id": ".", "logical_date": None})
+    assert stack.api.wait(NO_QUORUM, "%2E") == "failed"
+    page.goto(f"{stack.base}/flare/run?dag_id={NO_QUORUM}&run_id={quote(dot['dag_run_id'], safe='')}")
+    reason = page.locator('table.failures tr[data-task="prepare"] td.reason').inner_text()
+    assert reason.startswith("Airflow's task runtime cannot serve a run with the id '.'"), reason
 
     # The published model's Asset event names the run's page.
     events = stack.api("GET", "/assets/events", params={"source_dag_id": ONE_DOWN})["asset_events"]

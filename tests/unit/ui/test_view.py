@@ -113,7 +113,8 @@ def test_run_failures_are_shown_whole_with_their_tries_and_dot_ids_stay_in_place
     ]
     html = page.run_page(view, "/base", [])
     assert escape(why) in html and "try 3" in html  # whole, and the retries
-    assert "no reason recorded: see the log" in html  # the verdict left none here
+    # The verdict left none here: with the run id ".", the page says why no task of it can.
+    assert "no reason recorded: see the log" not in html and "cannot serve a run with the id" in html
     # Ids "." and "..": the page's own links carry them in the query, where a browser keeps them.
     assert 'href="/base/flare/dag?dag_id=..">' in html
 
@@ -266,3 +267,10 @@ def test_a_failed_publish_does_not_promise_a_publication() -> None:
     html = page.run_content(view, "", [])
     assert "Published when the run succeeds" not in html
     assert "Not published: the latest try of <code>publish</code> failed" in html
+
+
+def test_a_run_id_dot_says_why_prepare_left_no_reason() -> None:
+    tis = {**_tis(1, {}), "prepare": {"state": "failed", "try_number": 1}}
+    view = build_run_view("d", {"dag_run_id": ".", "state": "failed", "conf": {}}, tis, {}, None)
+    html = page.run_content(view, "", [])
+    assert "cannot serve a run with the id &#x27;.&#x27;" in html and "no reason recorded" not in html
