@@ -437,9 +437,9 @@ def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(st
     page = _page(browser, stack, stack.admin)
     job = load_job(stack.root / "dags" / "typed.yaml")
     runs: dict[str, str] = {}
-    page.goto(f"{stack.base}/dags/{TYPED}")
     for text in TYPED_LR:
-        page.get_by_role("button", name="Trigger").first.click()  # the DAG's pages all have it
+        page.goto(f"{stack.base}/dags/{TYPED}")
+        page.get_by_role("button", name="Trigger").first.click()
         dialog = page.locator("[data-scope=dialog][data-part=content][data-state=open]")
         # Kept paused: the runs queue, and only the ones this test lets go run (the others are
         # checked with prepare's own function, below).
@@ -458,7 +458,6 @@ def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(st
         run = answer.value.json()
         assert run["conf"]["hp_lr"] == text, run["conf"]  # what was typed, as typed
         runs[text] = run["dag_run_id"]
-        dialog.wait_for(state="detached")
     _shot(page, stack, "typed-dialog")
     for text, expected in TYPED_LR.items():
         conf = stack.api("GET", f"/dags/{TYPED}/dagRuns/{quote(runs[text], safe='')}")["conf"]
