@@ -116,7 +116,7 @@ def worker_state_io(folder: Path, rule: str) -> dict[str, Any]:
 
 
 def worker_ours(folder: Path, rule: str, sites: int) -> dict[str, Any]:
-    from flare_airflow.core.config.aggregator import AggregatorSpec
+    from flare_airflow.core.config.aggregator import aggregator_spec
     from flare_airflow.core.model import FLModel, read_artifact, write_artifact
     from flare_airflow.core.strategies import StepContext, aggregate_from_store
 
@@ -125,7 +125,7 @@ def worker_ours(folder: Path, rule: str, sites: int) -> dict[str, Any]:
     spec = {"median": {"name": "median"}, "trimmed_mean": {"name": "trimmed_mean", "beta": BETA}}.get(
         rule, {"name": "krum", "f": 1} if rule == "krum" else {"name": rule}
     )
-    strategy = AggregatorSpec.model_validate(spec).strategy()
+    strategy = aggregator_spec(spec).strategy()
     glob, _ = read_artifact(folder / "global.safetensors")
     updates = [(f"site-{i:03d}", folder / f"site-{i:03d}.safetensors", None) for i in range(sites)]
     base = _reset_hwm()

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from flare_airflow.core.config.aggregator import AggregatorSpec
+from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.strategies import StepContext, aggregate_from_store
 
@@ -54,7 +54,7 @@ def run(agg: dict, sites: int, alpha: float, rounds: int, epochs: int, attacker:
     t = trainer()
     x_train, x_test, y_train, y_test = t.load_split(0)
     shards = t.partition(y_train, sites, alpha, 0)
-    strategy = AggregatorSpec.model_validate(agg).strategy()
+    strategy = aggregator_spec(agg).strategy()
     glob = {"weight": np.zeros((64, 10), np.float32), "bias": np.zeros(10, np.float32)}
     state: dict = {}
     accuracy = []

@@ -156,7 +156,9 @@ def run(*, reps: int, keep: bool, tmp_base: str | None) -> list[Table]:
 
         pg = Postgres()
         stack = AirflowStack(root / "stack", pg.url, parallelism=4,
-                             extra_env={"AIRFLOW__FLARE_AIRFLOW__TRACKING": "mlflow"})  # fmt: skip
+                             extra_env={"AIRFLOW__FLARE_AIRFLOW__TRACKING": "mlflow",
+                                        # a job file's tracking.uri must be one the deployment lists
+                                        "AIRFLOW__FLARE_AIRFLOW__TRACKING_URIS": server.uri})  # fmt: skip
         write_preload(stack.home)
         stack.start()
         files = {}

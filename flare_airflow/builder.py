@@ -206,7 +206,9 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
     tasks: list[Any] = []  # every task made here
     built = [only_site] if only_site is not None else list(job.sites)
     for r in range(1, job.rounds + 1):
-        with TaskGroup(group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then {_rule(job)}"):
+        with TaskGroup(
+            group_id=f"round_{r}", tooltip=f"round {r}: {len(job.sites)} site jobs, then {job.aggregator.label}"
+        ):
             pairs = [
                 site_tasks(
                     job, site, r, task_id=site, global_task_id=previous.task_id, doc_md=f"Site `{site}`, round {r}."
@@ -221,7 +223,7 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
                 round_num=r,
                 site_task_ids={site: task.task_id for site, task in zip(built, sites, strict=True)},
                 global_task_id=previous.task_id,
-                doc_md=f"{_rule(job)} of round {r}; evaluation.",
+                doc_md=f"{job.aggregator.label} of round {r}; evaluation.",
             )
             sites >> aggregate
         previous >> [first for first, _ in pairs]
@@ -266,15 +268,10 @@ def federated_task_group(job: JobConfig | str | pathlib.Path, group_id: str | No
     return group
 
 
-def _rule(cfg: JobConfig) -> str:
-    """The job's aggregation strategy as the DAG's texts name it."""
-    return "FedAvg" if cfg.aggregator.name == "fedavg" else cfg.aggregator.name
-
-
 def _job_doc(cfg: JobConfig, job: JobConfig | str | pathlib.Path) -> str:
     """Markdown for the DAG's Docs tab: the summary, the sites, and the job file it was built from."""
     lines = [
-        f"Federated job **{cfg.job}**: {cfg.rounds} rounds of {_rule(cfg)} over {len(cfg.sites)} sites "
+        f"Federated job **{cfg.job}**: {cfg.rounds} rounds of {cfg.aggregator.label} over {len(cfg.sites)} sites "
         f"({', '.join(cfg.sites)}), quorum {cfg.min_clients}.",
     ]
     if not isinstance(job, JobConfig):
@@ -305,7 +302,7 @@ def build_dag(
     dag_kwargs.setdefault("catchup", False)
     dag_kwargs.setdefault("tags", ["federated-learning", f"job:{cfg.job}"])
     summary = (
-        f"Federated job {cfg.job}: {cfg.rounds} rounds of {_rule(cfg)} over {len(cfg.sites)} sites, "
+        f"Federated job {cfg.job}: {cfg.rounds} rounds of {cfg.aggregator.label} over {len(cfg.sites)} sites, "
         f"quorum {cfg.min_clients}"
     )
     # The DAG list shows `description`; the DAG's Docs tab shows `doc_md`: what the DAG runs.

@@ -63,6 +63,12 @@ def get_provider_info() -> dict[str, Any]:
                         "tensorboard, both comma-separated, or a JSON tracking block.",
                         "mlflow,tensorboard",
                     ),
+                    "tracking_uris": _option(
+                        "Comma-separated tracking URIs a job file's tracking.uri may name (besides the default's "
+                        "own uri); any other is refused at the run's start, and Airflow's metadata database always "
+                        "is (docs/tracking.md).",
+                        "http://mlflow.internal:5000,postgresql://mlflow-db/mlflow",
+                    ),
                     "mlflow_ui_url": _option(
                         "Where people browse the embedded MLflow store (e.g. an `mlflow ui` behind your proxy); "
                         "the Federated runs page links each run there.",

@@ -12,9 +12,22 @@ from flare_airflow_testing.k8s.fixtures import audit, control_plane, core, names
 
 # The real single-node SLURM cluster (munged, slurmctld, slurmd, fake GPUs), session-scoped.
 from flare_airflow_testing.slurm.fixtures import slurm, slurm_cluster, sshd  # noqa: F401
+from flare_airflow_testing.tier_times import TierTimes
 
 # NVIDIA FLARE's and PyTorch's side environments and the jobs NVFlare exports at test time.
 from tests.integration.nvflare.fixtures import nvflare_exports, nvflare_side, torch_side  # noqa: F401
+
+_TIER_TIMES = TierTimes()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _TIER_TIMES.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.section("time per tier (docs/testing.md gives each tier's budget)")
+    for line in _TIER_TIMES.table():
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

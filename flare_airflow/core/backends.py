@@ -71,6 +71,13 @@ class Backend:
     store_as_files: bool = False
 
     @property
+    def stages_store(self) -> bool:
+        """Whether the site task hands the job an object store's files staged on its worker (a job
+        that runs as a process of the worker, or sees the store only as files); the others reach
+        the store themselves."""
+        return self.on_worker or self.store_as_files
+
+    @property
     def watchable(self) -> bool:
         """Whether a sensor in another task can find and watch this backend's jobs."""
         return self.launcher is not None

@@ -24,7 +24,7 @@ except ImportError:  # a trainer image with the Client API's minimal dependencie
 
 SHA256 = "sha256"
 BLAKE3 = "blake3"
-HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")  # both are 256-bit digests
+HEX_DIGEST = re.compile(r"^[0-9a-f]{64}\Z")  # both are 256-bit digests
 
 
 class Hasher(Protocol):

@@ -25,8 +25,8 @@ from urllib.parse import urlparse
 
 from flare_airflow.core.errors import StoreError
 
-_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_HASHED = re.compile(r"-[0-9a-f]{8}$")
+_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+_HASHED = re.compile(r"-[0-9a-f]{8}\Z")
 
 
 class WritablePath(Protocol):

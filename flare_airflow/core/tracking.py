@@ -23,7 +23,7 @@ TRACKED_META_KEY = "tracked_metrics"
 # Per site and round: enough for a loss per batch of a long epoch; a record stays small.
 MAX_TRACKED_POINTS = 10_000
 # MLflow's metric key rule (letters, digits, _ - . / space and :), at most 250 characters.
-METRIC_KEY = re.compile(r"^[A-Za-z0-9_\-./ :]{1,250}$")
+METRIC_KEY = re.compile(r"^[A-Za-z0-9_\-./ :]{1,250}\Z")
 MAX_STEP = 2**53
 
 Points = dict[str, dict[int, float]]

@@ -109,6 +109,9 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
     """
 
     ui_color = "#c7e9c0"
+    # The pod reaches the store itself (a store_mount, or an object store with the pod's own
+    # credentials): a copy staged on this worker would hand the pod paths that exist only here.
+    stages_store = False
     # The Rendered Templates tab: which site job this is, and where its pod runs. Of the stock
     # operator's fields only those this operator really uses are kept; the others are either
     # unused here (the pod comes from the manifest builder, so cmds, arguments, labels,

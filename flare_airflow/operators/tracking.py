@@ -6,15 +6,22 @@ Sites never talk to the tracker: their numbers come from the round's summary and
 records. A tracker that is down or refuses a write never fails the federated run: the task log
 says why, and the next writer (a later round, publish, or a publish retry) logs what is missing.
 Only a configuration error -- a connection that does not exist, a store with no place for the
-embedded tracker -- stops the run, and only at its start (prepare).
+embedded tracker, a destination the deployment does not allow -- stops the run, and only at its
+start (prepare).
+
+A job file chooses among the destinations the deployment allows: an Airflow connection
+(``conn_id``), the embedded store, or a ``uri`` the deployment lists (its ``[flare_airflow] tracking``
+default, ``[flare_airflow] tracking_uris``); never Airflow's own metadata database. Every URI this
+module logs goes through :func:`flare_airflow.core.redact.redact_uris` first.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from importlib.util import find_spec
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowFailException
@@ -22,6 +29,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from flare_airflow.core.config import JobConfig, TrackingSpec, deployment_tracking
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import read_record
+from flare_airflow.core.redact import redact_uri, redact_uris
 from flare_airflow.core.store import ModelStore, local_file
 from flare_airflow.core.tracking import (
     Points,
@@ -74,6 +82,7 @@ def _connection_target(conn_id: str) -> tuple[str, dict[str, str]]:
             "://user:password@host:5000, or in the secrets backend), or remove tracking.conn_id for the embedded store"
         ) from None
     extra = conn.extra_dejson if isinstance(conn.extra_dejson, Mapping) else {}
+    _mask_secrets(conn.password, extra.get("token"))
     host = str(conn.host or "")
     if extra.get("tracking_uri"):
         uri = str(extra["tracking_uri"])
@@ -87,7 +96,14 @@ def _connection_target(conn_id: str) -> tuple[str, dict[str, str]]:
             f"tracking.conn_id {conn_id!r}: the connection has no host; set the tracking server's host and port "
             "(or extra tracking_uri)"
         )
+    uri, login, password = _without_userinfo(uri)
+    _mask_secrets(password)
     env: dict[str, str] = {}
+    if login and not conn.login:
+        # user:password@ in the host or extra.tracking_uri: MLflow's basic auth, kept out of the URI that is logged
+        env["MLFLOW_TRACKING_USERNAME"] = login
+        if password:
+            env["MLFLOW_TRACKING_PASSWORD"] = password
     if conn.login:
         env["MLFLOW_TRACKING_USERNAME"] = str(conn.login)
         if conn.password:
@@ -99,15 +115,100 @@ def _connection_target(conn_id: str) -> tuple[str, dict[str, str]]:
     return uri, env
 
 
+def _mask_secrets(*values: object) -> None:
+    """Register credentials with Airflow's secrets masker: whatever logs them shows ``***``."""
+    from airflow.sdk.log import mask_secret
+
+    for value in values:
+        if value:
+            mask_secret(str(value))
+
+
+def _without_userinfo(uri: str) -> tuple[str, str | None, str | None]:
+    """``uri`` without ``user:password@``, and the user and password it held."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri, None, None
+    if "@" not in parts.netloc:
+        return uri, None, None
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    bare = SplitResult(parts.scheme, hostport, parts.path, parts.query, parts.fragment).geturl()
+    return bare, unquote(user) or None, unquote(password) or None
+
+
+def allowed_uris() -> list[str]:
+    """The tracking URIs a job file may name: ``[flare_airflow] tracking_uris`` (comma-separated) and
+    the ``uri`` of the deployment's default (``[flare_airflow] tracking``)."""
+    from airflow.configuration import conf
+
+    listed = [u.strip() for u in (conf.get("flare_airflow", "tracking_uris", fallback="") or "").split(",")]
+    default = deployment_default()
+    return [u for u in listed if u] + ([default.uri] if default is not None and default.uri else [])
+
+
+def _database_key(uri: str) -> tuple[str, ...] | None:
+    """What names one database in a SQLAlchemy/MLflow URI: a SQLite file's real path, else the
+    server's host, port and database (driver, credentials and options aside)."""
+    try:
+        parts = urlsplit(uri)
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.split("+")[0].lower()
+    if scheme == "sqlite":
+        path = uri.split("://", 1)[1].split("?", 1)[0]
+        return ("sqlite", os.path.realpath(path[1:] if path.startswith("/") else path)) if path else None
+    if scheme in ("postgresql", "postgres", "mysql", "mssql", "oracle"):
+        scheme = "postgresql" if scheme == "postgres" else scheme
+        return (scheme, (parts.hostname or "localhost").lower(), str(port or ""), parts.path.strip("/"))
+    return None
+
+
+def _airflow_metadata_databases() -> list[str]:
+    from airflow.configuration import AIRFLOW_HOME, conf
+
+    found = [f"sqlite:///{os.path.join(AIRFLOW_HOME, 'airflow.db')}"]
+    configured = conf.get("database", "sql_alchemy_conn", fallback="") or ""
+    return found + ([configured] if configured else [])
+
+
+def _refuse_metadata_database(uri: str, where: str) -> None:
+    key = _database_key(uri)
+    if key is not None and any(key == _database_key(db) for db in _airflow_metadata_databases()):
+        raise TrackingConfigError(
+            f"{where}: {redact_uri(uri)} is Airflow's own metadata database; MLflow would create its tables "
+            "there. Give MLflow a database of its own (or leave uri out for the embedded store next to the "
+            "model store)"
+        )
+
+
+def _allowed_job_uri(uri: str) -> str:
+    """``tracking.uri`` of a job file, if the deployment allows it (else :class:`TrackingConfigError`)."""
+    _refuse_metadata_database(uri, "tracking.uri")
+    allowed = allowed_uris()
+    if uri.rstrip("/") not in {a.rstrip("/") for a in allowed}:
+        raise TrackingConfigError(
+            f"tracking.uri {redact_uri(uri)}: not a tracking destination this deployment allows (a job file "
+            "chooses among them, so that a job cannot send the run's writes anywhere); use tracking.conn_id "
+            "(an Airflow connection), leave uri out for the embedded store, or ask the admin to list it in "
+            "[flare_airflow] tracking_uris (AIRFLOW__FLARE_AIRFLOW__TRACKING_URIS)"
+            + (f"; allowed: {', '.join(redact_uri(a) for a in allowed)}" if allowed else "")
+        )
+    return uri
+
+
 def tracking_target(job: JobConfig, store: ModelStore) -> tuple[str, dict[str, str], str | None]:
     """(tracking URI, environment for the writes, artifact location of a new experiment)."""
     spec = job.tracking
     assert spec is not None
     if spec.conn_id is not None:
         uri, env = _connection_target(spec.conn_id)
+        _refuse_metadata_database(uri, f"tracking.conn_id {spec.conn_id!r}")
         return uri, env, None
     if spec.uri is not None:
-        return spec.uri, {}, None
+        return _allowed_job_uri(spec.uri), {}, None
     root = local_file(store.root)
     if root is None:
         raise TrackingConfigError(
@@ -249,7 +350,7 @@ def _write_mlflow(
             "experiment tracking failed (%s): %s; the run goes on without it, and the next round or a retry of "
             "publish logs what is missing",
             what,
-            exc,
+            redact_uris(str(exc)),
         )
         return None
     for line in done["differ"]:
@@ -259,7 +360,7 @@ def _write_mlflow(
         what,
         done["experiment_id"],
         done["run_id"],
-        writer.tracking_uri,
+        redact_uri(writer.tracking_uri),
     )
     if done["model_version"] is not None:
         log.info(
@@ -286,7 +387,7 @@ def _write_tensorboard(job: JobConfig, context: Context, log: Any, what: str, ro
             "experiment tracking failed (%s, TensorBoard): %s; the run goes on without it, and a retry of publish "
             "writes what is missing",
             what,
-            exc,
+            redact_uris(str(exc)),
         )
         return
     log.info("experiment tracking (%s): TensorBoard event files in %s", what, writer.run_dir)
@@ -310,7 +411,7 @@ def track_run_start(job: JobConfig, context: Context, log: Any) -> dict[str, str
         if spec.tensorboard:
             tensorboard_root(store_for(job))
     except TrackingConfigError as exc:
-        raise AirflowFailException(str(exc)) from None
+        raise AirflowFailException(redact_uris(str(exc))) from None
     return _write_mlflow(job, context, log, "run start", [], None) if spec.mlflow else None
 
 

@@ -9,7 +9,6 @@ aggregation task to say why the site did not count.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import pathlib
@@ -102,17 +101,14 @@ def clear_outputs(output: WritablePath) -> None:
 
 def write_failure(output: WritablePath, rc: JobReturnCode, reason: str) -> None:
     """Leave the reason for the aggregation; best effort: a full or read-only store must not hide
-    the reason, which also goes to this task's log and error."""
+    the reason, which also goes to this task's log and error. Written whole or not at all (a full
+    store leaves no empty record), on a local store and an object store alike."""
+    from flare_airflow.core.model import atomic_write  # numpy + safetensors: only when a record is written
+
     path = failure_path(output)
-    tmp = path.parent / f".{path.name}.tmp"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tmp.open("w") as fh:  # then renamed: a full store leaves no empty record
-            fh.write(json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}))
-        tmp.replace(path)
+        atomic_write(path, json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}).encode())
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         print(f"cannot write the failure record {path} ({exc.strerror or exc}): {reason}", file=sys.stderr, flush=True)
 
 

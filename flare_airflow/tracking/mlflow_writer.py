@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.redact import redact_uris
 from flare_airflow.core.tracking import Points, missing_points, run_key, sorted_steps
 
 if TYPE_CHECKING:
@@ -291,5 +292,5 @@ class MlflowWriter:
 
 
 def _short(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    text = redact_uris(" ".join(str(exc).split()))
     return text[:800] + ("…" if len(text) > 800 else "")

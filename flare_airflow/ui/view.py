@@ -19,7 +19,7 @@ from flare_airflow.core.report import TRAIN_LOSS_KEYS, round_row
 from flare_airflow.core.tracking import mlflow_run_url
 
 AGGREGATE_TASK = "global_model"  # the builder's name for a round's aggregation task
-_AGGREGATE = re.compile(r"^(.*?)round_(\d+)\.global_model$")
+_AGGREGATE = re.compile(r"^(.*?)round_(\d+)\.global_model\Z")
 FINISHED_RUN_STATES = frozenset({"success", "failed"})
 FEDERATED_TAG = "federated-learning"
 
@@ -99,7 +99,7 @@ def federated_prefix(task_ids: list[str]) -> str:
 
 def task_layout(task_ids: list[str], prefix: str = "") -> tuple[list[int], list[str]]:
     """Rounds and sites from the task ids ``<prefix>round_<n>.<site>`` and ``<prefix>round_<n>.global_model``."""
-    pattern = re.compile(rf"^{re.escape(prefix)}round_(\d+)\.([^.]+)$")
+    pattern = re.compile(rf"^{re.escape(prefix)}round_(\d+)\.([^.]+)\Z")
     rounds: set[int] = set()
     sites: list[str] = []
     for task_id in task_ids:

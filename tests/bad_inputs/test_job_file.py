@@ -699,7 +699,7 @@ case(
 case(
     "aggregator-unknown-parameter",
     "aggregator: {name: fedadam, lr: 0.1} (not a parameter of any strategy)",
-    "aggregator.lr: unknown key 'lr'; allowed keys: name, norm_bound, mu, eta",
+    "aggregator.lr: unknown key 'lr'; allowed keys: name, norm_bound, eta, exclude, beta_1, tau, beta_2",
     field="aggregator",
     value={"name": "fedadam", "lr": 0.1},
 )
@@ -749,7 +749,7 @@ case(
     "aggregator-beta-2-for-fedadagrad",
     "aggregator: {name: fedadagrad, beta_2: 0.99} (Adagrad sums, it has no second-moment decay)",
     "aggregator: 'beta_2' is not a parameter of 'fedadagrad' (it belongs to fedadam, fedyogi); fedadagrad takes "
-    "eta, beta_1, tau, exclude, norm_bound",
+    "eta, exclude, beta_1, tau, norm_bound",
     field="aggregator",
     value={"name": "fedadagrad", "beta_2": 0.99},
 )

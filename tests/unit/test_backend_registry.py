@@ -30,13 +30,14 @@ def _strings(node: ast.AST) -> list[str]:
     return []
 
 
-def name_compares(source: str) -> list[tuple[int, str]]:
-    """``(line, name)`` of every comparison (``==``, ``!=``, ``in``, ``not in``) against a backend name."""
+def name_compares(source: str, names: set[str] = NAMES) -> list[tuple[int, str]]:
+    """``(line, name)`` of every comparison (``==``, ``!=``, ``in``, ``not in``) against one of ``names``
+    (by default the backends')."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
             for operand in (node.left, *node.comparators):
-                found += [(node.lineno, s) for s in _strings(operand) if s in NAMES]
+                found += [(node.lineno, s) for s in _strings(operand) if s in names]
     return found
 
 
@@ -59,7 +60,11 @@ def test_no_module_outside_the_registry_compares_backend_names() -> None:
 @pytest.mark.parametrize("entry", list(backends.BACKENDS.values()), ids=list(backends.BACKENDS))
 def test_every_entry_names_what_exists(entry: backends.Backend) -> None:
     assert entry.name in LauncherSpec.model_fields, f"launcher_spec has no {entry.name} block"
-    assert issubclass(backends.load(entry.site_task), BaseOperator)
+    site_task = backends.load(entry.site_task)
+    assert issubclass(site_task, BaseOperator)
+    # A pod or SLURM job reaches the store itself: staging it on the worker would hand the job
+    # paths that exist only there (the pod task did so from the lifecycle merge until 2026-12-06).
+    assert site_task.stages_store is entry.stages_store, f"{entry.name}: the site task and the registry disagree"
     for dotted in (entry.launcher, entry.trigger):
         if dotted is not None:
             assert callable(backends.load(dotted))

@@ -32,7 +32,7 @@ def check_exclude(job: JobConfig, params: dict[str, Any], model: str) -> None:
     matches nothing (a typo, another model's names) would let the server optimizer move the very
     tensors (batch-norm statistics ...) it was meant to leave to plain averaging."""
     names = sorted(params)
-    for pattern in job.aggregator.exclude or ():
+    for pattern in job.aggregator.excluded():
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise ConfigError(
                 f"aggregator.exclude: pattern {pattern!r} matches no tensor of {model} (its tensors: "

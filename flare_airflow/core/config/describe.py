@@ -54,33 +54,61 @@ def cap(line: str) -> str:
     return line[: MAX_ERROR_LINE - 150] + " ... " + line[-145:]
 
 
-def _allowed_keys(root: type[BaseModel], root_keys: Sequence[str], loc: tuple[Any, ...]) -> list[str] | None:
-    """Walk the model types along ``loc`` to list the keys allowed where an unknown key appeared."""
+def _members(current: Any) -> list[type[BaseModel]] | None:
+    """The models of a union (also one wrapped in ``Annotated``, as a discriminated union is)."""
+    if typing.get_origin(current) is typing.Annotated:
+        current = typing.get_args(current)[0]
+    if typing.get_origin(current) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(current) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models or None
+    return None
+
+
+def _tag_of(model: type[BaseModel], part: Any) -> bool:
+    """Whether ``part`` of an error's location is the tag pydantic put there for ``model`` (its
+    class name, or the ``Literal`` value of its discriminator field)."""
+    if part == model.__name__:
+        return True
+    for field in model.model_fields.values():
+        if typing.get_origin(field.annotation) is typing.Literal and typing.get_args(field.annotation) == (part,):
+            return True
+    return False
+
+
+def _walk(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """``loc`` without the union tags pydantic inserts (``aggregator.krum.f`` -> ``aggregator.f``),
+    and the type found at its end (``None`` where the walk loses the type)."""
     current: Any = root
+    clean: list[Any] = []
     i = 0
     while i < len(loc):
+        members = _members(current)
+        if members is not None:
+            chosen = next((m for m in members if _tag_of(m, loc[i])), None)
+            if chosen is not None:
+                current, i = chosen, i + 1
+                continue
+            current = members[0]
+        clean.append(loc[i])
         if isinstance(current, type) and issubclass(current, BaseModel):
             field = current.model_fields.get(str(loc[i]))
-            if field is None:
-                return None
-            current = field.annotation
-            i += 1
-            continue
-        origin = typing.get_origin(current)
-        args = typing.get_args(current)
-        if origin in (typing.Union, types.UnionType):
-            models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-            if not models:
-                return None
-            current = models[0]
-        elif origin is dict:
-            current = args[1]
-            i += 1
-        elif origin is list:
-            current = args[0]
-            i += 1
+            current = None if field is None else field.annotation
+        elif typing.get_origin(current) is dict:
+            current = typing.get_args(current)[1]
+        elif typing.get_origin(current) is list:
+            current = typing.get_args(current)[0]
         else:
-            return None
+            current = None
+        i += 1
+    return tuple(clean), current
+
+
+def _allowed_keys(root: type[BaseModel], root_keys: Sequence[str], loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys allowed where an unknown key appeared (``loc``: the mapping that held it)."""
+    _, current = _walk(root, loc)
+    members = _members(current)
+    if members is not None:
+        current = members[0]
     if current is root:
         return list(root_keys)
     if isinstance(current, type) and issubclass(current, BaseModel):
@@ -114,6 +142,9 @@ def _message(err: Any, loc: tuple[Any, ...], root: type[BaseModel], root_keys: S
         return f"unknown key {short_repr(loc[-1])}" + (f"; allowed keys: {', '.join(allowed)}" if allowed else "")
     if kind == "missing":
         return "required field is missing"
+    if kind == "union_tag_invalid":
+        tags = str(err["ctx"]["expected_tags"]).rsplit(", ", 1)
+        return f"must be {' or '.join(tags)}, got {short_repr(err['ctx']['tag'])}"
     if kind in _TYPE_MESSAGES:
         msg = _TYPE_MESSAGES[kind]
         if isinstance(value, bool) and kind.startswith(("int", "float")):
@@ -179,8 +210,10 @@ def describe(
     out = []
     errors = exc.errors()
     for err in errors[:MAX_ERROR_LINES]:
-        loc = tuple(err["loc"])
-        msg = _message(err, loc, root, root_keys)
+        msg = _message(err, tuple(err["loc"]), root, root_keys)
+        loc, _ = _walk(root, tuple(err["loc"]))
+        if err["type"] == "union_tag_invalid":
+            loc += (str(err["ctx"]["discriminator"]).strip("'"),)
         if not loc:
             # a check across fields (or the merge of @default and NVFlare's blocks): its message
             # starts with the field it is about

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from flare_airflow.core.config.aggregator import AggregatorSpec, check_hparams_free
+from flare_airflow.core.config.aggregator import AggregatorSpec, FedAvgSpec, strategy_hparams_to_trainer
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
 from flare_airflow.core.config.privacy import JobPrivacy, site_privacy_plan
 from flare_airflow.core.config.site import SiteSpec, merge_sites
@@ -32,11 +32,10 @@ from flare_airflow.core.config.validators import (
 from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.privacy.plan import PrivacyPlan
-from flare_airflow.core.strategies import FEDPROX_MU_HPARAM
 from flare_airflow.core.strategies.central_dp import central_dp_problem
 
-_JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
-_HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+_JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?\Z")
+_HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 # Airflow's own schedule presets beyond cron's (airflow.sdk.definitions.dag._create_timetable).
 _SCHEDULE_PRESETS = ("@once", "@continuous")
 _CRON_PRESETS = {"@quarterly": "0 0 1 */3 *"}
@@ -173,7 +172,7 @@ class JobConfig(Strict):
     store_conn_id: str | None = Field(
         None, description="Airflow connection of an object store (a name: each side defines its own credentials)"
     )
-    aggregator: AggregatorSpec = Field(default_factory=AggregatorSpec)
+    aggregator: AggregatorSpec = Field(default_factory=FedAvgSpec)
     evaluate: bool = Field(True, description="evaluate each new global model with the trainer (task 'evaluate')")
     schedule: str | None = Field(None, description="Airflow schedule for recurring runs")
     warm_start: bool = Field(False, description="default of the run form's warm-start switch")
@@ -197,7 +196,7 @@ class JobConfig(Strict):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
-        _fedprox_mu_to_trainer(data)
+        strategy_hparams_to_trainer(data)
         data["sites"] = merge_sites(data.get("sites"), data.pop("resource_spec", None), data.pop("launcher_spec", None))
         return data
 
@@ -378,20 +377,6 @@ class JobConfig(Strict):
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}
-
-
-def _fedprox_mu_to_trainer(data: dict[str, Any]) -> None:
-    """With ``aggregator: {name: fedprox, mu: ...}``, ``mu`` reaches the trainers as hyper-parameter
-    ``fedprox_mu`` (the Client API's ``get_fedprox_mu()``; a field of the trigger form like any other)."""
-    agg, trainer = data.get("aggregator"), data.get("trainer")
-    if not isinstance(agg, Mapping) or agg.get("name") != "fedprox" or not isinstance(trainer, Mapping):
-        return
-    mu = agg.get("mu", 0.01)
-    hparams = trainer.get("hparams", {})
-    if not isinstance(hparams, Mapping) or not isinstance(mu, int | float) or isinstance(mu, bool):
-        return  # the fields' own validation names what is wrong
-    check_hparams_free(dict(hparams), FEDPROX_MU_HPARAM)
-    data["trainer"] = {**trainer, "hparams": {**hparams, FEDPROX_MU_HPARAM: float(mu)}}
 
 
 # NVFlare's top-level blocks are folded into the sites before validation, so they are no fields;

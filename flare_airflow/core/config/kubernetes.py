@@ -29,7 +29,7 @@ from flare_airflow.core.config.volumes import StoreMount, VolumeSpec, path_withi
 # Labels the pod builder sets itself (flare_airflow.launchers.kubernetes.pod_labels).
 RESERVED_LABEL_PREFIX = "flare-airflow/"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+\Z")
 
 
 class SecretRef(Strict):
@@ -93,11 +93,11 @@ def _toleration(item: Any, index: int) -> dict[str, Any]:
 _SYSTEM_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease")
 # The image reference grammar of the OCI distribution spec (github.com/distribution/reference).
 _IMAGE_DOMAIN = re.compile(
-    r"^(localhost|(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*)(?::[0-9]+)?$"
+    r"^(localhost|(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*)(?::[0-9]+)?\Z"
 )
-_IMAGE_PATH = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
-_IMAGE_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
-_IMAGE_DIGEST = re.compile(r"^(sha256:[0-9a-f]{64}|sha384:[0-9a-f]{96}|sha512:[0-9a-f]{128})$")
+_IMAGE_PATH = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*\Z")
+_IMAGE_TAG = re.compile(r"^[\w][\w.-]{0,127}\Z")
+_IMAGE_DIGEST = re.compile(r"^(sha256:[0-9a-f]{64}|sha384:[0-9a-f]{96}|sha512:[0-9a-f]{128})\Z")
 _IMAGE_FORM = "[registry[:port]/]name[:tag][@sha256:<64 hex digits>], e.g. registry.example.org/fl/trainer:1.0"
 
 

@@ -26,10 +26,10 @@ from flare_airflow.core.config.validators import (
 LOCAL_CONNECTION = "local"
 SSH_PREFIX = "ssh:"
 # Names SLURM gives partitions, accounts, QOS: no spaces, commas or shell characters.
-_SLURM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
-_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}\Z")
+_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}\Z")
 # sbatch's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
-_TIME = re.compile(r"^(\d+)$|^(\d+):(\d{1,2})$|^(\d+):(\d{1,2}):(\d{1,2})$|^(\d+)-(\d{1,2})(:\d{1,2}(:\d{1,2})?)?$")
+_TIME = re.compile(r"^(\d+)\Z|^(\d+):(\d{1,2})\Z|^(\d+):(\d{1,2}):(\d{1,2})\Z|^(\d+)-(\d{1,2})(:\d{1,2}(:\d{1,2})?)?\Z")
 # SLURM's own variables (SLURM_*) belong to the job; RANK & co. are set per node (nodes > 1).
 RESERVED_SLURM_ENV_PREFIXES = (RESERVED_ENV_PREFIX, "SLURM_", "AIRFLOW", "_AIRFLOW")
 DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")

@@ -4,7 +4,8 @@ Only the run's own tasks (prepare, each round's aggregation, publish) write to t
 never do, so the job names no credentials. A tracking server is reached through an Airflow
 connection (``conn_id``) whose URI and credentials come from Airflow's secrets backend; ``uri`` is
 for trackers that need none (a SQLite file, a server on a private network), and one with
-credentials in it is refused.
+credentials in it is refused. Which ``uri`` a job may name is the deployment's choice, checked
+where Airflow's configuration is read (``flare_airflow.operators.tracking``).
 
 A deployment may track every job that does not say otherwise (``[flare_airflow] tracking`` in
 Airflow's configuration, :func:`deployment_tracking`); a job opts out with ``tracking: false``.
@@ -21,18 +22,17 @@ from pydantic import Field, field_validator, model_validator
 
 from flare_airflow.core.config.validators import Strict, conn_id_name, no_nul
 from flare_airflow.core.errors import ConfigError
+from flare_airflow.core.redact import secret_query_key
 
 TRACKING_BACKENDS = ("mlflow", "tensorboard")
 Backend = Literal["mlflow", "tensorboard"]
 # The deployment default's home in Airflow's configuration (and its AIRFLOW__... variable).
 DEPLOYMENT_OPTION = "[flare_airflow] tracking (AIRFLOW__FLARE_AIRFLOW__TRACKING)"
 # MLflow's registered model names: printable, no path separators (MLflow refuses '/' in them).
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._:-]{0,249}$")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._:-]{0,249}")
 # MLflow's own rule for experiment names is loose; ours keeps them printable and short.
-_EXPERIMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._/:-]{0,249}$")
+_EXPERIMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._/:-]{0,249}")
 _URI_SCHEMES = ("http", "https", "sqlite", "file", "postgresql", "mysql")
-# Query keys that carry a secret in the URIs of the trackers and databases above.
-_SECRET_QUERY_KEYS = ("token", "access_token", "password", "passwd", "secret", "api_key", "apikey", "key", "sig")
 
 
 def uri_credentials(uri: str) -> str | None:
@@ -41,7 +41,7 @@ def uri_credentials(uri: str) -> str | None:
     if parts.username or parts.password:
         return "a user name or password before '@'"
     for key, _ in parse_qsl(parts.query, keep_blank_values=True):
-        if key.lower() in _SECRET_QUERY_KEYS:
+        if secret_query_key(key):
             return f"the query parameter {key!r}"
     return None
 
@@ -57,7 +57,11 @@ class TrackingSpec(Strict):
     conn_id: str | None = Field(
         None, description="Airflow connection of a tracking server (its URI and credentials stay in Airflow)"
     )
-    uri: str | None = Field(None, description="tracking URI without credentials; default: sqlite:///<store>/mlflow.db")
+    uri: str | None = Field(
+        None,
+        description="tracking URI without credentials, one the deployment lists ([flare_airflow] tracking_uris); "
+        "default: sqlite:///<store>/mlflow.db",
+    )
     register_model: str | None = Field(
         None, description="MLflow: register each run's published model as a version of this registered model"
     )
@@ -93,7 +97,7 @@ class TrackingSpec(Strict):
     @field_validator("register_model")
     @classmethod
     def _register_model(cls, value: str | None) -> str | None:
-        if value is not None and not _MODEL_NAME.match(value):
+        if value is not None and not _MODEL_NAME.fullmatch(value):
             raise ValueError(
                 "tracking.register_model must start with a letter or digit and hold only letters, digits, "
                 "spaces and . _ : - (at most 250 characters)"
@@ -103,7 +107,7 @@ class TrackingSpec(Strict):
     @field_validator("experiment")
     @classmethod
     def _experiment(cls, value: str | None) -> str | None:
-        if value is not None and not _EXPERIMENT.match(value):
+        if value is not None and not _EXPERIMENT.fullmatch(value):
             raise ValueError(
                 "tracking.experiment must start with a letter or digit and hold only letters, digits, "
                 "spaces and . _ / : - (at most 250 characters)"

@@ -21,16 +21,16 @@ Scalar = int | float | str | bool
 # Names of the Client API's variables (and of what the launcher adds) belong to flare-airflow.
 RESERVED_ENV_PREFIX = "FLARE_"
 
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?\Z")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*\Z")
 # What every executor's queues accept (Celery, Edge: `airflow edge worker --queues a,b` splits on ',').
-_QUEUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_QUEUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # Airflow's own rule for connection ids (airflow.utils.helpers.validate_key).
-_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}\Z")
 # An executor as a task names it: its class name, an alias from [core] executor, or a module path.
-_EXECUTOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_EXECUTOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 
 
 class Strict(BaseModel):

@@ -59,7 +59,7 @@ SYSTEM_HOST_PATHS = (
 SYSTEM_MOUNT_PATHS = (*_SYSTEM_DIRS, "/var/lib")
 # The pod's writable scratch directory (an emptyDir; the root filesystem is read-only).
 SCRATCH_PATH = "/tmp"  # noqa: S108 - a pod's own emptyDir, not the host's /tmp
-_LIB_DIR = re.compile(r"^/lib[^/]*(/|$)")  # /lib, /lib32, /lib64, /libx32 ...
+_LIB_DIR = re.compile(r"^/lib[^/]*(/|\Z)")  # /lib, /lib32, /lib64, /libx32 ...
 
 
 def _system_dir(path: str, system: tuple[str, ...]) -> str | None:

@@ -23,7 +23,7 @@ NODE_RANK_LABEL = f"{RESERVED_LABEL_PREFIX}node-rank"
 
 _MAX_NAME = 63
 _NAME_PREFIX = "fl"
-_HASHED = re.compile(r"-[0-9a-f]{8}$")
+_HASHED = re.compile(r"-[0-9a-f]{8}\Z")
 
 
 def _digest(*parts: object) -> str:

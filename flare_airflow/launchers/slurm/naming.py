@@ -13,7 +13,7 @@ import re
 
 _NAME_PREFIX = "fl"
 _MAX_PART = 40
-_TRY = re.compile(r"^t(\d+)$")
+_TRY = re.compile(r"^t(\d+)\Z")
 
 
 def _digest(*parts: object) -> str:

@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from flare_airflow.core.config.aggregator import AggregatorSpec
+from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.config.privacy import JobPrivacy
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import FLModel, ParamsType, read_record, write_artifact
@@ -23,9 +23,7 @@ KEY = central_noise_key(SECRET, "j", "run-1", 1)
 
 
 def central(clip: float, z: float, num_sites: int, key: bytes = KEY) -> Strategy:
-    return with_central_dp(
-        AggregatorSpec.model_validate({}).strategy(), clip=clip, noise_multiplier=z, num_sites=num_sites, key=key
-    )
+    return with_central_dp(aggregator_spec({}).strategy(), clip=clip, noise_multiplier=z, num_sites=num_sites, key=key)
 
 
 def four_sites_two_arrived(tmp: pathlib.Path, updates: list[dict]) -> list:
@@ -122,7 +120,7 @@ def test_updates_are_verified_as_fedavgs_are(tmp_path: pathlib.Path) -> None:
 def test_central_dp_refuses_a_robust_rule_or_a_norm_bound() -> None:
     with pytest.raises(FlareAirflowError, match="'median'"):
         with_central_dp(Strategy(rule=Median()), clip=1.0, noise_multiplier=1.0, num_sites=2, key=KEY)
-    bounded = AggregatorSpec.model_validate({"norm_bound": 2.0}).strategy()
+    bounded = aggregator_spec({"norm_bound": 2.0}).strategy()
     with pytest.raises(FlareAirflowError, match="norm bound"):
         with_central_dp(bounded, clip=1.0, noise_multiplier=1.0, num_sites=2, key=KEY)
 

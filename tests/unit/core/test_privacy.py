@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flare_airflow.core.aggregation import FedAvg
-from flare_airflow.core.config.aggregator import AggregatorSpec
+from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import ArtifactRecord, ParamsType
 from flare_airflow.core.privacy.accountant import (
@@ -262,6 +262,6 @@ def test_central_dp_clips_each_update_and_divides_the_noisy_sum_by_the_job_sites
 
 def test_central_dp_refuses_robust_rules() -> None:
     for rule, params in (("median", {}), ("trimmed_mean", {"beta": 0.2}), ("krum", {"f": 1})):
-        strategy = AggregatorSpec.model_validate({"name": rule, **params}).strategy()
+        strategy = aggregator_spec({"name": rule, **params}).strategy()
         assert f"robust aggregation rule '{rule}'" in (central_dp_problem(strategy) or "")
-    assert central_dp_problem(AggregatorSpec.model_validate({"name": "fedavg"}).strategy()) is None
+    assert central_dp_problem(aggregator_spec({"name": "fedavg"}).strategy()) is None

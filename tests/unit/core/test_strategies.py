@@ -19,7 +19,7 @@ import pytest
 
 from flare_airflow.core.accumulate import ACC_CHUNK
 from flare_airflow.core.aggregation import fedavg_from_store
-from flare_airflow.core.config.aggregator import AggregatorSpec
+from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
 from flare_airflow.core.strategies import (
@@ -77,7 +77,7 @@ def test_server_optimizer_leaves_excluded_and_integer_tensors_to_plain_averaging
 
 
 def test_strategy_names_and_parameters_from_the_job_spec() -> None:
-    s = AggregatorSpec.model_validate({"name": "fedadam", "eta": 0.5, "beta_2": 0.9, "exclude": ["bn.*"]}).strategy()
+    s = aggregator_spec({"name": "fedadam", "eta": 0.5, "beta_2": 0.9, "exclude": ["bn.*"]}).strategy()
     (step,) = s.steps
     assert (s.name, step.eta, step.beta_1, step.beta_2, step.tau, step.exclude) == (
         "fedadam",
@@ -87,11 +87,11 @@ def test_strategy_names_and_parameters_from_the_job_spec() -> None:
         1e-3,
         ("bn.*",),
     )
-    assert AggregatorSpec.model_validate({"name": "fedavg"}).strategy().streams()
-    assert not AggregatorSpec.model_validate({"name": "fedavg", "norm_bound": 1.0}).strategy().streams()
-    krum = AggregatorSpec.model_validate({"name": "krum", "f": 1, "m": 2}).strategy().rule
+    assert aggregator_spec({"name": "fedavg"}).strategy().streams()
+    assert not aggregator_spec({"name": "fedavg", "norm_bound": 1.0}).strategy().streams()
+    krum = aggregator_spec({"name": "krum", "f": 1, "m": 2}).strategy().rule
     assert (krum.f, krum.m) == (1, 2)
-    assert AggregatorSpec.model_validate({"name": "fedprox", "mu": 0.1}).strategy().fedprox_mu == 0.1
+    assert aggregator_spec({"name": "fedprox", "mu": 0.1}).strategy().fedprox_mu == 0.1
 
 
 # --- robust rules against a naive stacked reference --------------------------------------------------
@@ -207,7 +207,7 @@ def test_fedavg_through_the_seam_is_bitwise_fedavg(tmp_path: pathlib.Path) -> No
     updates = [{"w": rng.standard_normal((40, 30)).astype(np.float32), "n": np.arange(4) * i} for i in range(3)]
     paths = write_updates(tmp_path, updates, [3, 5, 8])
     seam, state = aggregate_from_store(
-        AggregatorSpec.model_validate({}).strategy(), glob, paths, min_clients=2, site_weights={"site-1": 2.0}
+        aggregator_spec({}).strategy(), glob, paths, min_clients=2, site_weights={"site-1": 2.0}
     )
     plain = fedavg_from_store(glob, paths, min_clients=2, site_weights={"site-1": 2.0})
     assert state == {} and seam.accepted == plain.accepted and seam.metrics == plain.metrics
@@ -221,7 +221,7 @@ def test_quorum_per_rule() -> None:
     assert trimmed(5, 0.2) == 1 and TrimmedMean(0.2).quorum_problem(5) is None
     assert "leaving nothing to average" in (TrimmedMean(0.3).quorum_problem(4) or "")
     # 2 ceil(beta n) < n is not monotone in n: 3 sites pass with beta 0.3, 4 do not.
-    spec = AggregatorSpec.model_validate({"name": "trimmed_mean", "beta": 0.3})
+    spec = aggregator_spec({"name": "trimmed_mean", "beta": 0.3})
     assert spec.quorum_problem(3, 3) is None
     assert "a round may count any number from 3 to 4" in (spec.quorum_problem(3, 4) or "")
 
@@ -273,7 +273,7 @@ def test_the_step_fused_into_fedavgs_pass_gives_the_bytes_of_the_step_after_it(t
     paths = write_updates(tmp_path, ups, [3, 1, 2])
     diff = {k: (v - glob[k]) for k, v in ups[1].items()}
     write_artifact(paths[1][1], FLModel(params=diff, params_type=ParamsType.DIFF, meta={"num_samples": 1}))
-    strategy = AggregatorSpec.model_validate({"name": name, "exclude": ["bn.*"]}).strategy()
+    strategy = aggregator_spec({"name": name, "exclude": ["bn.*"]}).strategy()
     (opt,) = strategy.steps
     plain = fedavg_from_store(glob, paths, min_clients=3)
     state = {f"{name}/{slot}/{k}": (np.abs(v) * 0.1).astype(v.dtype) for slot in opt.slots for k, v in glob.items()
@@ -311,7 +311,7 @@ def test_a_server_state_of_another_shape_is_refused_by_name() -> None:
 def fedadam_rounds(tmp: pathlib.Path, rounds: int) -> list[str]:
     """Run ``rounds`` rounds of FedAdam from the store, state written before the model (as the task
     does); the sha256 of each round's global model."""
-    strategy = AggregatorSpec.model_validate({"name": "fedadam"}).strategy()
+    strategy = aggregator_spec({"name": "fedadam"}).strategy()
     rng = np.random.default_rng(5)
     write_artifact(tmp / "global-0.safetensors", FLModel(params={"w": rng.standard_normal(1000).astype(np.float32)}))
     shas = []
@@ -333,7 +333,7 @@ def test_a_retried_round_reproduces_its_state_and_model_to_the_byte(tmp_path: pa
     again = fedadam_rounds(tmp_path / "b", 3) if (tmp_path / "b").mkdir() is None else []
     assert first == again
     # Round 3 again from round 2's stored state (a cleared aggregation task): the same bytes.
-    strategy = AggregatorSpec.model_validate({"name": "fedadam"}).strategy()
+    strategy = aggregator_spec({"name": "fedadam"}).strategy()
     a = tmp_path / "a"
     glob, _ = read_artifact(a / "global-2.safetensors")
     state, _ = read_artifact(a / "state-2.safetensors")
@@ -349,14 +349,14 @@ def test_a_retried_round_reproduces_its_state_and_model_to_the_byte(tmp_path: pa
 KILLED = textwrap.dedent(
     """
     import sys, pathlib, numpy as np
-    from flare_airflow.core.config.aggregator import AggregatorSpec
+    from flare_airflow.core.config.aggregator import aggregator_spec
     from flare_airflow.core.model import FLModel, read_artifact, write_artifact
     from flare_airflow.core.strategies import StepContext, aggregate_from_store
     d = pathlib.Path(sys.argv[1])
     glob, _ = read_artifact(d / "global-1.safetensors")
     state, _ = read_artifact(d / "state-1.safetensors")
     paths = [(f"site-{i}", d / f"site-{i}.safetensors", None) for i in range(3)]
-    strategy = AggregatorSpec.model_validate({"name": "fedadam"}).strategy()
+    strategy = aggregator_spec({"name": "fedadam"}).strategy()
     print("started", flush=True)
     while True:  # the aggregation task, over and over, until it is killed
         outcome, new = aggregate_from_store(strategy, glob, paths, min_clients=3, state=state,
@@ -394,7 +394,7 @@ def test_kill_9_of_the_aggregation_then_a_retry_gives_the_uninterrupted_bytes(tm
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=10) == -signal.SIGKILL
-    strategy = AggregatorSpec.model_validate({"name": "fedadam"}).strategy()
+    strategy = aggregator_spec({"name": "fedadam"}).strategy()
     state, _ = read_artifact(tmp_path / "state-1.safetensors")
     paths = [(f"site-{i}", tmp_path / f"site-{i}.safetensors", None) for i in range(3)]
     outcome, new = aggregate_from_store(

@@ -149,3 +149,56 @@ def test_the_mlflow_link_goes_where_the_run_was_tracked_without_credentials(
     monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__MLFLOW_UI_URL", configured)
     link = mlflow_link(tracking_uri, "3", "abc")
     assert link == {"experiment_id": "3", "run_id": "abc", "server": server, "url": url}
+
+
+def test_a_job_uri_is_one_the_deployment_lists(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__TRACKING_URIS", "http://mlflow.internal:5000, sqlite:////srv/m.db")
+    monkeypatch.delenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", raising=False)
+    store = ModelStore(tmp_path)
+    assert (
+        tracking_target(_job(tmp_path, uri="http://mlflow.internal:5000/"), store)[0] == "http://mlflow.internal:5000/"
+    )
+    assert tracking_target(_job(tmp_path, uri="sqlite:////srv/m.db"), store)[0] == "sqlite:////srv/m.db"
+    with pytest.raises(TrackingConfigError, match="not a tracking destination this deployment allows"):
+        tracking_target(_job(tmp_path, uri="http://elsewhere:5000"), store)
+    # the deployment's own default block names an allowed uri too
+    monkeypatch.delenv("AIRFLOW__FLARE_AIRFLOW__TRACKING_URIS")
+    monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", '{"backend": "mlflow", "uri": "http://team:5000"}')
+    assert tracking_target(_job(tmp_path, uri="http://team:5000"), store)[0] == "http://team:5000"
+
+
+def test_user_info_in_a_connections_host_becomes_basic_auth(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The URI MLflow is given (and that error messages repeat) carries no password."""
+    _connections(monkeypatch, mlflow_team='{"conn_type": "http", "host": "https://alice:p%40ss@m.example:5000/x"}')
+    got = tracking_target(_job(tmp_path, conn_id="mlflow_team"), ModelStore(tmp_path))
+    assert got == (
+        "https://m.example:5000/x",
+        {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "p@ss"},
+        None,
+    )
+
+
+def test_the_success_line_shows_no_credentials(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+    from types import SimpleNamespace
+
+    class Writer:
+        tracking_uri = "https://m.example/mlflow?auth_token=tok-35"
+
+        @contextlib.contextmanager
+        def session(self):
+            yield self
+
+        def write(self, *args: object, **kwargs: object) -> dict[str, object]:
+            return {"experiment_id": "1", "run_id": "r", "differ": [], "model_version": None}
+
+    lines: list[str] = []
+    log = SimpleNamespace(info=lambda m, *a: lines.append(m % a), warning=lambda m, *a: lines.append(m % a))
+    monkeypatch.setattr(tracking, "_writer", lambda job, store: Writer())
+    context = {"ti": SimpleNamespace(dag_id="flare_demo"), "run_id": "manual__1", "params": {}}
+    tracking._write_mlflow(_job(tmp_path), context, log, "run start", [], None)
+    assert lines == [
+        "experiment tracking (run start): MLflow experiment 1, run r at https://m.example/mlflow?auth_token=***"
+    ]

@@ -1,0 +1,50 @@
+"""The suite's time per tier, printed at the end of every pytest run (docs/testing.md gives each
+tier's budget).
+
+A tier is the first folder under ``tests/`` (unit, bad_inputs, integration, e2e). Setup and
+teardown count with the test that paid them, so a session-scoped control plane is charged to the
+tier of the first test that asked for it. Wall time is the whole session's; the tiers' sum is a
+little less (collection, the gaps between tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+
+
+@dataclass
+class TierTimes:
+    """Seconds and test counts per tier, filled from each test's reports."""
+
+    started: float = field(default_factory=time.monotonic)
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    tests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, report: pytest.TestReport) -> None:
+        tier = tier_of(report.nodeid)
+        self.seconds[tier] += report.duration
+        if report.when == "call" or (report.when == "setup" and report.skipped):
+            self.tests[tier] += 1
+
+    def table(self) -> list[str]:
+        total = sum(self.seconds.values())
+        lines = [
+            "tier        | tests | minutes | share",
+            "------------+-------+---------+------",
+        ]
+        for tier in sorted(self.seconds, key=self.seconds.__getitem__, reverse=True):
+            share = self.seconds[tier] / total if total else 0.0
+            lines.append(f"{tier:<11} | {self.tests[tier]:>5} | {self.seconds[tier] / 60:>7.1f} | {share:>5.0%}")
+        wall = time.monotonic() - self.started
+        lines.append(f"{'(sum)':<11} | {sum(self.tests.values()):>5} | {total / 60:>7.1f} | wall {wall / 60:.1f} min")
+        return lines
+
+
+def tier_of(nodeid: str) -> str:
+    """``tests/e2e/test_x.py::test_y`` -> ``e2e``; anything outside ``tests/<tier>/`` -> ``other``."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
