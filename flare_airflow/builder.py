@@ -23,7 +23,6 @@ from airflow.sdk import DAG, Param, TaskGroup
 from flare_airflow.core.backends import load, sweeps
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.core.config.job import HparamRange
-from flare_airflow.core.config.validators import FLOAT_PATTERN
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
@@ -79,31 +78,35 @@ def job_params(job: JobConfig) -> dict[str, Param]:
 def _hparam_param(key: str, value: Any, bounds: HparamRange | None) -> Param:
     """A trigger form field for one hyper-parameter.
 
-    A float gets a text field that keeps what was typed: Airflow 3.3's number field reads ``1e-3``
-    as 13 and ``5e-4`` as 54 (it drops the ``e`` and the sign). The schema allows a number (JSON,
-    the REST API) or a decimal text (:data:`FLOAT_PATTERN`); ``prepare`` parses and checks it.
-    The job's range goes into the schema (numbers) and the description; ``prepare`` enforces it
-    for text too.
+    A float gets a one-line text field that keeps what was typed, key by key. Airflow 3.3 gives a
+    ``number`` param a number field that reads ``1e-3`` as 13, and a param of several types (no
+    ``examples``) a JSON box that re-reads its text at each keystroke: typed ``0.001`` became
+    ``001`` (``0.0`` reads as 0, then ``00``, ``001`` stay text). Type ``["string", "number"]``
+    with ``examples`` is Airflow's plain text input (the examples are its suggestions); a number
+    (JSON, the REST API) is still accepted. Neither a pattern nor the range goes into the schema:
+    Airflow would refuse with its JSON-schema dump, while ``prepare`` refuses before any site trains
+    with a sentence (:func:`~flare_airflow.core.config.validators.hparam_value`), whatever carried
+    the value.
     """
     about = f"Trainer hyper-parameter {key!r} (flare.get_hparams()['{key}'])"
     bounds_schema: dict[str, Any] = {}
-    if bounds is not None:
-        if bounds.min is not None:
-            bounds_schema["minimum"] = int(bounds.min) if isinstance(value, int) else bounds.min
-        if bounds.max is not None:
-            bounds_schema["maximum"] = int(bounds.max) if isinstance(value, int) else bounds.max
-        low = "" if bounds.min is None else f"{bounds.min!r} <= "
-        high = "" if bounds.max is None else f" <= {bounds.max!r}"
-        about += f"; allowed: {low}{key}{high}"
+    if bounds is not None and not isinstance(value, bool):
+        as_type = int if isinstance(value, int) else float
+        low = None if bounds.min is None else as_type(bounds.min)
+        high = None if bounds.max is None else as_type(bounds.max)
+        if low is not None:
+            bounds_schema["minimum"] = low
+        if high is not None:
+            bounds_schema["maximum"] = high
+        about += f"; allowed: {'' if low is None else f'{low!r} <= '}{key}{'' if high is None else f' <= {high!r}'}"
     if isinstance(value, float):
         return Param(
             value,
-            type=["number", "string"],
-            pattern=FLOAT_PATTERN,
+            type=["string", "number"],
+            examples=[repr(value)],
             title=key,
             description=f"{about}. A number as you write it, e.g. 0.001 or 1e-3.",
             section="Trainer hyper-parameters",
-            **bounds_schema,
         )
     return Param(
         value,
@@ -111,7 +114,7 @@ def _hparam_param(key: str, value: Any, bounds: HparamRange | None) -> Param:
         title=key,
         description=f"{about}.",
         section="Trainer hyper-parameters",
-        **(bounds_schema if not isinstance(value, bool) else {}),
+        **bounds_schema,
     )
 
 

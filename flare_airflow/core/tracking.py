@@ -16,6 +16,7 @@ import numbers
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import quote
 
 # The update record's meta key holding a trainer's own scalars: a list of [key, value, step].
 TRACKED_META_KEY = "tracked_metrics"
@@ -26,6 +27,11 @@ METRIC_KEY = re.compile(r"^[A-Za-z0-9_\-./ :]{1,250}\Z")
 MAX_STEP = 2**53
 
 Points = dict[str, dict[int, float]]
+
+
+def mlflow_run_url(ui: str | None, experiment_id: str, run_id: str) -> str | None:
+    """A run's page in the MLflow UI served at ``ui`` (None: no UI)."""
+    return f"{ui}/#/experiments/{quote(experiment_id, safe='')}/runs/{quote(run_id, safe='')}" if ui else None
 
 
 def metric_key_problem(key: object) -> str | None:

@@ -262,6 +262,8 @@ class AggregateOperator(LineageMixin, BaseOperator):
             "site_sha256": dict(sorted(vouched.items())) if accepted is not None else None,
             "rejected": outcome.rejected,
             "strategy": strategy.name,
+            # What the runs page names next to the strategy: the job's aggregator block as written.
+            "strategy_params": job.aggregator.model_dump(mode="json", exclude_none=True, exclude={"name"}),
             # The next round reads this state only if its record still names these digests.
             **({"state_sha256": state_record.sha256} if state_record is not None else {}),
             **({"state_blake3": state_record.blake3} if state_record is not None and state_record.blake3 else {}),

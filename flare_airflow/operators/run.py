@@ -380,12 +380,18 @@ class PublishOperator(LineageMixin, BaseOperator):
 
 
 def _ui_base() -> str:
-    """The path of Airflow's UI (``[api] base_url``'s path, usually empty)."""
+    """Where Airflow's UI is: ``[api] base_url`` whole when it names a host (the Asset page shows
+    the event's extra as text: a whole URL can be opened from there, a path cannot), else its
+    path (usually empty)."""
     from urllib.parse import urlparse
 
     from airflow.configuration import conf
 
-    return urlparse(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
+    configured = (conf.get("api", "base_url", fallback="") or "").strip()
+    parsed = urlparse(configured)
+    if parsed.scheme in ("http", "https") and parsed.netloc:
+        return configured.rstrip("/")
+    return parsed.path.rstrip("/")
 
 
 class RunVerdictOperator(BaseOperator):

@@ -36,6 +36,7 @@ from flare_airflow.core.tracking import (
     at_step,
     flat_params,
     merge_points,
+    mlflow_run_url,
     round_points,
     site_points,
     tracked_points,
@@ -230,14 +231,18 @@ def tensorboard_root(store: ModelStore) -> str:
     return f"{root.rstrip('/')}/{TENSORBOARD_DIR}"
 
 
-def _mlflow_ui(tracking_uri: str) -> str | None:
-    """Where people browse the tracker: ``[flare_airflow] mlflow_ui_url``, else a server's own URI
-    (without user info), else None (the embedded store has no UI until someone runs ``mlflow ui``)."""
+def mlflow_ui_url() -> str | None:
+    """``[flare_airflow] mlflow_ui_url``: where people browse the embedded store (and any store
+    that is not a server), or None."""
     from airflow.configuration import conf
 
     configured = (conf.get("flare_airflow", "mlflow_ui_url", fallback="") or "").strip()
-    if configured:
-        return configured.rstrip("/")
+    return configured.rstrip("/") or None
+
+
+def mlflow_server_ui(tracking_uri: str) -> str | None:
+    """A tracking server's own URI without user info (its UI is served there), or None when the
+    run was not tracked on a server (the embedded store, a database)."""
     parts = urlsplit(tracking_uri)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return None
@@ -247,10 +252,17 @@ def _mlflow_ui(tracking_uri: str) -> str | None:
 
 
 def mlflow_link(tracking_uri: str, experiment_id: str, run_id: str) -> dict[str, str | None]:
-    """The MLflow run of a DAG run, for the Federated runs page (ids, and its page in MLflow's UI)."""
-    ui = _mlflow_ui(tracking_uri)
-    url = f"{ui}/#/experiments/{experiment_id}/runs/{run_id}" if ui else None
-    return {"experiment_id": experiment_id, "run_id": run_id, "url": url}
+    """The MLflow run of a DAG run, for the Federated runs page: its ids, ``server`` (the tracking
+    server's UI when it was tracked on one, else None) and ``url`` as of now.
+
+    The page resolves the link when it renders (:func:`flare_airflow.ui.view.build_run_view`): on
+    ``server`` for a run tracked on a server -- never ``mlflow_ui_url``, which browses another
+    store, where MLflow would say the run does not exist -- else on ``mlflow_ui_url`` as it is set
+    then, so setting it later fixes the links of earlier runs.
+    """
+    server = mlflow_server_ui(tracking_uri)
+    url = mlflow_run_url(server or mlflow_ui_url(), experiment_id, run_id)
+    return {"experiment_id": experiment_id, "run_id": run_id, "server": server, "url": url}
 
 
 def _writer(job: JobConfig, store: ModelStore) -> Any:

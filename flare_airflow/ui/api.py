@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -34,7 +36,7 @@ from flare_airflow.core.report import read_metrics
 from flare_airflow.core.store import ModelStore, run_component
 from flare_airflow.operators.common import FAILURE_XCOM_KEY, default_store_uri
 from flare_airflow.ui import page
-from flare_airflow.ui.view import FEDERATED_TAG, RunView, build_run_view, federated_prefix
+from flare_airflow.ui.view import FEDERATED_TAG, FINISHED_RUN_STATES, RunView, build_run_view, federated_prefix
 
 CHUNK = 1 << 20
 MAX_CONCURRENT_CALLS = 8
@@ -48,6 +50,8 @@ COOKIE = "_token"  # Airflow's session cookie (base_auth_manager.COOKIE_NAME_JWT
 
 app = FastAPI(title="flare-airflow: Federated runs", docs_url=None, redoc_url=None, openapi_url=None)
 read_runs = Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))
+# The run page shows XComs, some of them from the page's cache: only to who may read the DAG's XComs.
+read_xcoms = Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.XCOM))
 
 
 def ui_base() -> str:
@@ -199,22 +203,98 @@ def _read_metrics(path: Any) -> dict[str, Any]:
         raise HTTPException(500, str(exc)) from None
 
 
+@dataclass(frozen=True)
+class RunReads:
+    """What a run's page reads from Airflow's REST API."""
+
+    run: Mapping[str, Any]
+    task_instances: Mapping[str, Mapping[str, Any]]
+    xcoms: Mapping[str, Any]  # task id -> its return_value (tasks that have one)
+    failures: Mapping[str, str]  # task id -> the reason it left in its XCom ``failure``
+
+
+class ReadCache:
+    """XComs the page has read, so that a render reads only what changed (issue 37 #5).
+
+    A finished task's XCom does not change while the task stays as it finished: its value is kept
+    under (dag, run, task, key, try, state, end) -- a retry or a clear changes the key. A finished
+    run's reads are kept whole under its REST answer: a render of it reads the run only (a clear
+    changes its state). Bounded (least recently used out). Served only behind the routes' checks
+    that the caller may read the DAG's runs and XComs, and after the caller read the run itself.
+    """
+
+    def __init__(self, runs: int = 64, xcoms: int = 4096) -> None:
+        self._runs: OrderedDict[tuple[str, str], RunReads] = OrderedDict()
+        self._xcoms: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._sizes = (runs, xcoms)
+
+    @staticmethod
+    def _put(store: OrderedDict[Any, Any], key: Any, value: Any, size: int) -> None:
+        store[key] = value
+        store.move_to_end(key)
+        while len(store) > size:
+            store.popitem(last=False)
+
+    def finished_run(self, dag_id: str, run_id: str, run: Mapping[str, Any]) -> RunReads | None:
+        found = self._runs.get((dag_id, run_id))
+        if found is None or found.run != run:
+            return None
+        self._runs.move_to_end((dag_id, run_id))
+        return found
+
+    def keep_run(self, dag_id: str, run_id: str, reads: RunReads) -> None:
+        if reads.run.get("state") in FINISHED_RUN_STATES:
+            self._put(self._runs, (dag_id, run_id), reads, self._sizes[0])
+
+    async def xcom(self, api: AirflowAPI, dag_id: str, run_id: str, ti: Mapping[str, Any], key: str) -> Any:
+        task_id = ti["task_id"]
+        if ti.get("state") not in FINISHED_TASK_STATES:
+            return await api.xcom(dag_id, run_id, task_id, key=key)
+        cache_key = (dag_id, run_id, task_id, key, ti.get("try_number"), ti.get("state"), ti.get("end_date"))
+        if cache_key in self._xcoms:
+            self._xcoms.move_to_end(cache_key)
+            return self._xcoms[cache_key]
+        value = await api.xcom(dag_id, run_id, task_id, key=key)
+        self._put(self._xcoms, cache_key, value, self._sizes[1])
+        return value
+
+
+CACHE = ReadCache()
+FINISHED_TASK_STATES = frozenset({"success", "failed", "upstream_failed", "skipped"})
+
+
+async def read_run(api: AirflowAPI, dag_id: str, run_id: str, cache: ReadCache = CACHE) -> RunReads:
+    """The run, its task instances and their XComs: one call for a finished run read before,
+    otherwise the run, its task instances and the XComs not read yet."""
+    run = await api.get(f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}")
+    if (kept := cache.finished_run(dag_id, run_id, run)) is not None:
+        return kept
+    tis = await api.task_instances(dag_id, run_id)
+    prefix = federated_prefix(list(tis))
+    wanted = [t for t, ti in tis.items() if ti.get("state") in ("success", "failed") or t == prefix + "prepare"]
+    failed = [t for t, ti in tis.items() if ti.get("state") in ("failed", "up_for_retry")]
+    values = await asyncio.gather(
+        *(cache.xcom(api, dag_id, run_id, tis[t], "return_value") for t in wanted),
+        *(cache.xcom(api, dag_id, run_id, tis[t], FAILURE_XCOM_KEY) for t in failed),
+    )
+    reads = RunReads(
+        run=run,
+        task_instances=tis,
+        xcoms={t: v for t, v in zip(wanted, values[: len(wanted)], strict=True) if v is not None},
+        failures={t: str(v) for t, v in zip(failed, values[len(wanted) :], strict=True) if v},
+    )
+    cache.keep_run(dag_id, run_id, reads)
+    return reads
+
+
 async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView, list[dict[str, Any]]]:
     async with AirflowAPI(request) as api:
-        run = await api.get(f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}")
-        tis = await api.task_instances(dag_id, run_id)
-        prefix = federated_prefix(list(tis))
-        wanted = [t for t, ti in tis.items() if ti.get("state") in ("success", "failed") or t == prefix + "prepare"]
-        failed = [t for t, ti in tis.items() if ti.get("state") in ("failed", "up_for_retry")]
-        values = await asyncio.gather(
-            *(api.xcom(dag_id, run_id, t) for t in wanted),
-            *(api.xcom(dag_id, run_id, t, key=FAILURE_XCOM_KEY) for t in failed),
-        )
-    xcoms = {t: v for t, v in zip(wanted, values[: len(wanted)], strict=True) if v is not None}
-    failures = {t: str(v) for t, v in zip(failed, values[len(wanted) :], strict=True) if v}
-    outputs = await run_in_threadpool(_outputs, run_id, xcoms.get(prefix + "publish"))
+        reads = await read_run(api, dag_id, run_id)
+    prefix = federated_prefix(list(reads.task_instances))
+    outputs = await run_in_threadpool(_outputs, run_id, reads.xcoms.get(prefix + "publish"))
     metrics = await run_in_threadpool(_read_metrics, outputs["metrics"]) if "metrics" in outputs else None
-    view = build_run_view(dag_id, run, tis, xcoms, metrics, failures)
+    mlflow_ui = (conf.get("flare_airflow", "mlflow_ui_url", fallback="") or "").strip() or None
+    view = build_run_view(dag_id, reads.run, reads.task_instances, reads.xcoms, metrics, reads.failures, mlflow_ui)
     downloads = await run_in_threadpool(_describe, ui_base(), dag_id, run_id, outputs)
     return view, downloads
 
@@ -283,8 +363,8 @@ async def dag_runs(request: Request, dag_id: str) -> str:
     return page.dag_page(ui_base(), dag_id, body["dag_runs"])
 
 
-@app.get("/dags/{dag_id}/runs/{run_id}", response_class=HTMLResponse, dependencies=[read_runs])
-@app.get("/run", response_class=HTMLResponse, dependencies=[read_runs])
+@app.get("/dags/{dag_id}/runs/{run_id}", response_class=HTMLResponse, dependencies=[read_runs, read_xcoms])
+@app.get("/run", response_class=HTMLResponse, dependencies=[read_runs, read_xcoms])
 async def run_html(request: Request, dag_id: str, run_id: str, fragment: bool = False) -> str:
     view, downloads = await _run_data(request, dag_id, run_id)
     if fragment:
@@ -292,8 +372,8 @@ async def run_html(request: Request, dag_id: str, run_id: str, fragment: bool = 
     return page.run_page(view, ui_base(), downloads)
 
 
-@app.get("/api/dags/{dag_id}/runs/{run_id}", dependencies=[read_runs])
-@app.get("/api/run", dependencies=[read_runs])
+@app.get("/api/dags/{dag_id}/runs/{run_id}", dependencies=[read_runs, read_xcoms])
+@app.get("/api/run", dependencies=[read_runs, read_xcoms])
 async def run_json(request: Request, dag_id: str, run_id: str) -> JSONResponse:
     """The page's data as JSON: rounds x sites, the per-round rows, the charts' series, downloads."""
     from dataclasses import asdict

@@ -41,7 +41,14 @@ def free_port() -> int:
 
 
 def port_in_use(port: int) -> bool:
+    """Whether a server could not listen on ``port`` now.
+
+    ``SO_REUSEADDR``, as the api-server (uvicorn) binds: the connections of an Airflow just stopped
+    linger in TIME_WAIT for about a minute, which a plain bind counts as in use while the
+    api-server would start fine.
+    """
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -89,6 +96,29 @@ def _reap() -> None:
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0] != 0:
             pass
+
+
+def reap_orphans(keep: set[int]) -> int:
+    """Collect the exit status of the orphans re-parented to this subreaper; returns how many.
+
+    Airflow's tasks, their sandboxes (``bwrap``) and trainers that detached end as this process's
+    children once their parent is gone; unreaped they stay ``<defunct>`` until the stop. The
+    components (``keep``) are left to their ``Popen``, which needs their status.
+    """
+    reaped = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) in keep:
+            continue
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if state == "Z" and int(ppid) == os.getpid():
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(int(pid), os.WNOHANG)[0]:
+                    reaped += 1
+    return reaped
 
 
 def stop_all(procs: dict[str, subprocess.Popen[bytes]], grace: float = 20.0) -> None:
@@ -225,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(line)
                 print(f"DAGs folder: {env.get('AIRFLOW__CORE__DAGS_FOLDER', home / 'dags')}; Ctrl-C stops everything.")
                 sys.stdout.flush()
+            reap_orphans({p.pid for p in procs.values()})
             if not ready and time.monotonic() > deadline:
                 print(f"the API server did not answer within {args.startup_timeout:.0f} s", file=sys.stderr)
                 return 1

@@ -10,7 +10,7 @@ from urllib.parse import quote, urlencode
 
 from flare_airflow.core.page_paths import PREFIX, dag_page_path, run_page_path
 from flare_airflow.ui import svg
-from flare_airflow.ui.view import RunView, charts
+from flare_airflow.ui.view import RunFailure, RunView, charts
 
 STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:16px;color:#1a202c;font-size:14px}
@@ -165,6 +165,11 @@ def dag_page(ui_base: str, dag_id: str, runs: Sequence[Mapping[str, Any]]) -> st
     return _doc(ui_base, dag_id, body)
 
 
+def never_ran(state: str, try_number: int) -> bool:
+    """A task that never started has no log to link to (Airflow shows an empty one)."""
+    return try_number == 0 or state in ("upstream_failed", "none", "removed")
+
+
 def _tries(try_number: int) -> str:
     return f'<small class="try">try {try_number}</small>' if try_number > 1 else ""
 
@@ -182,14 +187,38 @@ def _cell(view: RunView, ui_base: str, site: str, r: int) -> str:
         extra.append(f'<small class="samples">samples {cell.num_samples}</small>')
     if cell.train_loss is not None:
         extra.append(f'<small class="loss">train loss {cell.train_loss:.4f}</small>')
+    if cell.epsilon is not None:
+        extra.append(f'<small class="epsilon" data-value="{cell.epsilon!r}">ε {cell.epsilon:.3f}</small>')
+    if cell.releases is not None:
+        extra.append(f'<small class="releases">releases {cell.releases}</small>')
     if cell.reason:
         extra.append(_reason(cell.reason))
-    link = ui_link(ui_base, view.dag_id, view.run_id, cell.task_id, try_number=cell.try_number or 1)
-    extra.append(f"<small>{_airflow_a(link, 'log', 'log')}</small>")
+    if not never_ran(cell.state, cell.try_number):
+        link = ui_link(ui_base, view.dag_id, view.run_id, cell.task_id, try_number=cell.try_number)
+        extra.append(f"<small>{_airflow_a(link, 'log', 'log')}</small>")
     return (
         f'<td class="cell" data-round="{r}" data-site="{escape(site)}" data-state="{escape(cell.state)}">'
         f"{_state(cell.state)}{''.join(extra)}</td>"
     )
+
+
+def _no_reason(view: RunView, failure: RunFailure) -> str:
+    """What to say of a run task that left no reason: for one that never ran, which tasks failed."""
+    if view.run_id in (".", "..") and failure.state == "failed":
+        # The Task SDK's HTTP client drops "." and ".." path segments (RFC 3986): a task of this
+        # run cannot reach its run's XComs, not even to leave its reason.
+        return (
+            f"Airflow's task runtime cannot serve a run with the id {view.run_id!r}: its API client drops '.' and "
+            "'..' path segments, so the task could not read or write its XComs (nor leave a reason). Trigger the "
+            "run again with another run id (or none: Airflow makes one)"
+        )
+    if failure.state != "upstream_failed":
+        return "no reason recorded: see the log"
+    failed = [f.task_id for f in view.failures if f.state == "failed" and f.task_id != failure.task_id]
+    failed += [r.aggregate_task_id for r in view.rounds if r.aggregate_state == "failed"]
+    if not failed:
+        return "not run: a task it waits for did not succeed"
+    return f"not run: a task it waits for failed ({', '.join(failed)}); its reason is shown there"
 
 
 def _run_failures(view: RunView, ui_base: str) -> str:
@@ -202,8 +231,8 @@ def _run_failures(view: RunView, ui_base: str) -> str:
         rows.append(
             f'<tr data-task="{escape(f.task_id)}" data-state="{escape(f.state)}"><td>{escape(f.task_id)}</td>'
             f"<td>{_state(f.state)}{_tries(f.try_number)}</td>"
-            f'<td class="reason">{escape(f.reason or "no reason recorded: see the log")}</td>'
-            f"<td>{_airflow_a(log, 'log', 'log')}</td></tr>"
+            f'<td class="reason">{escape(f.reason or _no_reason(view, f))}</td>'
+            f"<td>{'' if never_ran(f.state, f.try_number) else _airflow_a(log, 'log', 'log')}</td></tr>"
         )
     return (
         '<h2>Run failures</h2><table class="failures"><tr><th>task</th><th>state</th><th>reason</th><th></th></tr>'
@@ -220,7 +249,10 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
         valid = _tries(rnd.try_number)
         valid += "" if rnd.valid is None else f"<small>{rnd.valid}/{len(view.sites)} valid</small>"
         if rnd.epsilon is not None:
-            valid += f'<small class="epsilon">ε {rnd.epsilon:.3f}</small>'
+            valid += f'<small class="epsilon" data-value="{rnd.epsilon!r}">ε {rnd.epsilon:.3f}</small>'
+        elif site_eps := [c.epsilon for c in rnd.sites.values() if c.epsilon is not None]:
+            # Noise added by the sites' own filters: the round is as private as its least private site.
+            valid += f'<small class="epsilon" data-value="{max(site_eps)!r}">ε ≤ {max(site_eps):.3f} (sites)</small>'
         if rnd.reason:
             valid += _reason(rnd.reason)
         body.append(
@@ -231,17 +263,27 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
         )
     if view.rounds:
         table = (
-            f'<table class="rounds"><tr><th>round</th>{head}<th>global model (FedAvg)</th></tr>{"".join(body)}</table>'
+            f'<table class="rounds"><tr><th>round</th>{head}<th class="strategy">global model'
+            f"{f' ({escape(view.strategy)})' if view.strategy else ''}</th></tr>{''.join(body)}</table>"
         )
     else:
         table = (
             '<p class="muted">This run has no federated rounds: its DAG holds no task '
             "<code>round_N.global_model</code> (not a flare-airflow job?).</p>"
         )
-    figures = "".join(svg.render(c) for c in charts(view))
+    if view.rows:
+        figures = "".join(svg.render(c) for c in charts(view))
+    else:  # four empty charts say less than one sentence
+        figures = '<p class="muted no-charts">No round has been aggregated in this run: nothing to chart yet.</p>'
+
+    listed = dict(view.params)
+    if view.strategy:
+        listed["strategy"] = " ".join(
+            [view.strategy, *(f"{k}={json.dumps(v)}" for k, v in sorted(view.strategy_params.items()))]
+        )
     params = "".join(
         f"<tr><th>{escape(k)}</th><td>{escape(v if isinstance(v, str) else json.dumps(v, sort_keys=True))}</td></tr>"
-        for k, v in view.params.items()
+        for k, v in listed.items()
         if v not in (None, {}, "")
     )
     tracked = ""
@@ -262,6 +304,13 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
             for d in downloads
         )
         files = f"<table><tr><th>file</th><th>bytes</th><th>sha256</th><th>sha256 from</th></tr>{files}</table>"
+    elif any(f.task_id.rsplit(".", 1)[-1] == "publish" and f.state == "failed" for f in view.failures):
+        # A failed re-run of publish leaves no XCom to read, while what an earlier try wrote stays.
+        files = (
+            '<p class="muted unpublished">Not published: the latest try of <code>publish</code> failed (its '
+            "reason is under Run failures). Files and the Asset event an earlier try of it published, if any, "
+            "remain in the model store and in Airflow until a try succeeds.</p>"
+        )
     else:
         files = '<p class="muted">Published when the run succeeds (task <code>publish</code>).</p>'
     return (

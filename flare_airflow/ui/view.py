@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flare_airflow.core.report import TRAIN_LOSS_KEYS, round_row
+from flare_airflow.core.tracking import mlflow_run_url
 
 AGGREGATE_TASK = "global_model"  # the builder's name for a round's aggregation task
 _AGGREGATE = re.compile(r"^(.*?)round_(\d+)\.global_model\Z")
@@ -33,6 +34,10 @@ class SiteCell:
     num_samples: int | None = None
     train_loss: float | None = None
     reason: str | None = None  # why it did not count / failed (from the round's summary)
+    # The site's own privacy account of this update (its task's XCom ``privacy``): ε after this
+    # round at its δ, and how many releases it counted, when its filters add noise.
+    epsilon: float | None = None
+    releases: int | None = None
 
 
 @dataclass
@@ -59,6 +64,7 @@ class RoundView:
     valid: int | None = None  # updates counted (from the summary), None while not aggregated
     reason: str | None = None  # why the aggregation failed (its XCom ``failure``), e.g. no quorum
     epsilon: float | None = None  # the run's ε after this round (its summary's ``privacy``), None without noise
+    strategy: str | None = None  # the strategy that aggregated the round (its summary's ``strategy``)
 
 
 @dataclass
@@ -75,6 +81,9 @@ class RunView:
     failures: list[RunFailure] = field(default_factory=list)  # the run's own tasks that failed
     # The run's MLflow run (experiment_id, run_id, url or None) when the job tracks with MLflow.
     mlflow_run: dict[str, str | None] | None = None
+    # The aggregation: the strategy's name (the latest aggregated round's) and the job's parameters for it.
+    strategy: str | None = None
+    strategy_params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -112,6 +121,14 @@ def _epsilon(summary: Mapping[str, Any]) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _releases(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def train_loss(metrics: Mapping[str, Any] | None) -> float | None:
     for key in TRAIN_LOSS_KEYS:
         value = (metrics or {}).get(key)
@@ -127,6 +144,7 @@ def build_run_view(
     xcoms: Mapping[str, Any],
     metrics: Mapping[str, Any] | None,
     failures: Mapping[str, str] | None = None,
+    mlflow_ui: str | None = None,
 ) -> RunView:
     """The page's model of one run.
 
@@ -134,6 +152,7 @@ def build_run_view(
     ``xcoms``: task id -> that task's ``return_value`` XCom (absent when it has none).
     ``metrics``: the published ``metrics.json`` or None.
     ``failures``: task id -> the reason a failed task left in its XCom ``failure``.
+    ``mlflow_ui``: ``[flare_airflow] mlflow_ui_url`` now (links to runs not tracked on a server).
     """
     failures = failures or {}
     prefix = federated_prefix(list(task_instances))
@@ -164,6 +183,7 @@ def build_run_view(
             valid=len(summary["accepted"]) if isinstance(summary.get("accepted"), list) else None,
             reason=failures.get(agg_id),
             epsilon=_epsilon(summary),
+            strategy=str(summary["strategy"]) if isinstance(summary.get("strategy"), str) else None,
         )
         site_metrics = dict(summary.get("site_metrics") or {})
         for site in sites:
@@ -175,6 +195,7 @@ def build_run_view(
             if state == "success" and site in rejected:
                 state = "not counted"
             samples = sent.get("num_samples")
+            account = _mapping(sent.get("privacy"))
             view.sites[site] = SiteCell(
                 task_id=task_id,
                 state=state,
@@ -182,6 +203,8 @@ def build_run_view(
                 num_samples=samples if isinstance(samples, int) else None,
                 train_loss=train_loss(sent.get("metrics")) if sent else train_loss(site_metrics.get(site)),
                 reason=str(reason) if reason is not None else None,
+                epsilon=_number(account.get("epsilon")),
+                releases=_releases(account.get("releases")),
             )
         views.append(view)
     params = {
@@ -204,6 +227,7 @@ def build_run_view(
         for task_id, ti in sorted(task_instances.items())
         if ti.get("state") in FAILURE_STATES and not in_rounds.match(task_id)
     ]
+    last = summaries[max(summaries)] if summaries else {}
     return RunView(
         dag_id=dag_id,
         run_id=str(run.get("dag_run_id") or run.get("run_id")),
@@ -215,22 +239,36 @@ def build_run_view(
         params=params,
         rows_from=rows_from,
         failures=run_failures,
-        mlflow_run=_mlflow_run(_mapping(xcoms.get(prefix + "publish")).get("mlflow_run"), prepare.get("mlflow_run")),
+        strategy=next((v.strategy for v in reversed(views) if v.strategy), None),
+        strategy_params={str(k): v for k, v in _mapping(last.get("strategy_params")).items()},
+        mlflow_run=_mlflow_run(
+            mlflow_ui, _mapping(xcoms.get(prefix + "publish")).get("mlflow_run"), prepare.get("mlflow_run")
+        ),
     )
 
 
-def _mlflow_run(*candidates: Any) -> dict[str, str | None] | None:
-    """The first well-formed MLflow link of the run's XComs (publish's, then prepare's).
+def _mlflow_run(mlflow_ui: str | None, *candidates: Any) -> dict[str, str | None] | None:
+    """The first well-formed MLflow link of the run's XComs (publish's, then prepare's), resolved now.
 
-    An XCom is any task's to write: only ids and an http(s) URL get onto the page.
+    A run tracked on a server links to that server's UI (its ``server``); any other (the embedded
+    store) to ``mlflow_ui``, the deployment's ``[flare_airflow] mlflow_ui_url`` as set now -- also for
+    links written before they were resolved here, whose stored ``url`` is the fallback. An XCom is
+    any task's to write: only ids and an http(s) URL get onto the page.
     """
     for found in candidates:
         if not isinstance(found, Mapping):
             continue
-        ids = {k: found.get(k) for k in ("experiment_id", "run_id")}
-        if not all(isinstance(v, str) and v for v in ids.values()):
+        experiment, run = found.get("experiment_id"), found.get("run_id")
+        if not (isinstance(experiment, str) and experiment and isinstance(run, str) and run):
             continue
-        url = found.get("url")
+        ids: dict[str, str | None] = {"experiment_id": experiment, "run_id": run}
+        server = found.get("server")
+        if isinstance(server, str) and server:
+            url: Any = mlflow_run_url(server.rstrip("/"), experiment, run)
+        elif mlflow_ui:
+            url = mlflow_run_url(mlflow_ui.rstrip("/"), experiment, run)
+        else:
+            url = None if "server" in found else found.get("url")
         ok = isinstance(url, str) and url.startswith(("http://", "https://"))
         return {**ids, "url": url if ok else None}
     return None

@@ -179,6 +179,19 @@ case(
     "hp_lr must be a finite number like the job's default 0.1, got 'inf'",
     conf={"hp_lr": "inf"},
 )
+# Issue 37: text a form re-reading 0.001 at each keystroke sent; float() would read it as 1.0.
+case(
+    "conf-hparam-text-leading-zero",
+    '{"hp_lr": "001"} (typed 0.001, mangled by a form; inside lr\'s range [0, 1] as 1.0)',
+    "hp_lr must be a number as written, like the job's default 0.1; got '001', a leading zero followed by digits",
+    conf={"hp_lr": "001"},
+)
+case(
+    "conf-hparam-text-leading-zero-signed",
+    '{"hp_lr": "-0005"}',
+    "got '-0005', a leading zero followed by digits: write 0.001 (or 1e-3) in full",
+    conf={"hp_lr": "-0005"},
+)
 case(
     "warm-start-pointer-not-json",
     "warm start; latest.json is not JSON",
@@ -299,12 +312,14 @@ def test_the_form_defaults_and_declared_dag_params_are_accepted(job: Any) -> Non
 
 
 @pytest.mark.parametrize(
-    ("typed", "expected"), [("1e-3", 0.001), ("5e-4", 0.0005), (" .5 ", 0.5), (0.25, 0.25), (1, 1.0)]
+    ("typed", "expected"),
+    [("1e-3", 0.001), ("5e-4", 0.0005), (" .5 ", 0.5), ("0.001", 0.001), ("0", 0.0), ("0e0", 0.0), (0.25, 0.25)],
 )
 def test_a_float_hyper_parameter_keeps_what_was_typed(job: Any, typed: Any, expected: float) -> None:
     """The form's field for a float is text (a number field reads 1e-3 as 13): prepare parses it."""
     schema = job_params(job)["hp_lr"].schema
-    assert schema["type"] == ["number", "string"] and schema["maximum"] == 1.0 and "pattern" in schema
+    # Airflow's plain text input (examples, not a multi-type JSON box); the range is prepare's.
+    assert schema["type"] == ["string", "number"] and schema["examples"] == ["0.1"] and "maximum" not in schema
     job_params(job)["hp_lr"].resolve(typed)  # the form's (and the REST API's) schema takes it
     assert run_params(context(job, {"hp_lr": typed}), job).hparams["lr"] == expected
 

@@ -9,6 +9,7 @@ import pathlib
 import shutil
 
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
 from flare_airflow_testing.harness import REPO, AirflowHome
@@ -57,3 +58,31 @@ def test_demo_runs_every_task_and_reaches_the_accuracy_bar(airflow_home: Airflow
     assert second.state["published"]["sha256"] == published["sha256"], "same seed must give the same model"
     second_model = pathlib.Path(second.state["published"]["final_model"].removeprefix("file://"))
     assert second_model.read_bytes() == model.read_bytes()
+
+
+def _privacy_docs_site_policy() -> dict:
+    """The site's privacy block of docs/privacy.md, as written there (its first YAML block)."""
+    text = (REPO / "docs" / "privacy.md").read_text()
+    section = text.split("## The site's privacy block", 1)[1]
+    return yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+
+
+def test_the_privacy_docs_site_policy_runs_the_demo(airflow_home: AirflowHome, demo_dag: pathlib.Path) -> None:
+    """Issue 37 #3: the docs' example, as a site policy on the demo, failed every update of the
+    site (its trainer logs epoch_train_loss with flare.log_metric). One round, as written."""
+    block = _privacy_docs_site_policy()["sites"]["site-1"]
+    assert block["privacy"]["filters"][-1]["type"] == "gaussian"
+    # Every site's admin writes the docs' block (one worker runs the four sites here).
+    policy = {"sites": {f"site-{i}": block for i in range(1, 5)}}
+    result = airflow_home.run(
+        "flare_digits",
+        demo_dag,
+        conf={"rounds": 1},
+        site_policy=policy,
+        env={"AIRFLOW_VAR_FLARE_NOISE_SECRET": "d0" * 32},
+    )
+    assert result.returncode == 0, result.log[-5000:]
+    assert result.state["state"] == "success"
+    (row,) = result.metrics()["rounds"]
+    assert row["sites_valid"] == 4
+    assert set(row["site_metrics"]["site-1"]) == {"train_loss", "train_accuracy"}

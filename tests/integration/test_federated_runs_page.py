@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -26,13 +27,15 @@ import yaml
 from mlflow.tracking import MlflowClient
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from flare_airflow.core.privacy.accountant import epsilon_after
 from flare_airflow.core.tracking import run_key
 from flare_airflow_testing.harness import behave_job
 from flare_airflow_testing.local_airflow import REPO, Api, LocalAirflow, process_tree, started
 
 CHROMIUM = "/usr/bin/chromium"
 PASSWORDS = {"admin": "admin-pw-for-test", "outsider": "outsider-pw-for-test"}
-DEMO, ONE_DOWN, NO_QUORUM = "flare_digits", "flare_one_down", "flare_no_quorum"
+DEMO, ONE_DOWN, NO_QUORUM, TYPED = "flare_digits", "flare_one_down", "flare_no_quorum", "flare_typed"
+SITE_NOISE = {"filters": [{"type": "gaussian", "clip": 1.0, "noise_multiplier": 1.1}], "delta": 1.0e-5}
 MLFLOW_UI = "http://127.0.0.1:5999"  # [flare_airflow] mlflow_ui_url: where this deployment serves `mlflow ui`
 
 
@@ -65,7 +68,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     job = behave_job(root, "one-down", sites=4, rounds=2, min_clients=3, args=["--fail", "site-4"])
     job["tracking"] = {"backend": "mlflow"}
     lost = behave_job(root, "no-quorum", sites=2, rounds=1, min_clients=2, args=["--fail", "site-2"])
-    for name, spec in (("one_down", job), ("no_quorum", lost)):
+    # A float hyper-parameter typed into Airflow's own trigger dialog (issue 37): one site, one round.
+    typed = behave_job(root, "typed", sites=1, rounds=1, min_clients=1, args=["--echo-args", "echo.json"])
+    typed["evaluate"] = False
+    typed["trainer"]["hparams"] = {"lr": 0.01, "local_epochs": 5}
+    typed["trainer"]["hparam_ranges"] = {"lr": {"min": 0, "max": 1}, "local_epochs": {"min": 1, "max": 50}}
+    # ... aggregated by FedAdam, with a gaussian filter in the site's own privacy block (issue 37 #2).
+    typed["aggregator"] = {"name": "fedadam", "eta": 0.05}
+    typed["sites"]["site-1"] = {"privacy": {**SITE_NOISE, "public_metrics": ["train_loss"]}}
+    for name, spec in (("one_down", job), ("no_quorum", lost), ("typed", typed)):
         (dags / f"{name}.yaml").write_text(yaml.safe_dump(spec))
         (dags / f"{name}_dag.py").write_text(
             "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
@@ -91,6 +102,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "FLARE_TEST_DENIED_DAGS": f"outsider:{DEMO}",
             "PYTHONPATH": str(auth),
             "AIRFLOW__FLARE_AIRFLOW__MLFLOW_UI_URL": MLFLOW_UI,
+            "AIRFLOW_VAR_FLARE_NOISE_SECRET": "5e" * 32,  # the sites' noise secret, as a site's worker holds it
         },
     )
     airflow.start()
@@ -182,10 +194,13 @@ def test_demo_run_page_updates_while_running_and_matches_metrics_json(stack: Sta
             cell = row.locator(f'td[data-site="{site}"]')
             expected = states[f"round_{r}.{site}"]
             assert cell.get_attribute("data-state") == expected == ("success" if r <= 3 else "skipped")
-            log = cell.locator("a.log").get_attribute("href")
-            assert log == f"/dags/{DEMO}/runs/{quote(stack.runs[DEMO], safe='')}/tasks/round_{r}.{site}?try_number=1"
             if r <= 3:
+                log = cell.locator("a.log").get_attribute("href")
+                run = quote(stack.runs[DEMO], safe="")
+                assert log == f"/dags/{DEMO}/runs/{run}/tasks/round_{r}.{site}?try_number=1"
                 assert "samples" in cell.inner_text() and "train loss" in cell.inner_text()
+            else:  # issue 37 #7: a task that never ran has no log to open
+                assert cell.locator("a.log").count() == 0
         aggregate = row.locator("td.aggregate")
         assert aggregate.get_attribute("data-state") == ("success" if r <= 3 else "skipped")
     rows = _metrics(stack, DEMO)["rounds"]
@@ -274,6 +289,7 @@ def test_a_round_without_quorum_shows_why(stack: Stack, browser: Browser) -> Non
     site = row.locator('td[data-site="site-2"]')
     assert site.get_attribute("data-state") == "failed" and "exit code 3" in site.inner_text()
     assert page.locator('svg[data-chart="valid"] circle.point').count() == 0  # no round was aggregated
+    assert page.locator("p.no-charts").count() == 1  # a sentence, not four empty charts
     assert page.locator("tr[data-file]").count() == 0  # nothing published
 
 
@@ -371,12 +387,20 @@ def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser:
     assert "unknown run parameter(s) 'roundz' (did you mean 'rounds'?)" in rows["prepare"]
     assert rows["prepare"].endswith("allowed: rounds, min_clients, warm_start"), rows["prepare"]  # whole
     assert f"flare-airflow resume {NO_QUORUM} {bad_run}" in rows["verdict"]
+    # Issue 37 #7: a run id "." failed prepare with no reason (the task runtime cannot address it).
+    dot = stack.api("POST", f"/dags/{NO_QUORUM}/dagRuns", json={"dag_run_id": ".", "logical_date": None})
+    assert stack.api.wait(NO_QUORUM, "%2E") == "failed"
+    page.goto(f"{stack.base}/flare/run?dag_id={NO_QUORUM}&run_id={quote(dot['dag_run_id'], safe='')}")
+    reason = page.locator('table.failures tr[data-task="prepare"] td.reason').inner_text()
+    assert reason.startswith("Airflow's task runtime cannot serve a run with the id '.'"), reason
 
     # The published model's Asset event names the run's page.
     events = stack.api("GET", "/assets/events", params={"source_dag_id": ONE_DOWN})["asset_events"]
     pages = {e["source_run_id"]: e["extra"].get("federated_run_page") for e in events}
-    assert pages[stack.runs[ONE_DOWN]] == f"/flare/run?dag_id={ONE_DOWN}&run_id={quote(stack.runs[ONE_DOWN])}"
-    page.goto(stack.base + pages[stack.runs[ONE_DOWN]])
+    # A whole URL (issue 37 #7): the Asset page shows the extra as text, which a path cannot open.
+    expected = f"{stack.base}/flare/run?dag_id={ONE_DOWN}&run_id={quote(stack.runs[ONE_DOWN])}"
+    assert pages[stack.runs[ONE_DOWN]] == expected
+    page.goto(pages[stack.runs[ONE_DOWN]])
     assert page.locator('table.rounds td[data-site="site-4"]').count() == 2
 
     admin = {"Authorization": f"Bearer {stack.admin}"}
@@ -388,3 +412,119 @@ def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser:
     assert script.headers["content-type"].startswith("text/javascript") and "data-airflow" in script.text
     bad = httpx.get(f"{stack.base}/flare/", headers={"Authorization": "Bearer not-a-token"}, timeout=30)
     assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer", (bad.status_code, bad.text)
+
+
+# What an operator types into the lr field, key by key, and what must train (or the sentence that refuses it).
+TYPED_LR: dict[str, float | str] = {
+    "0.001": 0.001,
+    "0.0005": 0.0005,
+    "1e-3": 0.001,
+    "5e-4": 0.0005,
+    "3": "hp_lr=3.0 is above the job's maximum 1.0 (trainer.hparam_ranges)",
+    "-1": "hp_lr=-1.0 is below the job's minimum 0.0 (trainer.hparam_ranges)",
+    "abc": "hp_lr must be a finite number like the job's default 0.01, got 'abc'",
+}
+
+
+def test_a_float_typed_key_by_key_into_airflows_trigger_dialog_is_what_trains(stack: Stack, browser: Browser) -> None:
+    """Issue 37 #1: Airflow's JSON box for a param of several types re-read the text at each key:
+    typed 0.001 arrived as 001 and trained at 1.0. Typed here one key at a time into Airflow's own
+    dialog; the run's conf keeps the text, prepare and the trainer get the number, and what is no
+    number in range is refused by prepare with a sentence before any site trains."""
+    from flare_airflow.core.config import load_job
+    from flare_airflow.operators.common import RunParamsError, run_params
+
+    page = _page(browser, stack, stack.admin)
+    job = load_job(stack.root / "dags" / "typed.yaml")
+    runs: dict[str, str] = {}
+    for text in TYPED_LR:
+        page.goto(f"{stack.base}/dags/{TYPED}")
+        page.get_by_role("button", name="Trigger").first.click()
+        dialog = page.locator("[data-scope=dialog][data-part=content][data-state=open]")
+        # Kept paused: the runs queue, and only the ones this test lets go run (the others are
+        # checked with prepare's own function, below).
+        dialog.get_by_text(f"Unpause {TYPED} on trigger").click()
+        dialog.get_by_text("Trainer hyper-parameters").click()
+        field = dialog.locator("#element_hp_lr")
+        assert field.evaluate("e => e.tagName") == "INPUT"  # one line for one number, not a JSON box
+        field.click()
+        field.press("Control+a")
+        field.press("Delete")
+        field.press_sequentially(text, delay=20)
+        assert field.input_value() == text
+        with page.expect_response(lambda r: r.url.endswith("/dagRuns") and r.request.method == "POST") as answer:
+            dialog.get_by_role("button", name="Trigger").click()
+        assert answer.value.status == 200, answer.value.text()
+        run = answer.value.json()
+        assert run["conf"]["hp_lr"] == text, run["conf"]  # what was typed, as typed
+        runs[text] = run["dag_run_id"]
+    _shot(page, stack, "typed-dialog")
+    for text, expected in TYPED_LR.items():
+        conf = stack.api("GET", f"/dags/{TYPED}/dagRuns/{quote(runs[text], safe='')}")["conf"]
+        context = {"params": {**conf}, "dag_run": type("Run", (), {"conf": conf})()}
+        if isinstance(expected, float):
+            assert run_params(context, job).hparams["lr"] == expected, text
+        else:
+            with pytest.raises(RunParamsError, match=re.escape(expected)):
+                run_params(context, job)
+    # The real run of 0.001 and of the refusals: what prepare resolved, what the trainer got, and
+    # the sentence on the run's page.
+    let_go = ["0.001", "abc"]
+    for text in TYPED_LR:
+        if text not in let_go:
+            stack.api("DELETE", f"/dags/{TYPED}/dagRuns/{quote(runs[text], safe='')}")
+    stack.api("PATCH", f"/dags/{TYPED}", json={"is_paused": False})
+    assert stack.api.wait(TYPED, runs["0.001"]) == "success"
+    prepared = stack.api(
+        "GET", f"/dags/{TYPED}/dagRuns/{quote(runs['0.001'], safe='')}/taskInstances/prepare/xcomEntries/return_value"
+    )["value"]
+    assert prepared["hparams"] == {"lr": 0.001, "local_epochs": 5}
+    (echo,) = stack.root.rglob("echo.json")  # only this run trained
+    assert json.loads(echo.read_text())["hparams"]["lr"] == 0.001  # what the site trained with
+    # Issue 37 #5: what a render costs the api-server, from its access log: the first render of
+    # the finished run reads the run, its tasks and their XComs; the next ones the run only.
+    access_log = stack.airflow.home / "local" / "api-server.log"
+    calls = []
+    for _ in range(2):
+        before = access_log.stat().st_size
+        page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs['0.001'], safe='')}")
+        time.sleep(1)  # the access log line is written once the response is sent
+        with access_log.open("rb") as fh:
+            fh.seek(before)
+            calls.append(fh.read().decode(errors="replace").count(f"path=/api/v2/dags/{TYPED}/dagRuns/"))
+    print(f"REST calls per render of a finished run: {calls}")
+    assert calls[0] >= 5 and calls[1] == 1, calls
+    # Issue 37 #2: the page names the strategy and its parameters, and the ε the site reported.
+    _shot(page, stack, "typed-run")
+    assert page.locator("table.rounds th.strategy").inner_text() == "global model (fedadam)"
+    assert "fedadam eta=0.05" in page.locator("h2:text('Parameters') + table").inner_text()
+    spent = epsilon_after(1.1, 1, 1.0e-5)
+    site = page.locator('table.rounds td[data-round="1"][data-site="site-1"] small.epsilon')
+    assert float(site.get_attribute("data-value") or "nan") == pytest.approx(spent)
+    aggregate = page.locator('table.rounds td.aggregate[data-round="1"] small.epsilon')
+    assert f"ε ≤ {spent:.3f} (sites)" == aggregate.inner_text()
+    for text in ("abc",):
+        assert stack.api.wait(TYPED, runs[text]) == "failed"
+        page.goto(f"{stack.base}/flare/run?dag_id={TYPED}&run_id={quote(runs[text], safe='')}")
+        reason = page.locator('table.failures tr[data-task="prepare"] td.reason').inner_text()
+        assert reason == f"invalid run parameters: {TYPED_LR[text]}", reason
+        assert "Failed validating" not in page.content()
+    # Issue 37 #6: nothing the runs left behind stays <defunct> under the launcher (it reaps each second).
+    launcher = stack.airflow.proc.pid if stack.airflow.proc else 0
+    deadline = time.monotonic() + 10
+    while (zombies := _defunct_children(launcher)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not zombies, zombies
+
+
+def _defunct_children(parent: int) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if state == "Z" and int(ppid) == parent:
+            found.append(stat[: stat.rfind(")") + 1])
+    return found

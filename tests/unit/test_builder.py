@@ -81,8 +81,11 @@ def test_trigger_form(dag) -> None:
     schema = {key: params.get_param(key).schema for key in params}
     assert schema["rounds"]["maximum"] == 2
     assert schema["min_clients"]["maximum"] == 2
-    # A float's field is text (Airflow's number field reads 1e-3 as 13), a number through the REST API.
-    assert schema["hp_lr"]["type"] == ["number", "string"] and "pattern" in schema["hp_lr"]
+    # A float's field is Airflow's one-line text input (its number field reads 1e-3 as 13; a
+    # multi-type param without examples gets a JSON box that turned a typed 0.001 into 001),
+    # a number through the REST API. The browser test types into it key by key.
+    assert schema["hp_lr"]["type"] == ["string", "number"] and schema["hp_lr"]["examples"] == ["0.1"]
+    assert "pattern" not in schema["hp_lr"]  # prepare refuses with a sentence, not a schema dump
     assert schema["hp_epochs"]["type"] == "integer"
     assert schema["warm_start"]["type"] == "boolean"
 
@@ -95,6 +98,29 @@ def test_the_form_states_the_allowed_range(dag) -> None:
         schema = dag.params.get_param(key).schema
         assert f"{schema['minimum']} to {schema['maximum']}" in text, (key, text)
         assert "moves other values into this range" in text
+
+
+def test_ranges_are_written_in_the_hparams_type(tmp_path) -> None:
+    from flare_airflow.builder import job_params
+    from flare_airflow.core.config import job_from_dict
+
+    (tmp_path / "t.py").write_text("")
+    (tmp_path / "m.safetensors").write_bytes(b"")
+    spec = {
+        "job": "ranges",
+        "rounds": 1,
+        "min_clients": 1,
+        "initial_model": "m.safetensors",
+        "trainer": {
+            "script": "t.py",
+            "hparams": {"lr": 0.01, "local_epochs": 5},
+            "hparam_ranges": {"lr": {"min": 0, "max": 1}, "local_epochs": {"min": 1, "max": 50}},
+        },
+        "sites": {"a": {}},
+    }
+    params = job_params(job_from_dict(spec, base_dir=str(tmp_path)))
+    assert "allowed: 1 <= local_epochs <= 50." in params["hp_local_epochs"].description
+    assert "allowed: 0.0 <= lr <= 1.0." in params["hp_lr"].description
 
 
 def test_the_dag_list_and_docs_say_what_the_dag_runs(dag) -> None:

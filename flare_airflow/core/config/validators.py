@@ -196,10 +196,13 @@ def env_or_secret(env: Mapping[str, Any], secret_env: Mapping[str, Any]) -> None
         raise ValueError(f"{', '.join(both)} set in both env and secret_env; keep one")
 
 
-# A decimal number as people write it (``0.001``, ``1e-3``, ``-2.5E+4``): what the trigger form's
-# text field for a float hyper-parameter accepts (JSON Schema ``pattern``, ECMA syntax) and what
-# :func:`hparam_value` parses. No ``inf``/``nan``/``1_000``, which Python's float() would take.
-FLOAT_PATTERN = r"^\s*[+-]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][+-]?[0-9]+)?\s*$"
+# A decimal number as people write it (``0.001``, ``1e-3``, ``-2.5E+4``): the text a float
+# hyper-parameter takes from the trigger form, which :func:`hparam_value` parses. No
+# ``inf``/``nan``/``1_000``, which Python's float() would take, and no leading zero followed by
+# digits (``001``): nobody means that, it is what a form that re-read ``0.001`` at each keystroke
+# sent (issue 37), and float() would read it as 1.
+FLOAT_PATTERN = r"^\s*[+-]?((0|[1-9][0-9]*)([.][0-9]*)?|[.][0-9]+)([eE][+-]?[0-9]+)?\s*$"
+_LEADING_ZERO = re.compile(r"^\s*[+-]?0[0-9]")
 
 
 class Bounds(Protocol):
@@ -224,6 +227,11 @@ def hparam_value(name: str, default: Any, value: Any, bounds: Bounds | None = No
         and re.fullmatch(FLOAT_PATTERN, value)
     ):
         value = float(value.strip())
+    elif isinstance(default, float) and isinstance(value, str) and _LEADING_ZERO.match(value):
+        raise ValueError(
+            f"{name} must be a number as written, like the job's default {default!r}; got {short_repr(value)}, "
+            "a leading zero followed by digits: write 0.001 (or 1e-3) in full"
+        )
     if isinstance(default, bool):
         ok = isinstance(value, bool)
         kind = "true or false"

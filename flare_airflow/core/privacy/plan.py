@@ -15,6 +15,7 @@ from typing import Any
 from flare_airflow.core.privacy.accountant import epsilon_after, epsilon_of_releases
 from flare_airflow.core.privacy.filters import FilterStep, Params, PrivacyRefused, apply_filters
 from flare_airflow.core.privacy.ledger import Budget, BudgetExceeded, PrivacyLedger, default_ledger_path
+from flare_airflow.core.tracking import TRACKED_META_KEY, tracked_points
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,26 @@ def release(
             "update is not published. Add them to the site's privacy.public_metrics (metrics are computed on the "
             "site's data and are not covered by ε), or stop sending them"
         )
-    private_meta = sorted(set(meta) - set(plan.public_meta))
+    # A trainer's own scalars (flare.log_metric) are metrics too: each leaves by its name in
+    # public_metrics, checked entry by entry here, not as one opaque meta key (issue 37 #3).
+    judged_meta = set(meta)
+    if TRACKED_META_KEY in meta and TRACKED_META_KEY not in plan.public_meta:
+        points, problems = tracked_points(meta)
+        if problems:
+            raise PrivacyRefused(
+                f"{where}: the trainer's logged metrics (meta[{TRACKED_META_KEY!r}]) are malformed: "
+                f"{'; '.join(problems[:5])}; the update is not published. Log numbers with flare.log_metric"
+            )
+        private_tracked = sorted(set(points) - set(plan.public_metrics))
+        if private_tracked:
+            raise PrivacyRefused(
+                f"{where}: logged metric(s) {', '.join(map(repr, private_tracked[:10]))} (flare.log_metric) are not "
+                "declared public by the site; the update is not published. Add them to the site's "
+                "privacy.public_metrics (metrics are computed on the site's data and are not covered by ε), or stop "
+                "logging them"
+            )
+        judged_meta.discard(TRACKED_META_KEY)
+    private_meta = sorted(judged_meta - set(plan.public_meta))
     if private_meta:
         raise PrivacyRefused(
             f"{where}: meta key(s) {', '.join(map(repr, private_meta[:10]))} are not declared public by the site; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -204,6 +205,23 @@ def test_private_non_float_tensors_and_metrics_are_refused() -> None:
         release(plan, update(1.0), GLOBAL, metrics={"loss": 0.1}, meta={"host": "x"}, **kwargs)
     out = release(plan, update(1.0), GLOBAL, metrics={"loss": 0.1}, meta={}, **kwargs)
     assert out.metrics == {"loss": 0.1} and out.report["filters"][0]["scaled"]
+
+
+def test_logged_metrics_leave_by_their_names_in_public_metrics() -> None:
+    """Issue 37 #3: flare.log_metric's points travel in meta['tracked_metrics']; a site that made
+    its metrics public had every update refused for that meta key."""
+    plan = PrivacyPlan(public_metrics=["loss", "epoch_loss"], public_tensors=["steps"])
+    kwargs = {"diff_update": False, "round_num": 1, "key": None, "where": "site a round 1"}
+    logged = {"tracked_metrics": [["epoch_loss", 0.5, 1], ["epoch_loss", 0.4, 2]]}
+    out = release(plan, update(1.0), GLOBAL, metrics={"loss": 0.1}, meta=logged, **kwargs)
+    assert out.meta == logged
+    with pytest.raises(
+        PrivacyRefused, match=re.escape("logged metric(s) 'grad_norm' (flare.log_metric) are not declared")
+    ):
+        meta = {"tracked_metrics": [["epoch_loss", 0.5, 1], ["grad_norm", 3.0, 1]]}
+        release(plan, update(1.0), GLOBAL, metrics={}, meta=meta, **kwargs)
+    with pytest.raises(PrivacyRefused, match="malformed: 'epoch_loss': value is not a finite number"):
+        release(plan, update(1.0), GLOBAL, metrics={}, meta={"tracked_metrics": [["epoch_loss", "id 42", 1]]}, **kwargs)
 
 
 def test_noise_needs_its_key() -> None:

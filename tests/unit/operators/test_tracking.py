@@ -112,21 +112,43 @@ def test_the_deployment_default_tracks_jobs_that_do_not_say(tmp_path: pathlib.Pa
 
 
 @pytest.mark.parametrize(
-    ("tracking_uri", "configured", "url"),
+    ("tracking_uri", "configured", "server", "url"),
     [
-        ("http://mlflow.internal:5000", "", "http://mlflow.internal:5000/#/experiments/3/runs/abc"),
+        (
+            "http://mlflow.internal:5000",
+            "",
+            "http://mlflow.internal:5000",
+            "http://mlflow.internal:5000/#/experiments/3/runs/abc",
+        ),
         (
             "https://alice:pw@mlflow.example.org/mlflow/",
             "",
+            "https://mlflow.example.org/mlflow",
             "https://mlflow.example.org/mlflow/#/experiments/3/runs/abc",
         ),
-        ("sqlite:////srv/store/mlflow.db", "", None),  # the embedded store: no UI until `mlflow ui` runs
-        ("sqlite:////srv/store/mlflow.db", "http://127.0.0.1:5000/", "http://127.0.0.1:5000/#/experiments/3/runs/abc"),
+        # Issue 37 #4: tracked on its own server (a Connection), the run is there, not in the
+        # deployment's embedded store that mlflow_ui_url browses.
+        (
+            "http://team-mlflow:5000",
+            "http://127.0.0.1:5000/",
+            "http://team-mlflow:5000",
+            "http://team-mlflow:5000/#/experiments/3/runs/abc",
+        ),
+        ("sqlite:////srv/store/mlflow.db", "", None, None),  # the embedded store: no UI until `mlflow ui` runs
+        (
+            "sqlite:////srv/store/mlflow.db",
+            "http://127.0.0.1:5000/",
+            None,
+            "http://127.0.0.1:5000/#/experiments/3/runs/abc",
+        ),
     ],
 )
-def test_the_mlflow_link_never_carries_credentials(tracking_uri, configured, url, monkeypatch) -> None:
+def test_the_mlflow_link_goes_where_the_run_was_tracked_without_credentials(
+    tracking_uri, configured, server, url, monkeypatch
+) -> None:
     monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__MLFLOW_UI_URL", configured)
-    assert mlflow_link(tracking_uri, "3", "abc") == {"experiment_id": "3", "run_id": "abc", "url": url}
+    link = mlflow_link(tracking_uri, "3", "abc")
+    assert link == {"experiment_id": "3", "run_id": "abc", "server": server, "url": url}
 
 
 def test_a_job_uri_is_one_the_deployment_lists(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,7 +113,8 @@ def test_run_failures_are_shown_whole_with_their_tries_and_dot_ids_stay_in_place
     ]
     html = page.run_page(view, "/base", [])
     assert escape(why) in html and "try 3" in html  # whole, and the retries
-    assert "no reason recorded: see the log" in html  # the verdict left none here
+    # The verdict left none here: with the run id ".", the page says why no task of it can.
+    assert "no reason recorded: see the log" not in html and "cannot serve a run with the id" in html
     # Ids "." and "..": the page's own links carry them in the query, where a browser keeps them.
     assert 'href="/base/flare/dag?dag_id=..">' in html
 
@@ -171,8 +172,29 @@ def test_the_privacy_spent_after_each_round_and_the_budget_show_on_the_page() ->
     assert [rnd.epsilon for rnd in view.rounds] == [1.993, 2.918]
     assert [row["epsilon"] for row in view.rows] == [1.993, 2.918]
     html = page.run_content(view, "/ui", [])
-    assert '<small class="epsilon">ε 2.918</small>' in html
+    assert '<small class="epsilon" data-value="2.918">ε 2.918</small>' in html
     assert "privacy budget exhausted at round 3" in html
+
+
+def test_the_strategy_and_each_sites_own_epsilon_and_releases_show() -> None:
+    """Issue 37 #2: the aggregation column named FedAvg whatever the strategy, and with a gaussian
+    filter in the sites' own policy (no job-level noise) no ε was shown, though every site reported it."""
+    xcoms = _xcoms(2, {})
+    for r in (1, 2):
+        xcoms[f"round_{r}.global_model"].update(strategy="fedadam", strategy_params={"eta": 0.05, "tau": 0.001})
+        for i, s in enumerate(SITES):
+            account = {"epsilon": 1.5 * r + i, "delta": 1e-5, "noise_multiplier": 1.1, "filters": ["gaussian"]}
+            xcoms[f"round_{r}.{s}"]["privacy"] = {**account, **({"releases": r} if s == "site-1" else {})}
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "success", "conf": {}}, _tis(2, {}), xcoms, None)
+    html = page.run_content(view, "/ui", [])
+    assert '<th class="strategy">global model (fedadam)</th>' in html and "FedAvg" not in html
+    assert "<th>strategy</th><td>fedadam eta=0.05 tau=0.001</td>" in html
+    site_3 = re.search(r'<td class="cell" data-round="2" data-site="site-3".*?</td>', html)
+    assert site_3 and '<small class="epsilon" data-value="5.0">ε 5.000</small>' in site_3.group(0)
+    site_1 = re.search(r'<td class="cell" data-round="2" data-site="site-1".*?</td>', html)
+    assert site_1 and '<small class="releases">releases 2</small>' in site_1.group(0)
+    aggregate = re.search(r'<td class="cell aggregate" data-round="2".*?</td>', html)
+    assert aggregate and "ε ≤ 5.000 (sites)" in aggregate.group(0)
 
 
 def test_the_run_links_to_its_mlflow_run_and_only_through_http() -> None:
@@ -192,3 +214,63 @@ def test_the_run_links_to_its_mlflow_run_and_only_through_http() -> None:
     assert view.mlflow_run == {**link, "url": None}
     html = page.run_content(view, "", [])
     assert "javascript:" not in html and "MLflow: run abc (experiment 3)" in html
+
+
+def test_the_mlflow_link_resolves_when_the_page_renders() -> None:
+    """Issue 37 #4: a run tracked on its own server links there, whatever mlflow_ui_url says; a run
+    of the embedded store follows mlflow_ui_url as set now (stored links were frozen at run time)."""
+    run = {"dag_run_id": "r1", "state": "success", "conf": {}}
+    xcoms = _xcoms(1, {})
+
+    def url(link: dict, mlflow_ui: str | None) -> str | None:
+        xcoms["prepare"]["mlflow_run"] = link
+        found = build_run_view("d", run, _tis(1, {}), xcoms, None, mlflow_ui=mlflow_ui).mlflow_run
+        return found["url"] if found else "no link"
+
+    on_server = {"experiment_id": "3", "run_id": "abc", "server": "http://team:5000", "url": "http://team:5000/x"}
+    assert url(on_server, "http://ui.now") == "http://team:5000/#/experiments/3/runs/abc"
+    embedded = {"experiment_id": "3", "run_id": "abc", "server": None, "url": None}
+    assert url(embedded, None) is None
+    assert url(embedded, "http://ui.now/") == "http://ui.now/#/experiments/3/runs/abc"  # set after the run
+    older = {"experiment_id": "3", "run_id": "abc", "url": "http://ui.then/#/experiments/3/runs/abc"}
+    assert url(older, "http://ui.now") == "http://ui.now/#/experiments/3/runs/abc"
+    assert url(older, None) == "http://ui.then/#/experiments/3/runs/abc"
+    assert url({**on_server, "server": "javascript:alert(1)//"}, None) is None
+
+
+def test_tasks_that_never_ran_have_no_log_and_a_run_without_rounds_has_no_empty_charts() -> None:
+    """Issue 37 #7: a "log" link to an empty log; "no reason recorded: see the log" for a publish
+    that never ran; four empty charts for a run that never aggregated."""
+    tis = _tis(1, {"round_1.site-1": "failed", "round_1.global_model": "failed"})
+    tis["round_1.global_model"]["try_number"] = 1
+    tis["round_1.site-2"] = {"state": "upstream_failed", "try_number": 0}
+    tis["publish"] = {"state": "upstream_failed", "try_number": 0}
+    xcoms = _xcoms(1, {})
+    del xcoms["round_1.global_model"]
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "failed", "conf": {}}, tis, xcoms, None)
+    html = page.run_content(view, "", [])
+    site_2 = re.search(r'<td class="cell" data-round="1" data-site="site-2".*?</td>', html)
+    assert site_2 and "log" not in site_2.group(0)
+    site_1 = re.search(r'<td class="cell" data-round="1" data-site="site-1".*?</td>', html)
+    assert site_1 and 'class="log"' in site_1.group(0)
+    publish = re.search(r'<tr data-task="publish".*?</tr>', html)
+    assert publish and "not run: a task it waits for failed (round_1.global_model)" in publish.group(0)
+    assert 'class="log"' not in publish.group(0)
+    assert "<svg" not in html and "No round has been aggregated in this run" in html
+
+
+def test_a_failed_publish_does_not_promise_a_publication() -> None:
+    """Issue 37 #7: after a publish re-run failed, the page said "Published when the run succeeds"
+    while final/ and the Asset event of the earlier try remained."""
+    tis = {**_tis(1, {}), "publish": {"state": "failed", "try_number": 2}}
+    view = build_run_view("d", {"dag_run_id": "r1", "state": "failed", "conf": {}}, tis, _xcoms(1, {}), None)
+    html = page.run_content(view, "", [])
+    assert "Published when the run succeeds" not in html
+    assert "Not published: the latest try of <code>publish</code> failed" in html
+
+
+def test_a_run_id_dot_says_why_prepare_left_no_reason() -> None:
+    tis = {**_tis(1, {}), "prepare": {"state": "failed", "try_number": 1}}
+    view = build_run_view("d", {"dag_run_id": ".", "state": "failed", "conf": {}}, tis, {}, None)
+    html = page.run_content(view, "", [])
+    assert "cannot serve a run with the id &#x27;.&#x27;" in html and "no reason recorded" not in html
