@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import secrets
 import shutil
 
 import pytest
@@ -79,7 +80,7 @@ def test_the_privacy_docs_site_policy_runs_the_demo(airflow_home: AirflowHome, d
         demo_dag,
         conf={"rounds": 1},
         site_policy=policy,
-        env={"AIRFLOW_VAR_FLARE_NOISE_SECRET": "d0" * 32},
+        env={"AIRFLOW_VAR_FLARE_NOISE_SECRET": secrets.token_hex(32)},
     )
     assert result.returncode == 0, result.log[-5000:]
     assert result.state["state"] == "success"

@@ -125,18 +125,18 @@ def test_a_sites_budget_charges_a_hostile_retry_and_refuses_another_jobs_round(
     # round 1 (try 2), whose hostile trainer now sends the global model back (release 2), then round 2 (3).
     marker = tmp_path / "round-2-fixed"
     args = ["--hostile-retry", "site-1", "--fail-in-round", "site-1:2", "--until-file", str(marker)]
-    job = behave_job(airflow_home.root, "hostile", sites=1, rounds=2, min_clients=1, args=args)
+    job = behave_job(airflow_home.root, "retried", sites=1, rounds=2, min_clients=1, args=args)
     job["evaluate"] = False
     job["privacy"] = {"filters": [gaussian], "delta": 1.0e-5, "public_metrics": ["train_loss"]}
-    dag_file = airflow_home.write_job("hostile", job)
-    failed = airflow_home.run("flare_hostile", dag_file, env=env)
+    dag_file = airflow_home.write_job("retried", job)
+    failed = airflow_home.run("flare_retried", dag_file, env=env)
     assert failed.state["state"] == "failed" and failed.tasks["round_1.site-1"] == "success", failed.log[-3000:]
     run_id = failed.state["run_id"]
-    (run_dir,) = [p for p in (airflow_home.store / "hostile").iterdir() if p.is_dir()]
+    (run_dir,) = [p for p in (airflow_home.store / "retried").iterdir() if p.is_dir()]
     update = run_dir / "round-0001" / "sites" / "site-1.safetensors"
     first = load_file(update)
     marker.touch()
-    cmd = [str(BIN / "flare-airflow"), "resume", "flare_hostile", run_id, "--dagfile", str(dag_file)]
+    cmd = [str(BIN / "flare-airflow"), "resume", "flare_retried", run_id, "--dagfile", str(dag_file)]
     cmd += ["--from-round", "1", "--in-process"]
     out = subprocess.run(
         cmd, env={**airflow_home.env, **env}, capture_output=True, text=True, check=False, timeout=600,
@@ -149,13 +149,13 @@ def test_a_sites_budget_charges_a_hostile_retry_and_refuses_another_jobs_round(
     clipped = {k: np.full(v.shape, 1 / np.sqrt(6), np.float32) for k, v in first.items()}
     assert not all(np.allclose(first[k] - second[k], clipped[k], atol=1e-3) for k in first)
     rows = sqlite3.connect(ledger).execute("SELECT job, round FROM releases ORDER BY rowid").fetchall()
-    assert rows == [("hostile", 1), ("hostile", 1), ("hostile", 2)]  # both of round 1's releases charged
-    (metrics_json,) = (airflow_home.store / "hostile").rglob("metrics.json")
+    assert rows == [("retried", 1), ("retried", 1), ("retried", 2)]  # both of round 1's releases charged
+    (metrics_json,) = (airflow_home.store / "retried").rglob("metrics.json")
     report = json.loads(metrics_json.read_text())
     assert report["privacy"]["releases"] == 3
     assert report["privacy"]["epsilon"] == pytest.approx(epsilon_after(2.0, 3, 1e-5), abs=1e-6)  # 3.709
     assert [row["releases"] for row in report["rounds"]] == [2, 3]  # round 1's two releases, then round 2's
-    extra = _asset_events(airflow_home, "flare_airflow.hostile.global_model")[-1]
+    extra = _asset_events(airflow_home, "flare_airflow.retried.global_model")[-1]
     assert extra["privacy"]["releases"] == 3 and round(extra["privacy"]["epsilon"], 3) == 3.709
 
     # Job 2, another job and run on the same site (a new worker process; the ledger is the file):
