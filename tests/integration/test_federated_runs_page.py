@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import re
+import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -102,7 +103,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "FLARE_TEST_DENIED_DAGS": f"outsider:{DEMO}",
             "PYTHONPATH": str(auth),
             "AIRFLOW__FLARE_AIRFLOW__MLFLOW_UI_URL": MLFLOW_UI,
-            "AIRFLOW_VAR_FLARE_NOISE_SECRET": "5e" * 32,  # the sites' noise secret, as a site's worker holds it
+            # the sites' noise secret, as a site's worker holds it (128 bits or more: weaker ones are refused)
+            "AIRFLOW_VAR_FLARE_NOISE_SECRET": secrets.token_hex(32),
         },
     )
     airflow.start()
