@@ -155,3 +155,17 @@ def test_every_site_run_is_built_in_one_place() -> None:
         if path not in allowed and re.search(r"\bSiteRun\(", path.read_text())
     )
     assert builders == []
+
+
+def test_a_trial_runs_the_sites_plan_signs_nothing_and_has_its_own_ledger(setup: dict[str, Any]) -> None:
+    from flare_airflow.cli import try_trainer
+
+    job = try_trainer.job_at_site(setup["job"], "site-1", str(setup["policy"]))  # what --site-policy does
+    work = setup["tmp"] / "trial"
+    run = try_trainer.site_run(job, "site-1", work, read_artifact(job.initial_model_path())[0], {}, 1)
+    task = make_site_run(job_at_site(setup["job"], "site-1", context(), 1), "site-1", 1, context(), argv=run.argv)
+    assert run.privacy is not None and task.privacy is not None
+    assert run.privacy.pop("ledger_file") == str(work / try_trainer.TRIAL_LEDGER)
+    assert run.privacy == task.privacy  # the same plan: the policy's gaussian, the job's public names
+    assert (run.trust, task.trust is not None) == (None, True)  # the site task signs; a trial does not
+    assert try_trainer.trial_noise_secret(run) != try_trainer.trial_noise_secret(run)  # fresh, never the site's
