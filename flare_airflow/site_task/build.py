@@ -42,13 +42,15 @@ def train_run(
     digest as its producer's proven record gives it (the trainer start verifies the model by it).
     ``trust``: this worker's trust settings (the update is signed with the site's key), ``None``
     to sign nothing. ``as_process``: run the trainer here as the site's process block would,
-    whatever the site's backend (``try-trainer``). ``ledger_file``: the privacy ledger the release
-    is charged to, instead of the site's (a trial must not spend the site's budget).
+    whatever the site's backend, without assigning the site's GPUs (``try-trainer``).
+    ``ledger_file``: the privacy ledger the release is charged to, instead of the site's (a trial
+    must not spend the site's budget).
     """
     spec = job.sites[site]
     process = spec.launcher_spec.process
     manager = spec.resource_manager
     local = as_process or spec.backend.on_worker
+    gpu_manager = manager is not None and manager.type == "gpu" and not manager.ignore_host
     site_env = process.env if as_process else spec.block.env if spec.backend.site_env else {}
     plan = job.privacy_plan(site)
     if plan is not None and ledger_file is not None:
@@ -68,7 +70,8 @@ def train_run(
         global_sha256=global_sha256,
         env=dict(site_env),
         cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
-        assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
+        # A trial takes no lock on the site's GPUs (it would queue behind the site's own jobs).
+        assign_gpus=not as_process and local and gpu_manager,
         num_gpus=spec.resource_spec.num_of_gpus,
         gpu_capacity=manager.num_of_gpus if manager is not None else None,
         mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
