@@ -273,6 +273,7 @@ def _cmd_try_trainer(args: argparse.Namespace) -> int:
         hparams=args.hparam,
         workdir=args.workdir,
         environ=os.environ,
+        site_policy=args.site_policy,
     )
 
 
@@ -360,6 +361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--round", type=int, default=1, dest="round_num", help="the round to run as (default 1)")
     p.add_argument("--hparam", action="append", default=[], metavar="KEY=VALUE", help="override a hyper-parameter")
     p.add_argument("--workdir", help="where the model store of this try goes (default: a new temp directory)")
+    p.add_argument(
+        "--site-policy",
+        metavar="FILE",
+        help="the site's policy file, applied as its worker applies it (default: $FLARE_SITE_CONFIG, if set)",
+    )
     p.set_defaults(func=_cmd_try_trainer)
     p = sub.add_parser("report", help="print the per-round table of a run's metrics.json")
     p.add_argument("metrics", help="path or URI of metrics.json")

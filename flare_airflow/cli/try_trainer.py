@@ -11,22 +11,35 @@ from __future__ import annotations
 
 import json
 import pathlib
+import secrets as secrets_module
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flare_airflow.core.config import JobConfig, load_job, load_model_file
+from flare_airflow.core.config import (
+    SITE_CONFIG_ENV,
+    JobConfig,
+    apply_site_policy,
+    load_job,
+    load_model_file,
+    load_site_policy,
+)
 from flare_airflow.core.config.validators import hparam_value
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import FLModel, write_artifact
+from flare_airflow.core.privacy.plan import PrivacyPlan
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore
 from flare_airflow.launchers.trainer import trainer_argv
+from flare_airflow.site_task.build import train_run
+from flare_airflow.site_task.checks import budget_refusal
 from flare_airflow.site_task.runner import run_site
 from flare_airflow.site_task.spec import SiteRun
 
 RUN_ID = "try-trainer"
+# The trial's own privacy ledger, in its work directory.
+TRIAL_LEDGER = "privacy-ledger.sqlite"
 
 
 def parse_hparams(job: JobConfig, pairs: Sequence[str]) -> dict[str, Any]:
@@ -53,29 +66,44 @@ def parse_hparams(job: JobConfig, pairs: Sequence[str]) -> dict[str, Any]:
 def site_run(
     job: JobConfig, site: str, workdir: pathlib.Path, params: Mapping[str, Any], hparams: dict[str, Any], round_num: int
 ) -> SiteRun:
-    """The site job a process site would run for (``try-trainer``, ``round_num``, ``site``), in ``workdir``."""
+    """The site job a process site would run for (``try-trainer``, ``round_num``, ``site``), in ``workdir``.
+
+    Built by the site task's own builder, so the site's privacy plan and every result check apply
+    as at the site; but a trial signs nothing (the site's key stays with the site task) and its
+    release is charged to a ledger of its own in ``workdir``, never to the site's.
+    """
     store = ModelStore(workdir)
-    global_model = store.global_model(job.job, RUN_ID, round_num - 1)
-    record = write_artifact(global_model, FLModel(params=dict(params)))
-    process = job.sites[site].launcher_spec.process
-    return SiteRun(
-        job=job.job,
+    record = write_artifact(store.global_model(job.job, RUN_ID, round_num - 1), FLModel(params=dict(params)))
+    return train_run(
+        job,
+        site,
+        round_num,
+        store=store,
         run_id=RUN_ID,
-        round=round_num,
         total_rounds=max(job.rounds, round_num),
-        site=site,
-        task="train",
-        argv=trainer_argv(job),
-        global_model=str(global_model),
-        output=str(store.site_update(job.job, RUN_ID, round_num, site)),
-        staging=str(store.staging(job.job, RUN_ID, round_num, site, 1)),
-        global_sha256=record.sha256,
-        env=dict(process.env),
-        cwd=str(job.resolve(process.cwd)) if process.cwd else None,
         hparams=hparams,
-        launch_timeout=job.trainer.launch_timeout,
-        shutdown_timeout=job.trainer.shutdown_timeout,
+        argv=trainer_argv(job),
+        try_number=1,
+        global_sha256=record.sha256,
+        trust=None,
+        as_process=True,
+        ledger_file=str(workdir / TRIAL_LEDGER),
     )
+
+
+def job_at_site(job: JobConfig, site: str, policy_file: str | None) -> JobConfig:
+    """The job as the site's policy file (``--site-policy``, else ``$FLARE_SITE_CONFIG``) makes it."""
+    if not policy_file:
+        return job
+    return apply_site_policy(job, site, load_site_policy(policy_file))
+
+
+def trial_noise_secret(run: SiteRun) -> str | None:
+    """A fresh noise secret for this trial when the plan adds noise: the site's own secret stays
+    on its worker (a trial's noise must not repeat the site's real release's)."""
+    if run.privacy is None or not PrivacyPlan.from_dict(run.privacy).adds_noise:
+        return None
+    return secrets_module.token_hex(32)
 
 
 def try_trainer(
@@ -87,6 +115,7 @@ def try_trainer(
     hparams: Sequence[str] = (),
     workdir: str | None = None,
     environ: Mapping[str, str] | None = None,
+    site_policy: str | None = None,
 ) -> int:
     """Run the trainer once; 0 when its update passed every check, 1 when the trainer or its update failed."""
     job = load_job(job_file)
@@ -98,6 +127,8 @@ def try_trainer(
         params = load_model_file(job.initial_model_path(), f"initial_model {job.initial_model!r}")
     else:
         params = load_model_file(pathlib.Path(model), f"--model {model!r}")
+    environ = environ if environ is not None else {}
+    job = job_at_site(job, site, site_policy or environ.get(SITE_CONFIG_ENV))
     spec = job.sites[site]
     if not spec.backend.on_worker:
         print(
@@ -105,7 +136,6 @@ def try_trainer(
             f"({' '.join(trainer_argv(job))})",
             file=sys.stderr,
         )
-    environ = environ if environ is not None else {}
     # The process block's (what this local run is) and the site's own backend's: a SLURM or
     # container site's Airflow references, a Kubernetes site's Secret references.
     names = list(dict.fromkeys([*spec.launcher_spec.process.secret_env, *spec.block.secret_env]))
@@ -124,7 +154,12 @@ def try_trainer(
     print(f"site {site}, round {round_num}, hparams {json.dumps(run.hparams)}")
     print(f"global model: {run.global_model}")
     sys.stdout.flush()
-    rc, result = run_site(run, secrets=secrets)
+    refused = budget_refusal(run)
+    result: dict[str, Any] | str
+    if refused is not None:
+        rc, result = JobReturnCode.CONFIG_ERROR, refused
+    else:
+        rc, result = run_site(run, secrets=secrets, noise_secret=trial_noise_secret(run))
     if rc is JobReturnCode.SUCCESS and isinstance(result, dict):
         metrics = ", ".join(f"{k}={v:.6g}" for k, v in sorted(result["metrics"].items())) or "none"
         print(

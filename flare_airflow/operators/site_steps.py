@@ -39,7 +39,8 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.trust import trust_settings
-from flare_airflow.site_task.checks import write_failure
+from flare_airflow.site_task.build import evaluation_run, train_run
+from flare_airflow.site_task.checks import budget_refusal, write_failure
 from flare_airflow.site_task.spec import SiteRun
 
 if TYPE_CHECKING:
@@ -129,15 +130,9 @@ def check_site_budget(run: SiteRun) -> None:
     """Before the trainer starts: refuse a site task whose release would take the site beyond its
     privacy budget (the ledger on this worker, every job and run). Raises :class:`SiteJobFailed`
     with the budget, the spent ε and the would-be ε."""
-    from flare_airflow.core.privacy.filters import PrivacyRefused
-    from flare_airflow.core.privacy.plan import PrivacyPlan, check_budget
-
-    if run.privacy is None or run.task != "train":
-        return
-    try:
-        check_budget(PrivacyPlan.from_dict(run.privacy), run.site, job=run.job, run_id=run.run_id, round_num=run.round)
-    except PrivacyRefused as exc:
-        raise SiteJobFailed(f"round {run.round}: {exc}") from None
+    reason = budget_refusal(run)
+    if reason is not None:
+        raise SiteJobFailed(reason)
 
 
 def site_policy_path() -> str | None:
@@ -285,26 +280,6 @@ def verified_global_sha256(
     return str(payload["sha256"]) if payload is not None else str(summary["sha256"])
 
 
-def _run_of(
-    job: JobConfig, context: Context, *, site: str, round_num: int, task: str, argv: list[str], **paths_and_devices: Any
-) -> SiteRun:
-    """The part of every site run that comes from the job and the run: identity, rounds, hyper-parameters, timeouts."""
-    params = run_params(context, job)
-    return SiteRun(
-        job=job.job,
-        run_id=run_id_of(context),
-        round=round_num,
-        total_rounds=params.rounds,
-        site=site,
-        task=task,
-        argv=argv,
-        hparams=params.hparams,
-        launch_timeout=job.trainer.launch_timeout,
-        shutdown_timeout=job.trainer.shutdown_timeout,
-        **paths_and_devices,
-    )
-
-
 def make_site_run(
     job: JobConfig,
     site: str,
@@ -315,62 +290,54 @@ def make_site_run(
     global_task_id: str | None = None,
     try_number: int | None = None,
 ) -> SiteRun:
-    """The site job of (run, round, site): identity, Client API paths, hyper-parameters, devices.
+    """The site job of (run, round, site), built by :func:`~flare_airflow.site_task.build.train_run`
+    from what this task's context gives: the run, its parameters, the try, the verified digest of
+    the input global model, this worker's trust settings.
 
-    The trainer writes into this try's staging directory; the update is published at the site's
-    place in the store only once it passed every check (see ``check_result``). ``global_task_id``
-    names the task whose XCom holds the input global model's sha256 (the trainer verifies it).
-    ``try_number``: the try that launches the job (default: this task's; a sensor watching a job
-    another task launched passes that task's).
+    ``global_task_id`` names the task whose XCom holds the input global model's sha256 (the
+    trainer verifies it). ``try_number``: the try that launches the job (default: this task's; a
+    sensor watching a job another task launched passes that task's).
     """
     store = store_for(job)
-    run_id = run_id_of(context)
     if try_number is None:
-        try_number = int(getattr(context.get("ti"), "try_number", None) or 1)
-    spec = job.sites[site]
-    process = spec.launcher_spec.process
-    manager = spec.resource_manager
-    local = spec.backend.on_worker
-    return _run_of(
+        try_number = try_number_of(context)
+    global_sha256 = verified_global_sha256(context, job, site, round_num, global_task_id)
+    trust = trust_settings().to_dict()
+    params = run_params(context, job)
+    return train_run(
         job,
-        context,
-        site=site,
-        round_num=round_num,
-        task="train",
+        site,
+        round_num,
+        store=store,
+        run_id=run_id_of(context),
+        total_rounds=params.rounds,
+        hparams=params.hparams,
         argv=argv,
-        global_model=str(store.global_model(job.job, run_id, round_num - 1)),
-        output=str(store.site_update(job.job, run_id, round_num, site)),
-        staging=str(store.staging(job.job, run_id, round_num, site, try_number)),
-        global_sha256=verified_global_sha256(context, job, site, round_num, global_task_id),
-        env=dict(spec.block.env) if spec.backend.site_env else {},
-        cwd=str(job.resolve(process.cwd)) if local and process.cwd else None,
-        assign_gpus=local and manager is not None and manager.type == "gpu" and not manager.ignore_host,
-        num_gpus=spec.resource_spec.num_of_gpus,
-        gpu_capacity=manager.num_of_gpus if manager is not None else None,
-        mem_per_gpu_gib=spec.resource_spec.mem_per_gpu_in_GiB,
-        privacy=plan.to_dict() if (plan := job.privacy_plan(site)) is not None else None,
-        confinement=spec.confinement.model_dump() if local and spec.confinement is not None else None,
         try_number=try_number,
-        trust=trust_settings().to_dict(),
+        global_sha256=global_sha256,
+        trust=trust,
     )
 
 
 def make_evaluation_run(job: JobConfig, round_num: int, context: Context, *, global_model: str) -> SiteRun:
     """The server's evaluation of round ``round_num``'s global model, run by the aggregation task.
 
-    The same trainer as the sites', as site :data:`SERVER_SITE`; no staging (the trainer writes
-    its metrics at the evaluation's place itself), no site environment, no devices.
+    The same trainer as the sites', as site :data:`SERVER_SITE`
+    (:func:`~flare_airflow.site_task.build.evaluation_run`).
     """
     run_id = run_id_of(context)
-    return _run_of(
+    output = str(store_for(job).evaluation(job.job, run_id, round_num))
+    params = run_params(context, job)
+    return evaluation_run(
         job,
-        context,
-        site=SERVER_SITE,
-        round_num=round_num,
-        task="evaluate",
+        SERVER_SITE,
+        round_num,
+        run_id=run_id,
+        total_rounds=params.rounds,
+        hparams=params.hparams,
         argv=trainer_argv(job),
         global_model=global_model,
-        output=str(store_for(job).evaluation(job.job, run_id, round_num)),
+        output=output,
     )
 
 

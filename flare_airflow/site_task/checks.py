@@ -100,6 +100,21 @@ def check_global_model(run: SiteRun) -> None:
         )
 
 
+def budget_refusal(run: SiteRun) -> str | None:
+    """Why the site's privacy budget (its ledger, every job and run) refuses this run's release
+    before its trainer starts, or ``None`` when it may run."""
+    from flare_airflow.core.privacy.filters import PrivacyRefused
+    from flare_airflow.core.privacy.plan import PrivacyPlan, check_budget
+
+    if run.privacy is None or run.task != "train":
+        return None
+    try:
+        check_budget(PrivacyPlan.from_dict(run.privacy), run.site, job=run.job, run_id=run.run_id, round_num=run.round)
+    except PrivacyRefused as exc:
+        return f"round {run.round}: {exc}"
+    return None
+
+
 def clear_outputs(output: WritablePath) -> None:
     """Remove a previous try's result so that a re-run overwrites only this site's round."""
     for path in (output, record_path(output), failure_path(output)):

@@ -31,6 +31,9 @@ class PrivacyPlan:
     budget: dict[str, Any] | None = None  # the site's SiteBudget: max_epsilon, delta, ledger
     # The job's max_epsilon over this run, with the job's δ and z: {max_epsilon, delta, noise_multiplier}.
     run_budget: dict[str, float] | None = None
+    # A ledger file of its own, over the budget's and the default: try-trainer's trial ledger, so a
+    # trial never spends the site's budget. Left out of to_dict() when unset.
+    ledger_file: str | None = None
 
     def site_budget(self) -> Budget | None:
         if self.budget is None:
@@ -39,11 +42,14 @@ class PrivacyPlan:
 
     def ledger(self) -> PrivacyLedger:
         """The site's ledger on this worker (the budget's file, else the default)."""
-        path = (self.budget or {}).get("ledger")
+        path = self.ledger_file or (self.budget or {}).get("ledger")
         return PrivacyLedger(path or default_ledger_path())
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["ledger_file"] is None:
+            del data["ledger_file"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrivacyPlan:
