@@ -13,28 +13,30 @@ from __future__ import annotations
 
 import math
 import re
+import typing
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from flare_airflow.core.config.validators import Strict
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.privacy.accountant import epsilon_after, noise_multiplier_for, rounds_within_budget
+from flare_airflow.core.privacy.filters import (
+    ClipFilter,
+    ExcludeVarsFilter,
+    GaussianFilter,
+    PercentileFilter,
+    SiteFilter,
+)
 from flare_airflow.core.privacy.plan import PrivacyPlan
 
-FilterType = Literal["exclude_vars", "clip", "gaussian", "percentile"]
-FILTER_TYPES: tuple[str, ...] = ("exclude_vars", "clip", "gaussian", "percentile")
 # The Airflow variable holding a site's noise secret, resolved on the site's worker.
 NOISE_SECRET_VARIABLE = "flare_noise_secret"  # noqa: S105 - the variable's name, not its value
 # The Airflow variable holding the run's central-DP noise secret, resolved on the aggregation's
 # worker. Another name than the sites': a server holding a site's secret could regenerate and
 # subtract that site's local noise.
 CENTRAL_NOISE_SECRET_VARIABLE = "flare_central_noise_secret"  # noqa: S105 - the variable's name, not its value
-
-
-def _all_filter_types() -> list[FilterType]:
-    return ["exclude_vars", "clip", "gaussian", "percentile"]
 
 
 def _is_number(value: Any) -> bool:
@@ -48,9 +50,25 @@ def _positive(value: float, what: str, example: str) -> float:
     return float(value)
 
 
-class ExcludeVars(Strict):
+class FilterEntry(Strict):
+    """What every filter's entry has: its ``type`` and the site filter it configures (``applies``,
+    from the registry in :mod:`flare_airflow.core.privacy.filters`), whose parameters are its fields."""
+
+    applies: ClassVar[type[SiteFilter]]
+    type: str
+
+    def site_filter(self) -> SiteFilter:
+        return self.applies(**self.model_dump(exclude={"type"}))
+
+    def noise(self) -> float | None:
+        """The noise multiplier z of the noise the filter adds, or None when it adds none."""
+        return self.site_filter().noise()
+
+
+class ExcludeVars(FilterEntry):
     """Tensors that never leave the site: listed by name, or fully matching ``regex``."""
 
+    applies = ExcludeVarsFilter
     type: Literal["exclude_vars"]
     names: list[str] = Field(default_factory=list, description="tensor names")
     regex: str | None = Field(None, description="a Python regular expression matched against whole names")
@@ -72,9 +90,10 @@ class ExcludeVars(Strict):
         return self
 
 
-class Clip(Strict):
+class Clip(FilterEntry):
     """Scale the update's difference so that its L2 norm over all float tensors is at most ``clip``."""
 
+    applies = ClipFilter
     type: Literal["clip"]
     clip: float = Field(description="L2 norm bound C, > 0")
 
@@ -84,9 +103,10 @@ class Clip(Strict):
         return _positive(value, "clip", "the L2 norm bound of the update, e.g. 1.0")
 
 
-class Gaussian(Strict):
+class Gaussian(FilterEntry):
     """Clip to ``clip``, then add N(0, (noise_multiplier x clip)²) to every float element (local DP)."""
 
+    applies = GaussianFilter
     type: Literal["gaussian"]
     clip: float = Field(description="L2 norm bound C, > 0: the noise's sensitivity")
     noise_multiplier: float = Field(description="z: the noise's standard deviation is z x C")
@@ -102,9 +122,10 @@ class Gaussian(Strict):
         return _positive(value, "noise_multiplier", "z, the noise's sd in units of clip, e.g. 1.0")
 
 
-class Percentile(Strict):
+class Percentile(FilterEntry):
     """NVIDIA FLARE's PercentilePrivacy: NOT differential privacy (a heuristic; spends no ε)."""
 
+    applies = PercentileFilter
     type: Literal["percentile"]
     percentile: float = Field(10.0, description="zero differences below this percentile of magnitudes (0-100)")
     gamma: float = Field(0.01, description="clip the remaining differences to [-gamma, gamma]")
@@ -123,6 +144,21 @@ class Percentile(Strict):
 
 
 FilterSpec = Annotated[ExcludeVars | Clip | Gaussian | Percentile, Field(discriminator="type")]
+
+# Every filter's entry by its type, read off the union (one place to add a filter's entry).
+FILTER_SPECS: dict[str, type[FilterEntry]] = {
+    typing.get_args(member.model_fields["type"].annotation)[0]: member
+    for member in typing.get_args(typing.get_args(FilterSpec)[0])
+}
+FILTER_TYPES: tuple[str, ...] = tuple(FILTER_SPECS)
+if TYPE_CHECKING:
+    FilterType = str
+else:  # the job file's allow_job_filters / skip_site_filters name the union's types, and no other
+    FilterType = Literal[FILTER_TYPES]
+
+
+def _all_filter_types() -> list[FilterType]:
+    return list(FILTER_TYPES)
 
 
 def _check_delta(value: Any) -> float | None:
@@ -202,7 +238,7 @@ class SitePrivacy(Strict):
 
     @model_validator(mode="after")
     def _noise_needs_delta(self) -> SitePrivacy:
-        if self.delta is None and any(f.type == "gaussian" for f in self.filters):
+        if self.delta is None and any(f.noise() is not None for f in self.filters):
             raise ValueError(
                 "a gaussian filter needs privacy.delta (e.g. 1.0e-5, below 1/number of records) to report its ε"
             )
@@ -254,7 +290,7 @@ class JobPrivacy(Strict):
 
     @model_validator(mode="after")
     def _account(self) -> JobPrivacy:
-        noisy = any(f.type == "gaussian" for f in self.filters) or self.central is not None
+        noisy = any(f.noise() is not None for f in self.filters) or self.central is not None
         if noisy and self.delta is None:
             raise ValueError(
                 "noise (a gaussian filter or privacy.central) needs privacy.delta, the δ of the run's (ε, δ) "
@@ -278,7 +314,7 @@ class JobPrivacy(Strict):
     def noise_multiplier(self) -> float | None:
         """The largest z the job applies (its gaussian filters run at every site, central DP on the sum):
         every release is at least that private (post-processing), so the run's ε is computed from it."""
-        zs = [f.noise_multiplier for f in self.filters if isinstance(f, Gaussian)]
+        zs = [z for f in self.filters if (z := f.noise()) is not None]
         if self.central is not None:
             zs.append(self.central.noise_multiplier)
         return max(zs) if zs else None
@@ -286,7 +322,7 @@ class JobPrivacy(Strict):
     def run_budget(self) -> dict[str, float] | None:
         """What a site task checks of the job's ``max_epsilon`` against the run's releases at the site
         (the job's gaussian filters: central DP's releases are the server's)."""
-        zs = [f.noise_multiplier for f in self.filters if isinstance(f, Gaussian)]
+        zs = [z for f in self.filters if (z := f.noise()) is not None]
         if self.max_epsilon is None or self.delta is None or not zs:
             return None
         return {"max_epsilon": self.max_epsilon, "delta": self.delta, "noise_multiplier": max(zs)}
@@ -393,7 +429,7 @@ def site_privacy_plan(site_privacy: SitePrivacy | None, job: JobPrivacy, site: s
     filters = [*site_privacy.filters, *job.filters]
     budget = site_privacy.budget
     if budget is not None:
-        zs = [f.noise_multiplier for f in filters if isinstance(f, Gaussian)]
+        zs = [z for f in filters if (z := f.noise()) is not None]
         if not zs:
             raise ConfigError(
                 f"{where}: the site has a privacy budget (privacy.budget) but neither it nor the job adds noise (a "
