@@ -34,7 +34,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -181,6 +181,7 @@ class UpdateInFilter:
     changed: bool = False
 
 
+@dataclass(frozen=True)
 class SiteFilter:
     """One filter of a site's plan: its parameters and :meth:`apply`, the one method that filters.
 
@@ -281,7 +282,14 @@ def site_filter(spec: Mapping[str, Any], where: str = "plan") -> SiteFilter:
     cls = FILTERS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise FlareAirflowError(f"{where}: unknown filter type {kind!r}; the filters are {', '.join(FILTERS)}")
-    return cls(**{k: v for k, v in spec.items() if k != "type"})
+    params = {k: v for k, v in spec.items() if k != "type"}
+    unknown = sorted(set(params) - {f.name for f in fields(cls)})
+    if unknown:
+        raise FlareAirflowError(
+            f"{where}: {', '.join(map(repr, unknown))} is not a parameter of the {kind} filter; it takes "
+            f"{', '.join(f.name for f in fields(cls)) or 'none'}"
+        )
+    return cls(**params)
 
 
 @dataclass

@@ -66,6 +66,10 @@ def test_every_entry_configures_its_filter_and_is_documented(kind: str) -> None:
     assert entry.noise() == made.noise() and (made.noise() is not None) == (update.digests != [])
 
 
-def test_a_plan_naming_an_unknown_filter_is_refused_with_the_known_ones() -> None:
+def test_a_plan_naming_an_unknown_filter_or_parameter_is_refused_saying_what_is_known() -> None:
     with pytest.raises(FlareAirflowError, match=r"unknown filter type 'blur'; the filters are exclude_vars, clip"):
         site_filter({"type": "blur"})
+    with pytest.raises(
+        FlareAirflowError, match=r"plan: 'z' is not a parameter of the gaussian filter; it takes clip, noise"
+    ):
+        site_filter({"type": "gaussian", "clip": 1.0, "z": 2.0})
