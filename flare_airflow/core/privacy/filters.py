@@ -270,7 +270,7 @@ class PercentileFilter(SiteFilter):
 
 
 # The registry: every site filter by its type (one place to add a filter; the job file's
-# ``FilterSpec`` union in core/config/privacy.py names the same types, a test keeps them equal).
+# ``FilterSpec`` union in core/config/filters.py names the same types, a test keeps them equal).
 FILTERS: dict[str, type[SiteFilter]] = {
     cls.type: cls for cls in (ExcludeVarsFilter, ClipFilter, GaussianFilter, PercentileFilter)
 }

@@ -11,7 +11,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from flare_airflow.core.config.privacy import FILTER_SPECS, FILTER_TYPES, SitePrivacy
+from flare_airflow.core.config.filters import FILTER_SPECS, FILTER_TYPES
+from flare_airflow.core.config.privacy import SitePrivacy
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.privacy.filters import FILTERS, UpdateInFilter, site_filter
 from tests.unit.test_backend_registry import PACKAGE, name_compares
