@@ -25,7 +25,14 @@ from bench_common import MIB, Table, gbps, log, median, rotate, spread
 from flare_airflow.core.aggregation import FedAvg
 from flare_airflow.core.model import ArtifactRecord, ParamsType
 from flare_airflow.core.privacy.accountant import epsilon_after
-from flare_airflow.core.privacy.filters import FilterStep, apply_filters, noise_key
+from flare_airflow.core.privacy.filters import (
+    ClipFilter,
+    GaussianFilter,
+    PercentileFilter,
+    SiteFilter,
+    apply_filters,
+    noise_key,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DELTA = 1e-5
@@ -51,21 +58,19 @@ def _cases(n: int) -> dict[str, Any]:
         "numpy rng.standard_normal(float32) + add": lambda: plain.__iadd__(
             np.random.default_rng(1).standard_normal(n, dtype=np.float32)
         ),
-        "clip": lambda: apply_filters(
-            update, glob, diff_update=True, steps=[FilterStep("clip", {"clip": clip})], key=None
-        ),
+        "clip": lambda: apply_filters(update, glob, diff_update=True, steps=[ClipFilter(clip=clip)], key=None),
         "gaussian (clip + noise)": lambda: apply_filters(
             update,
             glob,
             diff_update=True,
-            steps=[FilterStep("gaussian", {"clip": clip, "noise_multiplier": 1.0})],
+            steps=[GaussianFilter(clip=clip, noise_multiplier=1.0)],
             key=KEY,
         ),
         "percentile (NVFlare's, not DP)": lambda: apply_filters(
             update,
             glob,
             diff_update=True,
-            steps=[FilterStep("percentile", {"percentile": 10, "gamma": 0.01})],
+            steps=[PercentileFilter(percentile=10, gamma=0.01)],
             key=None,
         ),
     }
@@ -127,11 +132,11 @@ def utility(rounds: int = 5) -> Table:
     d = _digits()
     x_train, x_test, y_train, y_test = d.load_split(0)
     shards = d.partition(y_train, 4, 0.5, 0)
-    settings: list[tuple[str, list[FilterStep]]] = [("none", [])]
+    settings: list[tuple[str, list[SiteFilter]]] = [("none", [])]
     for c in (1.0, 5.0):
-        settings.append((f"clip C={c:g}", [FilterStep("clip", {"clip": c})]))
+        settings.append((f"clip C={c:g}", [ClipFilter(clip=c)]))
     for z, c in ((0.1, 5.0), (0.2, 5.0), (0.5, 5.0), (1.0, 1.0), (1.0, 5.0), (2.0, 5.0)):
-        settings.append((f"gaussian z={z:g} C={c:g}", [FilterStep("gaussian", {"clip": c, "noise_multiplier": z})]))
+        settings.append((f"gaussian z={z:g} C={c:g}", [GaussianFilter(clip=c, noise_multiplier=z)]))
     table = Table(
         f"Utility: digits demo, 4 sites, {rounds} rounds, local DP at every site",
         ["filter", "test accuracy", "ε at δ=1e-5 after 5 rounds", "median update norm (round 1)"],

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flare_airflow.core.config.privacy import Percentile
+from flare_airflow.core.config.filters import Percentile
 from flare_airflow.nvflare.configs import Component, ConfigFile
 from flare_airflow.nvflare.errors import NvflareJobError
 from flare_airflow.nvflare.reading import Reading

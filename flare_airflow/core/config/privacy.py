@@ -11,20 +11,17 @@ applies (:class:`~flare_airflow.core.privacy.plan.PrivacyPlan`).
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from flare_airflow.core.config.validators import Strict
+from flare_airflow.core.config.filters import FilterSpec, FilterType, all_filter_types
+from flare_airflow.core.config.validators import Strict, is_real_number, positive_number
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.privacy.accountant import epsilon_after, noise_multiplier_for, rounds_within_budget
 from flare_airflow.core.privacy.plan import PrivacyPlan
 
-FilterType = Literal["exclude_vars", "clip", "gaussian", "percentile"]
-FILTER_TYPES: tuple[str, ...] = ("exclude_vars", "clip", "gaussian", "percentile")
 # The Airflow variable holding a site's noise secret, resolved on the site's worker.
 NOISE_SECRET_VARIABLE = "flare_noise_secret"  # noqa: S105 - the variable's name, not its value
 # The Airflow variable holding the run's central-DP noise secret, resolved on the aggregation's
@@ -33,100 +30,8 @@ NOISE_SECRET_VARIABLE = "flare_noise_secret"  # noqa: S105 - the variable's name
 CENTRAL_NOISE_SECRET_VARIABLE = "flare_central_noise_secret"  # noqa: S105 - the variable's name, not its value
 
 
-def _all_filter_types() -> list[FilterType]:
-    return ["exclude_vars", "clip", "gaussian", "percentile"]
-
-
-def _is_number(value: Any) -> bool:
-    """A real number: YAML's ``true`` is an int to Python, and a z of ``true`` is a typo, not 1."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _positive(value: float, what: str, example: str) -> float:
-    if not (_is_number(value) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a number > 0 ({example}), got {value!r}")
-    return float(value)
-
-
-class ExcludeVars(Strict):
-    """Tensors that never leave the site: listed by name, or fully matching ``regex``."""
-
-    type: Literal["exclude_vars"]
-    names: list[str] = Field(default_factory=list, description="tensor names")
-    regex: str | None = Field(None, description="a Python regular expression matched against whole names")
-
-    @field_validator("regex")
-    @classmethod
-    def _regex(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"regex {value!r} is not a valid regular expression ({exc})") from None
-        return value
-
-    @model_validator(mode="after")
-    def _something(self) -> ExcludeVars:
-        if not self.names and self.regex is None:
-            raise ValueError("exclude_vars needs names or a regex")
-        return self
-
-
-class Clip(Strict):
-    """Scale the update's difference so that its L2 norm over all float tensors is at most ``clip``."""
-
-    type: Literal["clip"]
-    clip: float = Field(description="L2 norm bound C, > 0")
-
-    @field_validator("clip", mode="before")
-    @classmethod
-    def _clip(cls, value: Any) -> float:
-        return _positive(value, "clip", "the L2 norm bound of the update, e.g. 1.0")
-
-
-class Gaussian(Strict):
-    """Clip to ``clip``, then add N(0, (noise_multiplier x clip)²) to every float element (local DP)."""
-
-    type: Literal["gaussian"]
-    clip: float = Field(description="L2 norm bound C, > 0: the noise's sensitivity")
-    noise_multiplier: float = Field(description="z: the noise's standard deviation is z x C")
-
-    @field_validator("clip", mode="before")
-    @classmethod
-    def _clip(cls, value: Any) -> float:
-        return _positive(value, "clip", "the L2 norm bound of the update and the noise's sensitivity, e.g. 1.0")
-
-    @field_validator("noise_multiplier", mode="before")
-    @classmethod
-    def _z(cls, value: Any) -> float:
-        return _positive(value, "noise_multiplier", "z, the noise's sd in units of clip, e.g. 1.0")
-
-
-class Percentile(Strict):
-    """NVIDIA FLARE's PercentilePrivacy: NOT differential privacy (a heuristic; spends no ε)."""
-
-    type: Literal["percentile"]
-    percentile: float = Field(10.0, description="zero differences below this percentile of magnitudes (0-100)")
-    gamma: float = Field(0.01, description="clip the remaining differences to [-gamma, gamma]")
-
-    @field_validator("percentile", mode="before")
-    @classmethod
-    def _percentile(cls, value: Any) -> float:
-        if not (_is_number(value) and 0 <= value <= 100):
-            raise ValueError(f"percentile must be a number from 0 to 100, got {value!r}")
-        return float(value)
-
-    @field_validator("gamma", mode="before")
-    @classmethod
-    def _gamma(cls, value: Any) -> float:
-        return _positive(value, "gamma", "the bound of each remaining difference, e.g. 0.01")
-
-
-FilterSpec = Annotated[ExcludeVars | Clip | Gaussian | Percentile, Field(discriminator="type")]
-
-
 def _check_delta(value: Any) -> float | None:
-    if value is not None and not (_is_number(value) and 0 < value < 1):
+    if value is not None and not (is_real_number(value) and 0 < value < 1):
         raise ValueError(f"delta must be a number in (0, 1), e.g. 1.0e-5, got {value!r}")
     return None if value is None else float(value)
 
@@ -145,7 +50,7 @@ class SiteBudget(Strict):
     @field_validator("max_epsilon", mode="before")
     @classmethod
     def _max_epsilon(cls, value: Any) -> float:
-        return _positive(value, "privacy.budget.max_epsilon", "the site's ε over all its runs, e.g. 8")
+        return positive_number(value, "privacy.budget.max_epsilon", "the site's ε over all its runs, e.g. 8")
 
     @field_validator("delta", mode="before")
     @classmethod
@@ -169,7 +74,7 @@ class SitePrivacy(Strict):
     public_tensors: list[str] = Field(default_factory=list, description="non-float tensors that may leave")
     public_meta: list[str] = Field(default_factory=list, description="meta keys (besides num_samples) that may leave")
     allow_job_filters: list[FilterType] = Field(
-        default_factory=_all_filter_types,
+        default_factory=all_filter_types,
         description="filter types a job may add",
     )
     delta: float | None = Field(None, description="δ at which the site's ε is reported (needed with gaussian)")
@@ -202,7 +107,7 @@ class SitePrivacy(Strict):
 
     @model_validator(mode="after")
     def _noise_needs_delta(self) -> SitePrivacy:
-        if self.delta is None and any(f.type == "gaussian" for f in self.filters):
+        if self.delta is None and any(f.noise() is not None for f in self.filters):
             raise ValueError(
                 "a gaussian filter needs privacy.delta (e.g. 1.0e-5, below 1/number of records) to report its ε"
             )
@@ -218,12 +123,12 @@ class CentralDP(Strict):
     @field_validator("clip", mode="before")
     @classmethod
     def _clip(cls, value: Any) -> float:
-        return _positive(value, "clip", "the L2 norm bound of each site's update, e.g. 1.0")
+        return positive_number(value, "clip", "the L2 norm bound of each site's update, e.g. 1.0")
 
     @field_validator("noise_multiplier", mode="before")
     @classmethod
     def _z(cls, value: Any) -> float:
-        return _positive(value, "noise_multiplier", "z, the noise's sd in units of clip")
+        return positive_number(value, "noise_multiplier", "z, the noise's sd in units of clip")
 
 
 class JobPrivacy(Strict):
@@ -250,11 +155,11 @@ class JobPrivacy(Strict):
     @field_validator("max_epsilon", mode="before")
     @classmethod
     def _max_epsilon(cls, value: Any) -> float | None:
-        return None if value is None else _positive(value, "max_epsilon", "the run's privacy budget ε, e.g. 8")
+        return None if value is None else positive_number(value, "max_epsilon", "the run's privacy budget ε, e.g. 8")
 
     @model_validator(mode="after")
     def _account(self) -> JobPrivacy:
-        noisy = any(f.type == "gaussian" for f in self.filters) or self.central is not None
+        noisy = any(f.noise() is not None for f in self.filters) or self.central is not None
         if noisy and self.delta is None:
             raise ValueError(
                 "noise (a gaussian filter or privacy.central) needs privacy.delta, the δ of the run's (ε, δ) "
@@ -278,7 +183,7 @@ class JobPrivacy(Strict):
     def noise_multiplier(self) -> float | None:
         """The largest z the job applies (its gaussian filters run at every site, central DP on the sum):
         every release is at least that private (post-processing), so the run's ε is computed from it."""
-        zs = [f.noise_multiplier for f in self.filters if isinstance(f, Gaussian)]
+        zs = [z for f in self.filters if (z := f.noise()) is not None]
         if self.central is not None:
             zs.append(self.central.noise_multiplier)
         return max(zs) if zs else None
@@ -286,7 +191,7 @@ class JobPrivacy(Strict):
     def run_budget(self) -> dict[str, float] | None:
         """What a site task checks of the job's ``max_epsilon`` against the run's releases at the site
         (the job's gaussian filters: central DP's releases are the server's)."""
-        zs = [f.noise_multiplier for f in self.filters if isinstance(f, Gaussian)]
+        zs = [z for f in self.filters if (z := f.noise()) is not None]
         if self.max_epsilon is None or self.delta is None or not zs:
             return None
         return {"max_epsilon": self.max_epsilon, "delta": self.delta, "noise_multiplier": max(zs)}
@@ -393,7 +298,7 @@ def site_privacy_plan(site_privacy: SitePrivacy | None, job: JobPrivacy, site: s
     filters = [*site_privacy.filters, *job.filters]
     budget = site_privacy.budget
     if budget is not None:
-        zs = [f.noise_multiplier for f in filters if isinstance(f, Gaussian)]
+        zs = [z for f in filters if (z := f.noise()) is not None]
         if not zs:
             raise ConfigError(
                 f"{where}: the site has a privacy budget (privacy.budget) but neither it nor the job adds noise (a "

@@ -257,3 +257,15 @@ def positive_seconds(value: Any, name: str) -> Any:
     if isinstance(value, bool) or (isinstance(value, int | float) and not 0 < value <= MAX_SECONDS):
         raise ValueError(f"{name} must be a number of seconds > 0 and <= {int(MAX_SECONDS)} (366 days), got {value!r}")
     return value
+
+
+def is_real_number(value: Any) -> bool:
+    """A real number: YAML's ``true`` is an int to Python, and a z of ``true`` is a typo, not 1."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def positive_number(value: float, what: str, example: str) -> float:
+    """A ``mode="before"`` check of a finite number > 0; the error names ``what`` and gives ``example``."""
+    if not (is_real_number(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a number > 0 ({example}), got {value!r}")
+    return float(value)

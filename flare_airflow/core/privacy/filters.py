@@ -34,8 +34,8 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -52,14 +52,6 @@ _NOISE_CHUNK = 1 << 20  # noise is drawn and added a cache-sized piece at a time
 
 class PrivacyRefused(FlareAirflowError):
     """The update cannot leave the site under its privacy plan (fail closed); the reason says why."""
-
-
-@dataclass(frozen=True)
-class FilterStep:
-    """One filter of a plan: its type and parameters (``clip``, ``noise_multiplier``, ``names``, ...)."""
-
-    type: str
-    params: Mapping[str, Any] = field(default_factory=dict)
 
 
 def noise_key(secret: bytes, job: str, run_id: str, round_num: int, site: str) -> bytes:
@@ -177,6 +169,130 @@ def excluded_names(names: Sequence[str], exact: Sequence[str], pattern: str | No
 
 
 @dataclass
+class UpdateInFilter:
+    """The data the filters work on, in plan order: the float64 difference of the update's float
+    tensors to the global model (excluded tensors left out), and the history each filter leaves."""
+
+    diff: dict[str, np.ndarray]
+    excluded: frozenset[str]
+    key: bytes | None  # the noise key (:func:`noise_key`); a plan that noises has one
+    applied: list[dict[str, Any]] = field(default_factory=list)  # one record per filter, in order
+    digests: list[bytes] = field(default_factory=list)  # of every noised step (:func:`release_id`)
+    changed: bool = False
+
+
+@dataclass(frozen=True)
+class SiteFilter:
+    """One filter of a site's plan: its parameters and :meth:`apply`, the one method that filters.
+
+    A filter is named by ``type`` (its entry in :data:`FILTERS` and in the job file's ``FilterSpec``
+    union); its parameters are the dataclass fields of a subclass, the same as its config entry's.
+    """
+
+    type: ClassVar[str]
+
+    def excludes(self, names: Sequence[str]) -> frozenset[str]:
+        """The tensors this filter keeps home (decided before any filter runs)."""
+        return frozenset()
+
+    def noise(self) -> float | None:
+        """The noise multiplier z of the noise this filter adds, or None when it adds none."""
+        return None
+
+    def apply(self, update: UpdateInFilter, index: int) -> None:
+        """Filter ``update`` in place as the plan's ``index``-th step and append its record."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ExcludeVarsFilter(SiteFilter):
+    """``exclude_vars``: the named (or matching) tensors do not leave the site."""
+
+    type: ClassVar[str] = "exclude_vars"
+    names: Sequence[str] = ()
+    regex: str | None = None
+
+    def excludes(self, names: Sequence[str]) -> frozenset[str]:
+        return excluded_names(names, self.names, self.regex)
+
+    def apply(self, update: UpdateInFilter, index: int) -> None:
+        # The plan's exclusions are all applied when the difference is made: the record lists them.
+        update.applied.append({"type": self.type, "excluded": sorted(update.excluded)})
+
+
+@dataclass(frozen=True)
+class ClipFilter(SiteFilter):
+    """``clip``: scale the difference to an L2 norm of at most ``clip``."""
+
+    type: ClassVar[str] = "clip"
+    clip: float
+
+    def apply(self, update: UpdateInFilter, index: int) -> None:
+        norm, scaled = clip_in_place(update.diff, float(self.clip))
+        update.changed |= scaled
+        update.applied.append({"type": self.type, "clip": self.clip, "norm": norm, "scaled": scaled})
+
+
+@dataclass(frozen=True)
+class GaussianFilter(SiteFilter):
+    """``gaussian``: clip to ``clip``, then add N(0, (noise_multiplier x clip)²) keyed by the release."""
+
+    type: ClassVar[str] = "gaussian"
+    clip: float
+    noise_multiplier: float
+
+    def noise(self) -> float | None:
+        return float(self.noise_multiplier)
+
+    def apply(self, update: UpdateInFilter, index: int) -> None:
+        clip, z = float(self.clip), float(self.noise_multiplier)
+        norm, _ = clip_in_place(update.diff, clip)
+        assert update.key is not None  # apply_filters refuses a noising plan without its key
+        digest = clipped_digest(update.diff, {"index": index, "clip": clip, "noise_multiplier": z})
+        update.digests.append(digest)
+        add_gaussian_in_place(update.diff, z * clip, noise_generator(release_noise_key(update.key, digest), index))
+        update.changed = True
+        update.applied.append({"type": self.type, "clip": clip, "noise_multiplier": z, "norm": norm})
+
+
+@dataclass(frozen=True)
+class PercentileFilter(SiteFilter):
+    """``percentile``: NVIDIA FLARE's PercentilePrivacy (not differential privacy)."""
+
+    type: ClassVar[str] = "percentile"
+    percentile: float = 10.0
+    gamma: float = 0.01
+
+    def apply(self, update: UpdateInFilter, index: int) -> None:
+        cutoff = percentile_in_place(update.diff, float(self.percentile), float(self.gamma))
+        update.changed = True
+        update.applied.append({"type": self.type, "percentile": self.percentile, "gamma": self.gamma, "cutoff": cutoff})
+
+
+# The registry: every site filter by its type (one place to add a filter; the job file's
+# ``FilterSpec`` union in core/config/filters.py names the same types, a test keeps them equal).
+FILTERS: dict[str, type[SiteFilter]] = {
+    cls.type: cls for cls in (ExcludeVarsFilter, ClipFilter, GaussianFilter, PercentileFilter)
+}
+
+
+def site_filter(spec: Mapping[str, Any], where: str = "plan") -> SiteFilter:
+    """The filter a plan's entry (``{"type": ..., its parameters}``) names."""
+    kind = spec.get("type")
+    cls = FILTERS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise FlareAirflowError(f"{where}: unknown filter type {kind!r}; the filters are {', '.join(FILTERS)}")
+    params = {k: v for k, v in spec.items() if k != "type"}
+    unknown = sorted(set(params) - {f.name for f in fields(cls)})
+    if unknown:
+        raise FlareAirflowError(
+            f"{where}: {', '.join(map(repr, unknown))} is not a parameter of the {kind} filter; it takes "
+            f"{', '.join(f.name for f in fields(cls)) or 'none'}"
+        )
+    return cls(**params)
+
+
+@dataclass
 class FilterResult:
     """A filtered update and what was done to it (kept in the update's record and the site's summary)."""
 
@@ -192,7 +308,7 @@ def apply_filters(
     global_params: Params,
     *,
     diff_update: bool,
-    steps: Sequence[FilterStep],
+    steps: Sequence[SiteFilter],
     key: bytes | None,
     public_tensors: Sequence[str] = (),
     where: str = "update",
@@ -207,8 +323,7 @@ def apply_filters(
     """
     exclude: set[str] = set()
     for step in steps:
-        if step.type == "exclude_vars":
-            exclude |= excluded_names(list(params), step.params.get("names", ()), step.params.get("regex"))
+        exclude |= step.excludes(list(params))
     private_ints = sorted(
         n for n, a in params.items() if a.dtype.kind != "f" and n not in exclude and n not in public_tensors
     )
@@ -218,7 +333,7 @@ def apply_filters(
             "clip or noise them, and they are not declared public; add them to the site's privacy.public_tensors "
             "(if they reveal nothing of the site's data) or to an exclude_vars filter"
         )
-    if any(s.type == "gaussian" for s in steps) and key is None:
+    if any(s.noise() is not None for s in steps) and key is None:
         raise PrivacyRefused(f"{where}: the plan adds noise but no noise key was given (the site's noise secret)")
     # The float64 difference to the global model; excluded tensors are zero from the start.
     diff: dict[str, np.ndarray] = {}
@@ -230,32 +345,11 @@ def apply_filters(
             if not diff_update:
                 d -= global_params[name].astype(np.float64)
             diff[name] = d
-    applied: list[dict[str, Any]] = []
-    digests: list[bytes] = []
-    changed = bool(exclude)
+    update = UpdateInFilter(diff=diff, excluded=frozenset(exclude), key=key, changed=bool(exclude))
     for index, step in enumerate(steps):
-        if step.type == "exclude_vars":
-            applied.append({"type": "exclude_vars", "excluded": sorted(exclude)})
-        elif step.type == "clip":
-            norm, scaled = clip_in_place(diff, float(step.params["clip"]))
-            changed |= scaled
-            applied.append({"type": "clip", "clip": step.params["clip"], "norm": norm, "scaled": scaled})
-        elif step.type == "gaussian":
-            clip, z = float(step.params["clip"]), float(step.params["noise_multiplier"])
-            norm, _ = clip_in_place(diff, clip)
-            assert key is not None  # checked above
-            digest = clipped_digest(diff, {"index": index, "clip": clip, "noise_multiplier": z})
-            digests.append(digest)
-            add_gaussian_in_place(diff, z * clip, noise_generator(release_noise_key(key, digest), index))
-            changed = True
-            applied.append({"type": "gaussian", "clip": clip, "noise_multiplier": z, "norm": norm})
-        elif step.type == "percentile":
-            cutoff = percentile_in_place(diff, float(step.params["percentile"]), float(step.params["gamma"]))
-            changed = True
-            applied.append({"type": "percentile", **dict(step.params), "cutoff": cutoff})
-        else:
-            raise FlareAirflowError(f"{where}: unknown filter type {step.type!r}")
-    if not changed:
+        step.apply(update, index)
+    applied, digests = update.applied, update.digests
+    if not update.changed:
         return FilterResult(params=params, applied=applied, excluded=[], changed=False)
     out: Params = {}
     for name, arr in params.items():

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flare_airflow.core.privacy.accountant import epsilon_after, epsilon_of_releases
-from flare_airflow.core.privacy.filters import FilterStep, Params, PrivacyRefused, apply_filters
+from flare_airflow.core.privacy.filters import Params, PrivacyRefused, SiteFilter, apply_filters, site_filter
 from flare_airflow.core.privacy.ledger import Budget, BudgetExceeded, PrivacyLedger, default_ledger_path
 from flare_airflow.core.tracking import TRACKED_META_KEY, tracked_points
 
@@ -57,14 +57,15 @@ class PrivacyPlan:
 
     @property
     def adds_noise(self) -> bool:
-        return any(f["type"] == "gaussian" for f in self.filters)
+        return self.noise_multiplier() is not None
 
-    def steps(self) -> list[FilterStep]:
-        return [FilterStep(f["type"], {k: v for k, v in f.items() if k != "type"}) for f in self.filters]
+    def steps(self) -> list[SiteFilter]:
+        """The plan's filters, in order (:data:`~.filters.FILTERS` by each entry's ``type``)."""
+        return [site_filter(f, where=f"privacy plan filter {i}") for i, f in enumerate(self.filters)]
 
     def noise_multiplier(self) -> float | None:
-        """The largest z of the plan's gaussian filters: each release is at least that private."""
-        zs = [float(f["noise_multiplier"]) for f in self.filters if f["type"] == "gaussian"]
+        """The largest z of the plan's noising filters: each release is at least that private."""
+        zs = [z for step in self.steps() if (z := step.noise()) is not None]
         return max(zs) if zs else None
 
     def epsilon_after(self, rounds: int) -> float:

@@ -22,7 +22,10 @@ from flare_airflow.core.privacy.accountant import (
 )
 from flare_airflow.core.privacy.central import CentralDP, central_dp_round
 from flare_airflow.core.privacy.filters import (
-    FilterStep,
+    ClipFilter,
+    ExcludeVarsFilter,
+    GaussianFilter,
+    PercentileFilter,
     PrivacyRefused,
     apply_filters,
     l2_norm,
@@ -116,7 +119,7 @@ def test_clip_bounds_the_norm_of_the_difference() -> None:
     sent = update(10.0)
     assert l2_norm(diff_of(sent)) > 5
     out = apply_filters(
-        sent, GLOBAL, diff_update=False, steps=[FilterStep("clip", {"clip": 1.0})], key=None, public_tensors=["steps"]
+        sent, GLOBAL, diff_update=False, steps=[ClipFilter(clip=1.0)], key=None, public_tensors=["steps"]
     )
     assert l2_norm(diff_of(out.params)) <= 1.0 * (1 + 1e-6)
     assert out.params["steps"] is sent["steps"]
@@ -126,7 +129,7 @@ def test_clip_bounds_the_norm_of_the_difference() -> None:
 def test_an_update_inside_the_clip_is_bit_identical() -> None:
     sent = update(0.01)
     out = apply_filters(
-        sent, GLOBAL, diff_update=False, steps=[FilterStep("clip", {"clip": 10.0})], key=None, public_tensors=["steps"]
+        sent, GLOBAL, diff_update=False, steps=[ClipFilter(clip=10.0)], key=None, public_tensors=["steps"]
     )
     assert not out.changed
     assert all(out.params[k].tobytes() == sent[k].tobytes() for k in sent)
@@ -139,7 +142,7 @@ def test_gaussian_noise_has_the_calibrated_sd_and_mean() -> None:
         zero,
         {"x": np.zeros(n)},
         diff_update=True,
-        steps=[FilterStep("gaussian", {"clip": c, "noise_multiplier": z})],
+        steps=[GaussianFilter(clip=c, noise_multiplier=z)],
         key=KEY,
     )
     noise = out.params["x"]
@@ -167,7 +170,7 @@ def test_percentile_is_nvflares_heuristic() -> None:
         {"d": np.array([0.1, -0.2, 0.6, -0.9])},
         {"d": np.zeros(4)},
         diff_update=True,
-        steps=[FilterStep("percentile", {"percentile": 50, "gamma": 0.5})],
+        steps=[PercentileFilter(percentile=50, gamma=0.5)],
         key=None,
     )
     assert out.params["d"].tolist() == [0.0, 0.0, 0.5, -0.5]
@@ -178,7 +181,7 @@ def record(num_samples: int, params_type: ParamsType = ParamsType.FULL) -> Artif
 
 
 def test_exclude_vars_keeps_the_previous_global_values_in_the_aggregate() -> None:
-    steps = [FilterStep("exclude_vars", {"names": ["b"], "regex": "st.*"})]
+    steps = [ExcludeVarsFilter(names=["b"], regex="st.*")]
     agg = FedAvg(GLOBAL, min_clients=2)
     for site, seed, samples, diff_update in (("a", 1, 10, False), ("b", 2, 30, True)):
         sent = update(1.0, seed)
@@ -196,7 +199,7 @@ def test_exclude_vars_keeps_the_previous_global_values_in_the_aggregate() -> Non
 
 def test_private_non_float_tensors_and_metrics_are_refused() -> None:
     with pytest.raises(PrivacyRefused, match="'steps' are not floating-point"):
-        apply_filters(update(1.0), GLOBAL, diff_update=False, steps=[FilterStep("clip", {"clip": 1.0})], key=None)
+        apply_filters(update(1.0), GLOBAL, diff_update=False, steps=[ClipFilter(clip=1.0)], key=None)
     plan = PrivacyPlan(filters=[{"type": "clip", "clip": 1.0}], public_metrics=["loss"], public_tensors=["steps"])
     kwargs = {"diff_update": False, "round_num": 1, "key": None, "where": "site a round 1"}
     with pytest.raises(PrivacyRefused, match="metric\\(s\\) 'ids' are not declared public"):
@@ -230,7 +233,7 @@ def test_noise_needs_its_key() -> None:
             {"x": np.zeros(3)},
             {"x": np.zeros(3)},
             diff_update=True,
-            steps=[FilterStep("gaussian", {"clip": 1.0, "noise_multiplier": 1.0})],
+            steps=[GaussianFilter(clip=1.0, noise_multiplier=1.0)],
             key=None,
         )
 

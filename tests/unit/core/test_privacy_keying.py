@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from flare_airflow.core.privacy.central import central_dp_round, central_noise_key
-from flare_airflow.core.privacy.filters import FilterStep, apply_filters, noise_key
+from flare_airflow.core.privacy.filters import GaussianFilter, apply_filters, noise_key
 
 N = 200_000
 Z, C = 1.0, 1.0
@@ -22,7 +22,7 @@ def _release(sent: dict[str, np.ndarray], z: float = Z) -> tuple[np.ndarray, str
         sent,
         GLOBAL,
         diff_update=False,
-        steps=[FilterStep("gaussian", {"clip": C, "noise_multiplier": z})],
+        steps=[GaussianFilter(clip=C, noise_multiplier=z)],
         key=KEY,
     )
     return out.params["x"].astype(np.float64), out.release_id
