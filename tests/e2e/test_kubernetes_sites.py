@@ -17,6 +17,7 @@ from kubernetes import client as k8s
 from safetensors.numpy import load_file
 
 from flare_airflow_testing.harness import REPO, AirflowHome, tiny_model
+from flare_airflow_testing.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -137,7 +138,11 @@ def test_a_two_node_kubernetes_site_in_a_federated_run(
     }
     saved = dict(airflow_home.env)
     # The process site has no group: its trainer runs as one rank of one.
-    airflow_home.env.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    # A free unprivileged port: the confined trainer runs as nobody with no capabilities (port 1
+    # bound only while trainers ran as the root worker).
+    airflow_home.env.update(
+        {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    )
     try:
         result = airflow_home.run("flare_k8s_two_nodes", airflow_home.write_job("k8s_two_nodes", job))
     finally:
