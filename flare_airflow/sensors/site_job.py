@@ -49,7 +49,7 @@ from flare_airflow.operators.site_steps import (
     site_task_defaults,
     watchable,
 )
-from flare_airflow.site_task.checks import read_failure, update_summary, write_failure
+from flare_airflow.site_task.checks import published_summary, read_failure, write_failure
 from flare_airflow.site_task.spec import SiteRun
 
 
@@ -163,7 +163,7 @@ class SiteJobSensor(BaseSensorOperator):
         if not record_path(output).exists():
             return None
         _, record = read_artifact(output)  # verified against its record
-        return update_summary(run, record)
+        return published_summary(run, record)  # signed again: the aggregation counts only signed updates
 
     def _succeeded(self, context: Context, run: SiteRun, identity: JobIdentity) -> dict[str, Any]:
         recorded = self._recorded(run)

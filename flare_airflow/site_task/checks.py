@@ -174,14 +174,22 @@ def check_result(run: SiteRun, output: WritablePath, noise_secret: str | None = 
         if run.privacy is not None:
             record, privacy = apply_privacy(run, sent, params, record, noise_secret)
     del params
+    # Signed before publishing: an update the site cannot sign (its key missing) never leaves.
+    summary = published_summary(run, record, privacy)
+    if run.staging:
+        publish_current_try(sent, output)
+    return summary
+
+
+def published_summary(run: SiteRun, record: Any, privacy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a site task returns (XCom) for the update at ``run.output`` whose record was verified:
+    its summary, its privacy report, and -- where the site signs -- its signed record. The site
+    task that published it and a cleared sensor that finds it published report the same."""
     summary = update_summary(run, record)
     if privacy is not None:
         summary["privacy"] = privacy
     if run.trust is not None and run.task == "train":
-        # Signed before publishing: an update the site cannot sign (its key missing) never leaves.
         summary["signed"] = sign_update(run, record, summary)
-    if run.staging:
-        publish_current_try(sent, output)
     return summary
 
 

@@ -18,6 +18,7 @@ from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode, SiteJob
 from flare_airflow.launchers.slurm import LocalCommands, SlurmLauncher
 from flare_airflow_testing.harness import AirflowHome, tiny_model
+from flare_airflow_testing.ports import free_port
 from flare_airflow_testing.slurm.cluster import SlurmCluster
 
 TRAINER = Path(__file__).parents[1] / "trainers" / "rendezvous_trainer.py"
@@ -103,7 +104,8 @@ def test_a_two_node_site_in_a_federated_run(cluster: SlurmCluster, airflow_home:
     airflow_home.env["RANK"] = "0"
     airflow_home.env["WORLD_SIZE"] = "1"
     airflow_home.env["MASTER_ADDR"] = "127.0.0.1"
-    airflow_home.env["MASTER_PORT"] = "1"
+    # A free unprivileged port: the confined trainer runs as nobody with no capabilities.
+    airflow_home.env["MASTER_PORT"] = str(free_port())
     try:
         result = airflow_home.run("flare_two_nodes", airflow_home.write_job("two_nodes", job))
     finally:
