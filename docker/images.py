@@ -45,6 +45,10 @@ CONTEXT_FILES = (
 CONTEXT_TREES = ("flare_airflow",)
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
 UV_VERSION = "0.13.9"  # as the Makefile's
+# Which checkout built an image: several worktrees share one engine, and each untags only its own
+# earlier builds (untagging another checkout's current image breaks that checkout's running tests).
+CHECKOUT_LABEL = "org.flare-airflow.checkout"
+CHECKOUT = hashlib.sha256(str(ROOT).encode()).hexdigest()[:16]
 
 
 class ImageBuildError(RuntimeError):
@@ -134,6 +138,8 @@ def build(engine: str, name: str, base_image: str, base_id: str) -> str:
                 f"UV_VERSION={UV_VERSION}",
                 "--label",
                 f"org.flare-airflow.content-hash={tag.rsplit(':', 1)[1]}",
+                "--label",
+                f"{CHECKOUT_LABEL}={CHECKOUT}",
                 context,
             ]
             if subprocess.run(argv, stdout=sys.stderr, check=False).returncode != 0:
@@ -145,7 +151,10 @@ def build(engine: str, name: str, base_image: str, base_id: str) -> str:
 
 
 def remove_stale(engine: str, name: str, keep: str) -> None:
-    """Untag this image's earlier content-hash tags so that edits do not pile up tags.
+    """Untag this checkout's earlier content-hash tags of this image so that edits do not pile up tags.
+
+    Only tags whose image this checkout built (its :data:`CHECKOUT_LABEL`) go: another worktree on the
+    same engine keeps its current image.
 
     podman only untags (deleting the layers takes a minute; ``podman image prune`` frees them);
     docker's ``rmi`` of a tag deletes the image when no other tag holds it. An image a container
@@ -157,10 +166,21 @@ def remove_stale(engine: str, name: str, keep: str) -> None:
         text=True,
         check=False,
     ).stdout.split()
-    stale = [t for t in listed if t != keep and not t.endswith((":latest", ":<none>"))]
+    stale = [t for t in listed if t != keep and not t.endswith((":latest", ":<none>")) and built_here(engine, t)]
     if stale:
         remove = "untag" if Path(engine).name == "podman" else "rmi"
         subprocess.run([engine, remove, *stale], capture_output=True, check=False)
+
+
+def built_here(engine: str, tag: str) -> bool:
+    """Whether this checkout built the image ``tag`` names (by its :data:`CHECKOUT_LABEL`)."""
+    label = subprocess.run(
+        [engine, "image", "inspect", "--format", f'{{{{index .Config.Labels "{CHECKOUT_LABEL}"}}}}', tag],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return label == CHECKOUT
 
 
 def main(argv: list[str]) -> int:
