@@ -70,6 +70,15 @@ def job_params(job: JobConfig) -> dict[str, Param]:
             description="Start from the final model of this job's last successful run.",
         ),
     }
+    if job.on_data is not None:
+        params["sites"] = Param(
+            [],
+            type="array",
+            items={"type": "string", "enum": list(job.sites)},
+            title="Sites",
+            description="The sites this run trains on, one per line; empty: every site. A run started by the "
+            "sites' data trains on the fresh sites.",
+        )
     for key, value in job.trainer.hparams.items():
         params[HPARAM_PREFIX + key] = _hparam_param(key, value, job.trainer.hparam_ranges.get(key))
     return params
@@ -200,7 +209,9 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
 
     ``only_site``: build that site's tasks only (see :func:`running_site`).
     """
-    prepare = PrepareRunOperator(task_id="prepare", job=job, doc_md=f"Round-0 global model of job `{job.job}`.")
+    prepare = PrepareRunOperator(
+        task_id="prepare", job=job, doc_md=f"Round-0 global model of job `{job.job}`; the sites this run trains on."
+    )
     previous: Any = prepare
     aggregates = []
     tasks: list[Any] = []  # every task made here
@@ -223,6 +234,7 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
                 round_num=r,
                 site_task_ids={site: task.task_id for site, task in zip(built, sites, strict=True)},
                 global_task_id=previous.task_id,
+                prepare_task_id=prepare.task_id,
                 doc_md=f"{job.aggregator.label} of round {r}; evaluation.",
             )
             sites >> aggregate
@@ -230,7 +242,11 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
         previous = aggregate
         aggregates.append(aggregate)
     publish = PublishOperator(
-        task_id="publish", job=job, aggregate_task_ids=[a.task_id for a in aggregates], doc_md="Final model, metrics."
+        task_id="publish",
+        job=job,
+        aggregate_task_ids=[a.task_id for a in aggregates],
+        prepare_task_id=prepare.task_id,
+        doc_md="Final model, metrics, the data it was trained on.",
     )
     aggregates >> publish
     verdict = RunVerdictOperator(
@@ -268,6 +284,31 @@ def federated_task_group(job: JobConfig | str | pathlib.Path, group_id: str | No
     return group
 
 
+def data_schedule(job: JobConfig) -> Any:
+    """Airflow's own partitioned-asset schedule for ``trigger: {on_data: ...}``.
+
+    The sites' announcements are one asset partitioned by site name; a categorical rollup (all
+    of them onto one key, the job's sites as the window) fires a run once ``min_sites`` of the
+    job's sites announced (``MinimumCount``). Airflow keeps the announcements a run consumed with
+    it (``triggering_asset_events``), counts a site once however often it announced, and queues
+    announcements after the run for the next one. What it does not do -- the signature check and
+    the freshness window -- ``prepare`` does (:func:`flare_airflow.core.data_ready.fresh_sites`).
+    """
+    from airflow.sdk import FixedKeyMapper, MinimumCount, PartitionedAssetTimetable, RollupMapper, SegmentWindow
+
+    from flare_airflow.operators.data_ready import site_data_asset
+
+    assert job.on_data is not None
+    return PartitionedAssetTimetable(
+        assets=site_data_asset(),
+        default_partition_mapper=RollupMapper(
+            upstream_mapper=FixedKeyMapper(job.job),
+            window=SegmentWindow(list(job.sites)),
+            wait_policy=MinimumCount(job.on_data.min_sites),
+        ),
+    )
+
+
 def _job_doc(cfg: JobConfig, job: JobConfig | str | pathlib.Path) -> str:
     """Markdown for the DAG's Docs tab: the summary, the sites, and the job file it was built from."""
     lines = [
@@ -297,7 +338,7 @@ def build_dag(
 ) -> DAG:
     """A DAG for the job: trigger form from :func:`job_params`, schedule from the job unless given."""
     cfg = _job(job)
-    dag_kwargs.setdefault("schedule", cfg.schedule)
+    dag_kwargs.setdefault("schedule", data_schedule(cfg) if cfg.on_data is not None else cfg.schedule)
     dag_kwargs.setdefault("max_active_runs", 1)  # warm starts read the previous run's result
     dag_kwargs.setdefault("catchup", False)
     dag_kwargs.setdefault("tags", ["federated-learning", f"job:{cfg.job}"])

@@ -10,9 +10,12 @@ which may not use the ORM, reads the pools (the run's ``prepare`` task).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from flare_airflow.core.config import JobConfig
+from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.pools import PoolError, problems, required_pools
 
 API_CONN_ID = "flare_airflow_api"
@@ -46,12 +49,11 @@ def sync_pools(job: JobConfig, *, check: bool = False) -> tuple[list[str], list[
     return drift, changes
 
 
-def live_pools_from_api(names: list[str], conn_id: str = API_CONN_ID) -> dict[str, dict[str, Any]]:
-    """Read pools through Airflow's REST API (tasks cannot use the ORM).
-
-    The connection ``flare_airflow_api`` (type http) gives the API's base URL as host, and a
-    login/password that ``/auth/token`` accepts.
-    """
+@contextlib.contextmanager
+def api_client(conn_id: str, *, what: str, error: type[Exception] = FlareAirflowError) -> Iterator[Any]:
+    """``call(method, path, **kw)`` on Airflow's REST API, logged in with the http connection
+    ``conn_id`` (host = the API's base URL, login/password that ``/auth/token`` accepts).
+    ``what`` says in errors (of type ``error``) what the call was for."""
     import httpx
     from airflow.sdk import Connection
     from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -59,10 +61,9 @@ def live_pools_from_api(names: list[str], conn_id: str = API_CONN_ID) -> dict[st
     try:
         conn = Connection.get(conn_id)
     except Exception as exc:
-        raise PoolError(
-            f"cannot check this job's GPU pools ({', '.join(names)}): the Airflow connection {conn_id!r} "
-            "is not defined. Define it (type http, host = the API server's URL, login/password of a user "
-            "who may read pools), or set check_pools: false in the job."
+        raise error(
+            f"cannot {what}: the Airflow connection {conn_id!r} is not defined. Define it (type http, host = the "
+            "API server's URL, login/password of a user who may do this)"
         ) from exc
     base = (conn.host or "").rstrip("/")
     if conn.port and base.count(":") < 2:
@@ -76,17 +77,34 @@ def live_pools_from_api(names: list[str], conn_id: str = API_CONN_ID) -> dict[st
         wait=wait_exponential(0.5, max=5),
         reraise=True,
     )
-    def call(client: httpx.Client, method: str, path: str, **kw: Any) -> httpx.Response:
+    def raw(client: httpx.Client, method: str, path: str, **kw: Any) -> httpx.Response:
         return client.request(method, base + path, **kw)
 
     with httpx.Client(timeout=20) as client:
-        token = call(client, "POST", "/auth/token", json={"username": conn.login, "password": conn.password})
+        token = raw(client, "POST", "/auth/token", json={"username": conn.login, "password": conn.password})
         if token.status_code >= 400:
-            raise PoolError(f"Airflow API at {base} refused the credentials of {conn_id!r} ({token.status_code})")
+            raise error(
+                f"cannot {what}: Airflow API at {base} refused the credentials of {conn_id!r} ({token.status_code})"
+            )
         headers = {"Authorization": f"Bearer {token.json()['access_token']}"}
-        live: dict[str, dict[str, Any]] = {}
+
+        def call(method: str, path: str, **kw: Any) -> httpx.Response:
+            return raw(client, method, path, headers=headers, **kw)
+
+        yield call
+
+
+def live_pools_from_api(names: list[str], conn_id: str = API_CONN_ID) -> dict[str, dict[str, Any]]:
+    """Read pools through Airflow's REST API (tasks cannot use the ORM).
+
+    The connection ``flare_airflow_api`` (type http) gives the API's base URL as host, and a
+    login/password that ``/auth/token`` accepts; without it, set check_pools: false in the job.
+    """
+    live: dict[str, dict[str, Any]] = {}
+    what = f"check this job's GPU pools ({', '.join(names)}) (or set check_pools: false in the job)"
+    with api_client(conn_id, what=what, error=PoolError) as call:
         for name in names:
-            resp = call(client, "GET", f"/api/v2/pools/{name}", headers=headers)
+            resp = call("GET", f"/api/v2/pools/{name}")
             if resp.status_code == 404:
                 continue
             resp.raise_for_status()

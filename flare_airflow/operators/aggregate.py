@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
@@ -38,6 +39,7 @@ from flare_airflow.operators.common import (
     failure_to_xcom,
     run_id_of,
     run_params,
+    sat_out_sites,
     store_for,
     task_states,
 )
@@ -110,6 +112,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
         round_num: int,
         site_task_ids: dict[str, str] | None = None,
         global_task_id: str | None = None,
+        prepare_task_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("trigger_rule", "all_done")
@@ -118,6 +121,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
         self.round_num = round_num
         self.site_task_ids = dict(site_task_ids or {})
         self.global_task_id = global_task_id
+        self.prepare_task_id = prepare_task_id
         self._handle: ProcessJobHandle | None = None
 
     def _track(self, handle: ProcessJobHandle) -> None:
@@ -154,13 +158,16 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 f"round {r}: the input global model {global_in} was replaced after round {r - 1} published it "
                 f"(sha256 {global_record.sha256[:12]}…, published {expected[:12]}…); clear round {r - 1} to rebuild it"
             )
-        self._check_sites_done(context, params.rounds)
+        sat_out = sat_out_sites(context, self.prepare_task_id)
+        self._check_sites_done(context, params.rounds, sat_out)
         accepted, accepted_blake3, refused, vouched = self._accepted(context, run_id)
         updates: list[tuple[str, WritablePath | None, str | None]] = []
         for site in sorted(job.sites):
             # The update's place comes from the site's name, never from its XCom (docs/threat-model.md).
             path = store.site_update(job.job, run_id, r, site)
-            if site in refused:
+            if site in sat_out:
+                updates.append((site, None, f"sat this run out: {sat_out[site]}"))
+            elif site in refused:
                 updates.append((site, None, refused[site]))
             elif accepted is not None and site not in accepted:
                 # Only what the site task itself accepted counts: a failed task's trainer may have
@@ -334,7 +341,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
             ) from None
         return state, out
 
-    def _check_sites_done(self, context: Context, rounds: int) -> None:
+    def _check_sites_done(self, context: Context, rounds: int, sat_out: Mapping[str, str]) -> None:
         """Refuse to aggregate fewer sites than the round could count.
 
         Every site task of the round must have finished and have run: a site task that is still
@@ -348,7 +355,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
         r = self.round_num
         site_of = {task_id: site for site, task_id in self.site_task_ids.items()}
         waiting = {site_of[t]: s or "cleared" for t, s in states.items() if s not in FINISHED_STATES}
-        skipped = sorted(site_of[t] for t, s in states.items() if s == "skipped")
+        skipped = sorted(site_of[t] for t, s in states.items() if s == "skipped" and site_of[t] not in sat_out)
         fix = (
             f"clear round {r}'s site tasks together with this task and everything downstream "
             f"('Only failed' off), or run `flare-airflow resume {context['ti'].dag_id} {run_id_of(context)} "

@@ -49,9 +49,12 @@ class RunParams:
     hparams: dict[str, Any]
     # Why the run trains fewer rounds than asked: the job's privacy budget (max_epsilon) ends it first.
     budget_note: str | None = None
+    # The sites this run trains on, chosen in the form; None: every site (or, in a run started by
+    # the sites' data, the fresh ones).
+    sites: tuple[str, ...] | None = None
 
 
-RUN_PARAMS = ("rounds", "min_clients", "warm_start")
+RUN_PARAMS = ("rounds", "min_clients", "warm_start", "sites")
 
 
 def allowed_run_keys(job: JobConfig) -> list[str]:
@@ -112,6 +115,7 @@ def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
     for key, default in job.trainer.hparams.items():
         if HPARAM_PREFIX + key in params:
             hparams[key] = _hparam(job, key, default, params[HPARAM_PREFIX + key])
+    sites = _sites(job, params.get("sites"))
     # The budget is known before the run (the job's own noise and δ): the rounds beyond it are
     # skipped like rounds the form did not ask for, and the run publishes what it trained.
     return RunParams(
@@ -120,7 +124,34 @@ def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
         warm_start=warm_start,
         hparams=hparams,
         budget_note=job.privacy.budget_note(rounds),
+        sites=sites,
     )
+
+
+def sat_out_sites(context: Mapping[str, Any], prepare_task_id: str | None) -> dict[str, str]:
+    """Site -> why it sits this run out (not fresh, not chosen), as ``prepare`` decided."""
+    if prepare_task_id is None:
+        return {}
+    prepared = context["ti"].xcom_pull(task_ids=prepare_task_id)
+    sat_out = prepared.get("sat_out") if isinstance(prepared, Mapping) else None
+    return {str(k): str(v) for k, v in sat_out.items()} if isinstance(sat_out, Mapping) else {}
+
+
+def _sites(job: JobConfig, value: Any) -> tuple[str, ...] | None:
+    """The form's ``sites``: a list of the job's site names; empty or absent: every site."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RunParamsError(f"sites must be a list of site names, got {short_repr(value)}")
+    unknown = [v for v in value if v not in job.sites]
+    if unknown:
+        raise RunParamsError(
+            f"sites: {', '.join(map(repr, unknown))[:200]} not in job {job.job!r} "
+            f"(its sites: {', '.join(job.sites)[:300]})"
+        )
+    if len(set(value)) != len(value):
+        raise RunParamsError(f"sites names a site twice: {short_repr(value)}")
+    return tuple(value)
 
 
 def run_id_of(context: Mapping[str, Any]) -> str:

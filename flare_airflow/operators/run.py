@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import re
@@ -13,6 +14,7 @@ from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.core.config import JobConfig, load_initial_model
+from flare_airflow.core.data_ready import SITE_DATA_ASSET, fresh_sites
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
 from flare_airflow.core.model import FLModel, Params, all_finite, atomic_write, read_artifact, write_artifact
 from flare_airflow.core.page_paths import run_page_path
@@ -32,7 +34,7 @@ from flare_airflow.operators.common import (
 from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
-from flare_airflow.operators.trust import sign_global
+from flare_airflow.operators.trust import sign_global, trust_settings
 
 
 def _resume_hint(context: Context, round_num: int) -> str:
@@ -136,29 +138,105 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
             self.log.warning("%s", params.budget_note)
         if mlflow_run:
             result["mlflow_run"] = mlflow_run
+        result.update(self._participants(context, params.sites, params.min_clients))
         self._skip_later_rounds(context, params.rounds, result)
         return result
 
+    def _participants(self, context: Context, chosen: Sequence[str] | None, min_clients: int) -> dict[str, Any]:
+        """The sites this run trains on, the data each trains on, and why the others sit it out.
+
+        A run started by the sites' data trains on the sites whose announcement it consumed,
+        proven and fresh (:func:`~flare_airflow.core.data_ready.fresh_sites`); a run from the form
+        on the sites it names (``sites``), or all of them.
+        """
+        events = _data_events(context)
+        if events is None and not chosen and self.job.on_data is None:
+            return {}  # every site, as before data-driven runs: nothing to record
+        if events is None:
+            picked = list(chosen) if chosen else list(self.job.sites)
+            sat_out = {s: "not chosen for this run (run parameter sites)" for s in self.job.sites if s not in picked}
+            return {"participants": picked, "sat_out": sat_out, "data": {}}
+        on_data = self.job.on_data
+        window = on_data.window_seconds if on_data is not None else MAX_DATA_WINDOW
+        settings = trust_settings()
+        registry = settings.registry()
+
+        def verify(signed: Any, site: str) -> dict[str, Any]:
+            payload, note = settings.verify(
+                signed, party=site, expect={"type": "data", "site": site}, what=f"site {site!r}'s data announcement",
+                registry=registry,
+            )  # fmt: skip
+            if payload is None:
+                self.log.warning("%s", note)
+                raise UnsignedAnnouncement(str(note))
+            return payload
+
+        data = fresh_sites(
+            events, self.job.sites, window_seconds=window, now=datetime.datetime.now(datetime.UTC), verify=verify
+        )
+        picked = [s for s, d in data.items() if d.reason is None and (not chosen or s in chosen)]
+        sat_out = {s: d.reason or "not chosen for this run (run parameter sites)" for s, d in data.items()
+                   if s not in picked}  # fmt: skip
+        for site, reason in sat_out.items():
+            self.log.info("site %s sits this run out: %s", site, reason)
+        if len(picked) < min_clients:
+            raise AirflowFailException(
+                f"only {len(picked)} site(s) have fresh, signed data ({', '.join(picked) or 'none'}), fewer than "
+                f"min_clients {min_clients}: " + "; ".join(f"{s}: {r}" for s, r in sat_out.items())[:1500]
+            )
+        return {
+            "participants": picked,
+            "sat_out": sat_out,
+            "data": {s: d.to_dict() for s, d in data.items()},
+        }
+
     def _skip_later_rounds(self, context: Context, rounds: int, result: dict[str, Any]) -> None:
-        """Skip every task of the rounds beyond ``rounds`` in one call (the task itself succeeds)."""
+        """Skip, in one call, every task of the rounds beyond ``rounds`` and the tasks of the sites
+        that sit the run out (the task itself succeeds)."""
+        sat_out = set(result.get("sat_out") or ())
         later = [
             task
             for task in self.get_flat_relatives(upstream=False)
-            if isinstance(round_num := getattr(task, "round_num", None), int) and round_num > rounds
+            if isinstance(round_num := getattr(task, "round_num", None), int)
+            and (round_num > rounds or getattr(task, "site", None) in sat_out)
         ]
         if not later:
             return
-        self.log.info(
-            "this run asked for %d of %d rounds: skipping rounds %d-%d",
-            rounds,
-            self.job.rounds,
-            rounds + 1,
-            self.job.rounds,
-        )
+        if rounds < self.job.rounds:
+            self.log.info(
+                "this run asked for %d of %d rounds: skipping rounds %d-%d",
+                rounds,
+                self.job.rounds,
+                rounds + 1,
+                self.job.rounds,
+            )
         ti: Any = context["ti"]
         # skip() ends execute with an exception, so the return value is pushed here.
         ti.xcom_push(key="return_value", value=result)
         self.skip(ti=ti, tasks=later)
+
+
+MAX_DATA_WINDOW = 366 * 86400
+
+
+class UnsignedAnnouncement(FlareAirflowError):
+    """An announcement nobody could prove (no registry, no signature): it does not count."""
+
+
+def _data_events(context: Context) -> list[dict[str, Any]] | None:
+    """The sites' announcements this run consumed, or None for a run not started by them."""
+    events = context.get("triggering_asset_events") or {}
+    found: list[dict[str, Any]] = []
+    started_by_data = False
+    for asset in list(events):
+        if getattr(asset, "name", None) != SITE_DATA_ASSET:
+            continue
+        started_by_data = True
+        for event in events[asset]:
+            found.append(
+                {"partition_key": event.partition_key, "extra": dict(event.extra or {}), "timestamp": event.timestamp}
+            )
+    return found if started_by_data else None
 
 
 _POINTER_KEYS = {"run_id": str, "model_uri": str, "sha256": str, "round": int}
@@ -249,12 +327,20 @@ class PublishOperator(LineageMixin, BaseOperator):
 
     ui_color = "#c6dbef"
 
-    def __init__(self, *, job: JobConfig, aggregate_task_ids: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        aggregate_task_ids: Sequence[str] = (),
+        prepare_task_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("trigger_rule", "none_failed")
         kwargs.setdefault("outlets", [final_model_asset(job)])
         super().__init__(**kwargs)
         self.job = job
         self.aggregate_task_ids = list(aggregate_task_ids)
+        self.prepare_task_id = prepare_task_id
 
     def _requested_rounds(self, context: Context) -> list[dict[str, Any]]:
         """The summaries of every round this run asked for, checked; refuses with what to clear or run.
@@ -290,6 +376,20 @@ class PublishOperator(LineageMixin, BaseOperator):
         if not summaries:
             raise AirflowFailException("this DAG has no rounds; nothing to publish")
         return summaries
+
+    def _data_lineage(self, context: Context) -> dict[str, Any]:
+        """What this run trained on: its sites and each one's data version (as ``prepare`` recorded
+        it), so a published model can be traced to the data that made it."""
+        prepared = context["ti"].xcom_pull(task_ids=self.prepare_task_id) if self.prepare_task_id else None
+        if not isinstance(prepared, dict) or "participants" not in prepared:
+            return {}
+        data = prepared.get("data") or {}
+        return {
+            "participants": list(prepared["participants"]),
+            "data_versions": {s: (data.get(s) or {}).get("version") for s in prepared["participants"]},
+            "data": data,
+            "sat_out": prepared.get("sat_out") or {},
+        }
 
     def _check_sites_unchanged(self, context: Context, aggregate_task_id: str, summary: dict[str, Any]) -> None:
         """Refuse when a site task of the round ran again after the round was aggregated."""
@@ -340,6 +440,9 @@ class PublishOperator(LineageMixin, BaseOperator):
             "sha256": final_record.sha256,
             "rounds": rows,
         }
+        lineage = self._data_lineage(context)
+        if lineage:
+            report.update(lineage)
         note = run_params(context, self.job).budget_note
         epsilon = rows[-1].get("epsilon")
         if epsilon is not None or note:
@@ -367,6 +470,9 @@ class PublishOperator(LineageMixin, BaseOperator):
             extra = {**pointer, "evaluation": last.get("evaluation", {}), "federated_run_page": page}
             if "privacy" in report:
                 extra["privacy"] = report["privacy"]
+            if lineage:
+                extra["participants"] = lineage["participants"]
+                extra["data_versions"] = lineage["data_versions"]
             context["outlet_events"][asset].extra = extra
         self.log.info("per-round results of %s:\n%s", run_id, format_table(rows))
         if note:

@@ -19,6 +19,7 @@ from flare_airflow.core.config.describe import cap, clip, describe, field_in_mes
 from flare_airflow.core.config.privacy import JobPrivacy, site_privacy_plan
 from flare_airflow.core.config.site import SiteSpec, merge_sites
 from flare_airflow.core.config.tracking import TrackingSpec
+from flare_airflow.core.config.trigger import OnData, TriggerSpec
 from flare_airflow.core.config.validators import (
     DNS_LABEL,
     MAX_FORM_INT,
@@ -176,6 +177,9 @@ class JobConfig(Strict):
     evaluate: bool = Field(True, description="evaluate each new global model with the trainer (task 'evaluate')")
     schedule: str | None = Field(None, description="Airflow schedule for recurring runs")
     warm_start: bool = Field(False, description="default of the run form's warm-start switch")
+    trigger: TriggerSpec | None = Field(
+        None, description="what starts runs besides the form: on_data, the sites' data announcements"
+    )
     check_pools: bool = Field(True, description="check the sites' GPU pools when a run starts")
     site_queues: bool = Field(
         False, description="each site's tasks go to the Airflow queue named after the site (unless it sets queue)"
@@ -293,6 +297,7 @@ class JobConfig(Strict):
                 f"({', '.join(self.sites)}); lower min_clients or add sites"
             )
         self._one_size_per_pool()
+        self._data_trigger_fits()
         self._watched_jobs_reach_the_store()
         problem = self.aggregator.quorum_problem(self.min_clients, len(self.sites))
         if problem is not None:
@@ -333,6 +338,30 @@ class JobConfig(Strict):
                     "(the global model in, the update out), and with a sensor that task ends at the launch; "
                     f"use watch: task (the default) for {name}, or a local store (a directory or file:///path)"
                 )
+
+    @property
+    def on_data(self) -> OnData | None:
+        return self.trigger.on_data if self.trigger is not None else None
+
+    def _data_trigger_fits(self) -> None:
+        on_data = self.on_data
+        if on_data is None:
+            return
+        if on_data.min_sites > len(self.sites):
+            raise ValueError(
+                f"trigger.on_data.min_sites is {on_data.min_sites} but the job has only {len(self.sites)} site(s) "
+                f"({', '.join(self.sites)}): no run could ever start; lower min_sites or add sites"
+            )
+        if on_data.min_sites < self.min_clients:
+            raise ValueError(
+                f"trigger.on_data.min_sites is {on_data.min_sites}, below min_clients {self.min_clients}: a run "
+                "over that many fresh sites could never reach its quorum; raise min_sites or lower min_clients"
+            )
+        if self.schedule is not None:
+            raise ValueError(
+                f"schedule {short_repr(self.schedule)} and trigger.on_data together are not supported yet: "
+                "Airflow 3.3 cannot combine a partitioned asset schedule with a cron one; keep one of them"
+            )
 
     def _one_size_per_pool(self) -> None:
         """Sites sharing a GPU pool (several sites on one GPU host) must agree on its GPUs: the pool's

@@ -22,7 +22,11 @@ from flare_airflow.core.trust.errors import BadSignature, RecordMismatch, Unsign
 from flare_airflow.core.trust.keys import b64url, b64url_decode
 from flare_airflow.core.trust.registry import Registry
 
-_DOMAINS = {"update": b"flare-airflow/update/v1\n", "global": b"flare-airflow/global/v1\n"}
+_DOMAINS = {
+    "update": b"flare-airflow/update/v1\n",
+    "global": b"flare-airflow/global/v1\n",
+    "data": b"flare-airflow/data/v1\n",  # a site's data announcement (core/data_ready.py)
+}
 
 
 def _signed_bytes(payload: Mapping[str, Any]) -> bytes:

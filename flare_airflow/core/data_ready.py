@@ -1,0 +1,140 @@
+"""A site's announcement of fresh data, and which sites a data-driven run trains on.
+
+An announcement is an event of the one asset :data:`SITE_DATA_ASSET`, partitioned by site: its
+partition key is the site's name and its extra the site's signed record (the data's version, its
+number of samples, when), nothing of the data itself. Airflow counts the partitions (the job's
+wait policy); the run's ``prepare`` then proves each consumed announcement was signed by the site
+it names (:func:`fresh_sites`), so a site can only announce for itself. See docs/site-admins.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flare_airflow.core.errors import FlareAirflowError
+
+SITE_DATA_ASSET = "flare_airflow.site_data"
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}\Z")
+MAX_SAMPLES = 10**12
+
+
+class AnnouncementError(FlareAirflowError):
+    """An announcement that cannot be made or cannot count; the message says which and why."""
+
+
+def check_version(version: str) -> str:
+    if not isinstance(version, str) or not _VERSION.match(version):
+        raise AnnouncementError(
+            f"data version {version!r} is not allowed: use letters, digits and . _ : + -, starting with a letter "
+            "or digit, at most 128 characters (e.g. 2026-12-06 or v42)"
+        )
+    return version
+
+
+def check_samples(samples: int | None) -> int | None:
+    if samples is None:
+        return None
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 0 < samples <= MAX_SAMPLES:
+        raise AnnouncementError(f"--samples {samples!r} must be a whole number from 1 to {MAX_SAMPLES}")
+    return samples
+
+
+def data_payload(*, site: str, version: str, samples: int | None, announced_at: dt.datetime) -> dict[str, Any]:
+    """What a site signs when it announces fresh data."""
+    return {
+        "type": "data",
+        "site": site,
+        "version": check_version(version),
+        "samples": check_samples(samples),
+        "announced_at": announced_at.astimezone(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+@dataclass(frozen=True)
+class SiteData:
+    """One site's data as a run saw it: the announcement it trains on, or why it sits the run out."""
+
+    site: str
+    version: str | None = None
+    samples: int | None = None
+    announced_at: str | None = None
+    reason: str | None = None  # set when the site sits the run out
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.version, "samples": self.samples, "announced_at": self.announced_at}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
+
+
+def _parse_time(text: Any) -> dt.datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else None
+
+
+def fresh_sites(
+    events: Iterable[Mapping[str, Any]],
+    sites: Iterable[str],
+    *,
+    window_seconds: int,
+    now: dt.datetime,
+    verify: Any,
+) -> dict[str, SiteData]:
+    """Each of the job's ``sites``: the announcement it trains on, or why it sits the run out.
+
+    ``events``: the run's consumed announcements as ``{"partition_key", "extra", "timestamp"}``.
+    ``verify(signed, site) -> payload`` raises ``TrustError`` for a record its site did not sign.
+    A site's newest proven announcement counts, if it is at most ``window_seconds`` old; the same
+    announcement twice is one.
+    """
+    sites = list(sites)
+    best: dict[str, dict[str, Any]] = {}
+    refused: dict[str, str] = {}
+    for event in events:
+        site = event.get("partition_key")
+        if site not in sites:
+            continue
+        extra = event.get("extra") or {}
+        try:
+            payload = verify(extra.get("signed"), site)
+        except FlareAirflowError as exc:
+            refused[site] = f"its announcement was refused: {exc}"
+            continue
+        if payload.get("type") != "data" or payload.get("site") != site:
+            refused[site] = f"its announcement names site {payload.get('site')!r}, not {site!r}"
+            continue
+        when = _parse_time(payload.get("announced_at"))
+        if when is None:
+            refused[site] = "its announcement has no valid announced_at time"
+            continue
+        if site not in best or when > best[site]["when"]:
+            best[site] = {"when": when, "payload": payload}
+    out: dict[str, SiteData] = {}
+    for site in sites:
+        if site not in best:
+            out[site] = SiteData(site, reason=refused.get(site, "no data announced since its last run"))
+            continue
+        payload, when = best[site]["payload"], best[site]["when"]
+        data = SiteData(site, payload["version"], payload.get("samples"), payload["announced_at"])
+        age = (now - when).total_seconds()
+        if age > window_seconds:
+            out[site] = SiteData(
+                site,
+                data.version,
+                data.samples,
+                data.announced_at,
+                reason=f"its data {data.version} announced at {data.announced_at} is older than the window "
+                f"({window_seconds} s)",
+            )
+        else:
+            out[site] = data
+    return out
