@@ -323,6 +323,21 @@ def _cmd_import_nvflare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_site_data_ready(args: Any) -> int:
+    import datetime as dt
+
+    from flare_airflow.operators.data_ready import announce_via_api
+
+    version = args.version or dt.datetime.now(dt.UTC).date().isoformat()
+    extra = announce_via_api(args.site, version, args.samples, args.conn_id)
+    print(
+        f"site {args.site} announced data {extra['version']}"
+        + (f" ({extra['samples']} samples)" if extra["samples"] is not None else "")
+        + f" at {extra['announced_at']}"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flare-airflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -383,6 +398,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--delta", type=float, default=1e-5, help="δ for sites without a budget (default 1e-5)")
     p.add_argument("--releases", action="store_true", help="list every release")
     p.set_defaults(func=_cmd_site_budget)
+    p = site_sub.add_parser(
+        "data-ready",
+        help="announce that this site has fresh data (signed with the site's key on this worker): "
+        "jobs with trigger.on_data count it",
+    )
+    p.add_argument("site", help="this site's name, as in the jobs (its signing key must be on this worker)")
+    p.add_argument("--version", default=None, help="the data's version (default: today's date, UTC)")
+    p.add_argument("--samples", type=int, default=None, help="the number of samples (optional)")
+    p.add_argument("--conn-id", default=None, help="http connection of the REST API (default flare_airflow_api)")
+    p.set_defaults(func=_cmd_site_data_ready)
     p = sub.add_parser(
         "import-nvflare", help="turn an NVIDIA FLARE job folder into a flare-airflow job (YAML, DAG, scripts)"
     )

@@ -87,9 +87,16 @@ def announce_via_api(site: str, version: str, samples: int | None, conn_id: str 
     The REST API is reached through the http connection ``flare_airflow_api`` (as the pools
     check does). Raises ``AnnouncementError`` / ``TrustError`` with what to do.
     """
+    from flare_airflow.core.trust import KeyMissing
     from flare_airflow.hooks.pools import API_CONN_ID, api_client
 
-    extra = signed_announcement(site, version, samples, create_key=False)
+    try:
+        extra = signed_announcement(site, version, samples, create_key=False)
+    except KeyMissing as exc:
+        raise AnnouncementError(
+            f"this worker cannot announce data for site {site!r}: a site announces only for itself, signed with its "
+            f"own key ({exc})"
+        ) from None
     with api_client(conn_id or API_CONN_ID, what=f"announce site {site!r}'s data") as call:
         found = call("GET", "/api/v2/assets", params={"name_pattern": SITE_DATA_ASSET, "limit": 10})
         found.raise_for_status()

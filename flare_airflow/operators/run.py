@@ -171,9 +171,7 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
                 raise UnsignedAnnouncement(str(note))
             return payload
 
-        data = fresh_sites(
-            events, self.job.sites, window_seconds=window, now=datetime.datetime.now(datetime.UTC), verify=verify
-        )
+        data = fresh_sites(events, self.job.sites, window_seconds=window, now=_now(), verify=verify)
         picked = [s for s, d in data.items() if d.reason is None and (not chosen or s in chosen)]
         sat_out = {s: d.reason or "not chosen for this run (run parameter sites)" for s, d in data.items()
                    if s not in picked}  # fmt: skip
@@ -217,6 +215,10 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
 
 
 MAX_DATA_WINDOW = 366 * 86400
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
 
 
 class UnsignedAnnouncement(FlareAirflowError):

@@ -310,6 +310,18 @@ case(
 _SITE_1 = public_jwk("site-1", Ed25519PrivateKey.from_private_bytes(bytes(range(32))).public_key())
 _JWKS = json.dumps({"keys": [_SITE_1]})
 case(
+    "data-ready-other-site",
+    "flare-airflow site data-ready for a site whose signing key is not on this worker (announcing for another site)",
+    "a site announces only for itself, signed with its own key",
+    ["site", "data-ready", "not-this-worker-site"],
+)
+case(
+    "data-ready-bad-version",
+    "flare-airflow site data-ready with a version holding a space and a slash",
+    "data version 'v 1/2' is not allowed",
+    ["site", "data-ready", "site-1", "--version", "v 1/2"],
+)
+case(
     "site-keygen-path-name",
     "flare-airflow site keygen with a site name that is a path",
     "'../central' cannot name a party: use the site's name as in the job",

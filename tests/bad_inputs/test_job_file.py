@@ -812,6 +812,48 @@ case(
 
 # --- what a run would refuse: schedule, store, initial model, environment ---------------------
 case(
+    "trigger-min-sites-above-sites",
+    "trigger: {on_data: {min_sites: 3}} in a job of 2 sites",
+    "trigger.on_data.min_sites is 3 but the job has only 2 site(s)",
+    field="trigger",
+    value={"on_data": {"min_sites": 3}},
+)
+case(
+    "trigger-window-words",
+    "trigger.on_data.window: 'one day'",
+    "window 'one day' is not a duration: write a whole number and a unit",
+    field="trigger",
+    value={"on_data": {"min_sites": 2, "window": "one day"}},
+)
+case(
+    "trigger-window-too-long",
+    "trigger.on_data.window: 9999w",
+    "is longer than a year",
+    field="trigger",
+    value={"on_data": {"min_sites": 2, "window": "9999w"}},
+)
+case(
+    "trigger-wait",
+    "trigger.on_data.wait: 6h (the wait with a smaller quorum is not built yet)",
+    "trigger.on_data.wait is not supported yet",
+    field="trigger",
+    value={"on_data": {"min_sites": 2, "wait": "6h"}},
+)
+case(
+    "trigger-min-sites-zero",
+    "trigger.on_data.min_sites: 0",
+    "min_sites",
+    field="trigger",
+    value={"on_data": {"min_sites": 0}},
+)
+case(
+    "trigger-unknown-kind",
+    "trigger: {on_file: ...} (a kind of trigger that does not exist)",
+    "on_file",
+    field="trigger",
+    value={"on_file": {"path": "x"}},
+)
+case(
     "schedule-words",
     "schedule: every monday",
     "schedule 'every monday' is not a cron expression",

@@ -1,0 +1,170 @@
+"""Runs driven by the sites' data (issue 39), without a scheduler: the job's on_data block, the
+schedule it becomes, which sites a run trains on, and who may announce for a site."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import pathlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from flare_airflow.builder import build_dag
+from flare_airflow.core.data_ready import SITE_DATA_ASSET, data_payload, fresh_sites
+from flare_airflow.core.trust import TrustError, generate_keys, sign_record
+from flare_airflow.core.trust.keys import party_dir
+from flare_airflow.core.trust.settings import TrustSettings
+from flare_airflow.operators import run as run_module
+from flare_airflow.operators.data_ready import site_data_asset
+from flare_airflow.operators.run import PrepareRunOperator
+from tests.unit.airflow_layer import make_job
+
+SITES = ["site-1", "site-2", "site-3", "site-4"]
+NOW = dt.datetime(2026, 12, 6, 8, 0, tzinfo=dt.UTC)
+
+
+@pytest.fixture
+def keys(tmp_path: pathlib.Path) -> TrustSettings:
+    """Strict trust: every site's key made, all four enrolled in one registry."""
+    key_dir = tmp_path / "keys"
+    registry = {"keys": []}
+    for site in SITES:
+        registry["keys"] += generate_keys(site, party_dir(key_dir, site)).jwks["keys"]
+    path = tmp_path / "registry.json"
+    path.write_text(json.dumps(registry))
+    return TrustSettings(key_dir=str(key_dir), registry_path=str(path))
+
+
+def announce(settings: TrustSettings, site: str, version: str, *, signer: str | None = None, ago_s: int = 60) -> dict:
+    """An asset event as the run sees it: partition key = the site, extra = the signed record."""
+    payload = data_payload(site=site, version=version, samples=100, announced_at=NOW - dt.timedelta(seconds=ago_s))
+    kid, key = settings.signing_key(signer or site)
+    return {"partition_key": site, "extra": {**payload, "signed": sign_record(payload, kid, key)}}
+
+
+def verifier(settings: TrustSettings):
+    registry = settings.registry()
+
+    def verify(signed: Any, site: str) -> dict:
+        payload, _ = settings.verify(
+            signed, party=site, expect={"type": "data", "site": site}, what="x", registry=registry
+        )
+        assert payload is not None
+        return payload
+
+    return verify
+
+
+def test_the_fresh_signed_sites_train_and_the_others_sit_out_saying_why(keys) -> None:
+    events = [
+        announce(keys, "site-1", "v1"),
+        announce(keys, "site-2", "v7"),
+        announce(keys, "site-2", "v7"),  # the same announcement twice counts once
+        announce(keys, "site-3", "2026-12-05", ago_s=3 * 86400),  # older than the 1 d window
+    ]
+    data = fresh_sites(events, SITES, window_seconds=86400, now=NOW, verify=verifier(keys))
+    assert {s: d.version for s, d in data.items() if d.reason is None} == {"site-1": "v1", "site-2": "v7"}
+    assert "older than the window" in str(data["site-3"].reason)
+    assert data["site-4"].reason == "no data announced since its last run"
+    assert data["site-1"].to_dict()["samples"] == 100
+
+
+def test_a_site_cannot_announce_for_another(keys) -> None:
+    """site-1 signs an announcement under site-2's partition: refused, site-2 is not fresh."""
+    events = [announce(keys, "site-2", "forged", signer="site-1")]
+    data = fresh_sites(events, SITES, window_seconds=86400, now=NOW, verify=verifier(keys))
+    assert data["site-2"].version is None
+    assert "its announcement was refused" in str(data["site-2"].reason)
+    assert "not by 'site-2'" in str(data["site-2"].reason)
+
+
+def test_a_site_announcement_changed_after_signing_is_refused(keys) -> None:
+    event = announce(keys, "site-1", "v1")
+    event["extra"]["signed"]["payload"]["version"] = "v2"
+    data = fresh_sites([event], SITES, window_seconds=86400, now=NOW, verify=verifier(keys))
+    assert "changed or forged" in str(data["site-1"].reason)
+
+
+def test_the_newest_announcement_of_a_site_counts(keys) -> None:
+    events = [announce(keys, "site-1", "v1", ago_s=600), announce(keys, "site-1", "v2", ago_s=60)]
+    data = fresh_sites(events, SITES, window_seconds=86400, now=NOW, verify=verifier(keys))
+    assert data["site-1"].version == "v2"
+
+
+def data_job(tmp_path: pathlib.Path, min_sites: int = 3, **overrides: Any) -> Any:
+    return make_job(
+        tmp_path,
+        min_clients=2,
+        sites={s: {} for s in SITES},
+        trigger={"on_data": {"min_sites": min_sites, "window": "1d"}},
+        **overrides,
+    )
+
+
+def test_on_data_becomes_airflows_partitioned_schedule_with_the_quorum(tmp_path) -> None:
+    from airflow.sdk import MinimumCount, PartitionedAssetTimetable, SegmentWindow
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    dag = build_dag(data_job(tmp_path))
+    timetable = dag.timetable
+    assert isinstance(timetable, PartitionedAssetTimetable)
+    mapper = timetable.default_partition_mapper
+    assert mapper.wait_policy == MinimumCount(3)
+    assert mapper.window == SegmentWindow(SITES)
+    assert dag.params["sites"] == []
+    # The scheduler reads the serialized DAG: the rollup must survive it.
+    text = json.dumps(DagSerialization.to_dict(dag))
+    assert SITE_DATA_ASSET in text and "MinimumCount" in text
+
+
+def _context(events: list[dict], dag_params: dict | None = None) -> dict:
+    refs = [SimpleNamespace(partition_key=e["partition_key"], extra=e["extra"], timestamp=NOW) for e in events]
+    return {"triggering_asset_events": {site_data_asset(): refs}, "params": dag_params or {}}
+
+
+def test_prepare_trains_on_the_fresh_sites_and_records_their_data(tmp_path, keys, monkeypatch) -> None:
+    monkeypatch.setattr(run_module, "trust_settings", lambda: keys)
+    job = data_job(tmp_path)
+    prepare = PrepareRunOperator(task_id="prepare", job=job)
+    events = [announce(keys, s, f"v-{s}", ago_s=30) for s in SITES[:3]]
+    monkeypatch.setattr(run_module, "_now", lambda: NOW)
+    out = prepare._participants(_context(events), None, 2)
+    assert out["participants"] == SITES[:3]
+    assert out["sat_out"] == {"site-4": "no data announced since its last run"}
+    assert out["data"]["site-2"]["version"] == "v-site-2"
+
+
+def test_prepare_refuses_a_run_with_fewer_fresh_sites_than_the_quorum(tmp_path, keys, monkeypatch) -> None:
+    monkeypatch.setattr(run_module, "trust_settings", lambda: keys)
+    monkeypatch.setattr(run_module, "_now", lambda: NOW)
+    prepare = PrepareRunOperator(task_id="prepare", job=data_job(tmp_path))
+    events = [announce(keys, "site-1", "v1"), announce(keys, "site-2", "x", signer="site-1")]
+    with pytest.raises(AirflowFailException, match=r"only 1 site\(s\) have fresh, signed data \(site-1\)"):
+        prepare._participants(_context(events), None, 2)
+
+
+def test_a_form_run_trains_on_the_sites_it_names(tmp_path) -> None:
+    prepare = PrepareRunOperator(task_id="prepare", job=data_job(tmp_path))
+    out = prepare._participants({"params": {}}, ("site-1", "site-3"), 2)
+    assert out["participants"] == ["site-1", "site-3"]
+    assert set(out["sat_out"]) == {"site-2", "site-4"}
+
+
+def test_a_job_without_on_data_records_nothing_new(tmp_path) -> None:
+    prepare = PrepareRunOperator(task_id="prepare", job=make_job(tmp_path))
+    assert prepare._participants({"params": {}}, None, 1) == {}
+
+
+def test_the_cli_cannot_sign_for_a_site_whose_key_is_elsewhere(tmp_path, monkeypatch) -> None:
+    from flare_airflow.core.data_ready import AnnouncementError
+    from flare_airflow.operators import data_ready
+
+    worker = TrustSettings(key_dir=str(tmp_path / "site-1-worker"))
+    generate_keys("site-1", party_dir(tmp_path / "site-1-worker", "site-1"))
+    monkeypatch.setattr(data_ready, "trust_settings", lambda: worker)
+    assert data_ready.signed_announcement("site-1", "v1", 5, create_key=False)["signed"]["payload"]["site"] == "site-1"
+    with pytest.raises((AnnouncementError, TrustError), match="no signing key"):
+        data_ready.signed_announcement("site-2", "v1", 5, create_key=False)
