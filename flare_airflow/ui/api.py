@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flare_airflow.core.data_ready import SITE_DATA_ASSET
 from flare_airflow.core.errors import FlareAirflowError, ReportError
 from flare_airflow.core.model import read_record
 from flare_airflow.core.page_paths import file_path, segment
@@ -36,7 +37,14 @@ from flare_airflow.core.report import read_metrics
 from flare_airflow.core.store import ModelStore, run_component
 from flare_airflow.operators.common import FAILURE_XCOM_KEY, default_store_uri
 from flare_airflow.ui import page
-from flare_airflow.ui.view import FEDERATED_TAG, FINISHED_RUN_STATES, RunView, build_run_view, federated_prefix
+from flare_airflow.ui.view import (
+    FEDERATED_TAG,
+    FINISHED_RUN_STATES,
+    RunView,
+    build_run_view,
+    federated_prefix,
+    latest_announcements,
+)
 
 CHUNK = 1 << 20
 MAX_CONCURRENT_CALLS = 8
@@ -360,7 +368,22 @@ async def index(request: Request, user: GetUserDep) -> str:
 async def dag_runs(request: Request, dag_id: str) -> str:
     async with AirflowAPI(request) as api:
         body = await api.get(f"/dags/{segment(dag_id)}/dagRuns", limit=50, order_by="-run_after")
-    return page.dag_page(ui_base(), dag_id, body["dag_runs"])
+        latest = await _announcements(api, dag_id)
+    return page.dag_page(ui_base(), dag_id, body["dag_runs"], latest)
+
+
+async def _announcements(api: AirflowAPI, dag_id: str) -> dict[str, dict[str, Any]]:
+    """The sites' latest data announcements and the runs of ``dag_id`` that consumed them (only
+    for a DAG scheduled on the sites' data)."""
+    dag = await api.get(f"/dags/{segment(dag_id)}/details", missing_ok=True)
+    if not dag or SITE_DATA_ASSET not in json.dumps(dag.get("timetable_summary") or dag.get("asset_expression") or ""):
+        return {}
+    assets = await api.get("/assets", name_pattern=SITE_DATA_ASSET, limit=10)
+    ids = [a["id"] for a in (assets or {}).get("assets", []) if a.get("name") == SITE_DATA_ASSET]
+    if not ids:
+        return {}
+    events = await api.get("/assets/events", asset_id=ids[0], limit=500, order_by="-timestamp")
+    return latest_announcements(list((events or {}).get("asset_events", [])), dag_id)
 
 
 @app.get("/dags/{dag_id}/runs/{run_id}", response_class=HTMLResponse, dependencies=[read_runs, read_xcoms])

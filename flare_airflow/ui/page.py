@@ -149,7 +149,12 @@ def index_page(ui_base: str, dags: Sequence[Mapping[str, Any]]) -> str:
     return _doc(ui_base, "Federated runs", f"<h1>Federated runs</h1>{table}")
 
 
-def dag_page(ui_base: str, dag_id: str, runs: Sequence[Mapping[str, Any]]) -> str:
+def dag_page(
+    ui_base: str,
+    dag_id: str,
+    runs: Sequence[Mapping[str, Any]],
+    announcements: Mapping[str, Mapping[str, Any]] | None = None,
+) -> str:
     rows = [
         f'<tr data-run="{escape(str(r["dag_run_id"]))}"><td><a href="'
         f'{escape(run_page_path(dag_id, str(r["dag_run_id"]), ui_base))}">{escape(str(r["dag_run_id"]))}</a></td>'
@@ -160,7 +165,10 @@ def dag_page(ui_base: str, dag_id: str, runs: Sequence[Mapping[str, Any]]) -> st
     body = (
         f'<p><a href="{ui_base}{PREFIX}/">Federated runs</a> / {escape(dag_id)} '
         f"({_airflow_a(ui_link(ui_base, dag_id), 'in Airflow', 'airflow')})</p><h1>{escape(dag_id)}</h1>"
-        "<table><tr><th>run</th><th>state</th><th>started</th><th>conf</th></tr>" + "".join(rows) + "</table>"
+        "<table><tr><th>run</th><th>state</th><th>started</th><th>conf</th></tr>"
+        + "".join(rows)
+        + "</table>"
+        + announcements_table(ui_base, dag_id, announcements or {})
     )
     return _doc(ui_base, dag_id, body)
 
@@ -318,7 +326,45 @@ def run_content(view: RunView, ui_base: str, downloads: Sequence[Mapping[str, An
         f"<p>state {_state(view.state)} · per-round values from {escape(view.rows_from)}"
         f"{'' if view.finished else ' · refreshing every 5 s'}</p>{_run_failures(view, ui_base)}"
         f'<h2>Rounds &times; sites</h2>{table}<h2>Per round</h2><div class="charts">{figures}</div>'
-        f"<h2>Parameters</h2><table>{params}</table><h2>Outputs</h2>{files}{tracked}</div>"
+        f"{_site_data(view)}<h2>Parameters</h2><table>{params}</table><h2>Outputs</h2>{files}{tracked}</div>"
+    )
+
+
+def _site_data(view: RunView) -> str:
+    """The data each site trained on in a run driven by the sites' data, or why it sat it out."""
+    if not view.site_data:
+        return ""
+    rows = "".join(
+        f'<tr data-site="{escape(site)}"><th>{escape(site)}</th><td>{escape(str(d.get("version") or ""))}</td>'
+        f'<td class="num">{escape(str(d.get("samples") or ""))}</td><td>{escape(str(d.get("announced_at") or ""))}</td>'
+        f"<td>{_reason(str(d['reason'])) if d.get('reason') else 'trained on it'}</td></tr>"
+        for site, d in sorted(view.site_data.items())
+    )
+    return (
+        '<h2>Site data</h2><table class="site-data"><tr><th>site</th><th>data version</th><th>samples</th>'
+        f"<th>announced</th><th>in this run</th></tr>{rows}</table>"
+    )
+
+
+def _consumed_by(ui_base: str, dag_id: str, run_id: Any) -> str:
+    if not run_id:
+        return '<td class="muted">not consumed yet: waits for the quorum of the next run</td>'
+    return f'<td><a href="{escape(run_page_path(dag_id, str(run_id), ui_base))}">{escape(str(run_id))}</a></td>'
+
+
+def announcements_table(ui_base: str, dag_id: str, latest: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per site: its latest announced data version and when, and which run of the job consumed it."""
+    if not latest:
+        return ""
+    rows = "".join(
+        f'<tr data-site="{escape(site)}"><th>{escape(site)}</th><td>{escape(str(a.get("version") or ""))}</td>'
+        f'<td class="num">{escape(str(a.get("samples") or ""))}</td><td>{escape(str(a.get("announced_at") or ""))}</td>'
+        f"{_consumed_by(ui_base, dag_id, a.get('run_id'))}</tr>"
+        for site, a in sorted(latest.items())
+    )
+    return (
+        '<h2>Site data</h2><table class="announcements"><tr><th>site</th><th>latest data version</th>'
+        f"<th>samples</th><th>announced</th><th>consumed by run</th></tr>{rows}</table>"
     )
 
 

@@ -84,6 +84,9 @@ class RunView:
     # The aggregation: the strategy's name (the latest aggregated round's) and the job's parameters for it.
     strategy: str | None = None
     strategy_params: dict[str, Any] = field(default_factory=dict)
+    # Runs driven by the sites' data: site -> the data it trained on (version, samples,
+    # announced_at) or why it sat the run out (reason); empty for other runs.
+    site_data: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -158,6 +161,7 @@ def build_run_view(
     prefix = federated_prefix(list(task_instances))
     rounds, sites = task_layout(list(task_instances), prefix)
     prepare = _mapping(xcoms.get(prefix + "prepare"))
+    sat_out = {str(k): str(v) for k, v in _mapping(prepare.get("sat_out")).items()}
     requested = prepare.get("rounds") if isinstance(prepare.get("rounds"), int) else None
     summaries: dict[int, Mapping[str, Any]] = {}
     for r in rounds:
@@ -191,7 +195,7 @@ def build_run_view(
             ti = task_instances.get(task_id, {})
             sent = _mapping(xcoms.get(task_id))
             state = str(ti.get("state") or "none")
-            reason = rejected.get(site) or failures.get(task_id)
+            reason = rejected.get(site) or failures.get(task_id) or sat_out.get(site)
             if state == "success" and site in rejected:
                 state = "not counted"
             samples = sent.get("num_samples")
@@ -244,7 +248,38 @@ def build_run_view(
         mlflow_run=_mlflow_run(
             mlflow_ui, _mapping(xcoms.get(prefix + "publish")).get("mlflow_run"), prepare.get("mlflow_run")
         ),
+        site_data=_site_data(prepare, sat_out),
     )
+
+
+def _site_data(prepare: Mapping[str, Any], sat_out: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """What each site trained on in this run (``prepare``'s ``data``), or why it sat it out."""
+    data = _mapping(prepare.get("data"))
+    if not data and not sat_out:
+        return {}
+    out = {str(site): dict(_mapping(value)) for site, value in data.items()}
+    for site, reason in sat_out.items():
+        out.setdefault(site, {})["reason"] = reason
+    return out
+
+
+def latest_announcements(events: list[Mapping[str, Any]], dag_id: str) -> dict[str, dict[str, Any]]:
+    """Per site: its latest data announcement (version, samples, when) and the run of ``dag_id``
+    that consumed it, if one did -- from the REST API's events of the site data asset."""
+    out: dict[str, dict[str, Any]] = {}
+    for event in sorted(events, key=lambda e: str(e.get("timestamp"))):
+        site = event.get("partition_key")
+        if not isinstance(site, str):
+            continue
+        extra = _mapping(event.get("extra"))
+        runs = [r for r in event.get("created_dagruns") or [] if _mapping(r).get("dag_id") == dag_id]
+        out[site] = {
+            "version": extra.get("version"),
+            "samples": extra.get("samples"),
+            "announced_at": extra.get("announced_at") or event.get("timestamp"),
+            "run_id": str(runs[-1].get("run_id")) if runs else None,
+        }
+    return out
 
 
 def _mlflow_run(mlflow_ui: str | None, *candidates: Any) -> dict[str, str | None] | None:

@@ -1,0 +1,170 @@
+"""Runs driven by the sites' data (issue 39) on a real scheduler (PostgreSQL, LocalExecutor).
+
+One stack start for every scenario, one after another, on one job of 4 sites (min_sites 3,
+min_clients 2, warm start on): two announcements start nothing, a duplicate is one, the third
+site starts exactly one run over those three; a late site's announcement waits for the next
+window with a forged one (site-1's key under site-3's name) that Airflow counts and ``prepare``
+refuses; then two manual runs with the same participants give the bitwise-same model.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import pathlib
+import subprocess
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from flare_airflow.core.data_ready import SITE_DATA_ASSET, data_payload
+from flare_airflow.core.model import read_artifact
+from flare_airflow.core.trust import generate_keys, sign_record
+from flare_airflow.core.trust.keys import party_dir
+from flare_airflow.core.trust.settings import TrustSettings
+from flare_airflow_testing.harness import behave_job
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres
+
+DAG_ID = "flare_data_runs"
+SITES = ("site-1", "site-2", "site-3", "site-4")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("stack")
+    pg = Postgres()
+    airflow = AirflowStack(root / "af", pg.url)
+    airflow.start()
+    yield airflow
+    airflow.stop()
+    pg.stop()
+
+
+def _announce(stack: AirflowStack, site: str, version: str) -> float:
+    """``flare-airflow site data-ready`` as a site admin runs it; returns when it returned (epoch s)."""
+    out = subprocess.run(
+        [str(BIN / "flare-airflow"), "site", "data-ready", site, "--version", version, "--samples", "10"],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"site {site} announced data {version} (10 samples)" in out.stdout
+    return time.time()
+
+
+def _post_signed(stack: AirflowStack, keys: TrustSettings, site: str, version: str, signer: str) -> None:
+    """An announcement posted straight to the REST API, signed by ``signer`` (a forgery when it is
+    not ``site``): what a site admin holding REST credentials could do without the CLI."""
+    payload = data_payload(site=site, version=version, samples=10, announced_at=dt.datetime.now(dt.UTC))
+    kid, key = keys.signing_key(signer)
+    asset = next(a for a in stack.api("GET", "/assets")["assets"] if a["name"] == SITE_DATA_ASSET)
+    extra = {**payload, "signed": sign_record(payload, kid, key)}
+    stack.api("POST", "/assets/events", json={"asset_id": asset["id"], "partition_key": site, "extra": extra})
+
+
+def _runs(stack: AirflowStack) -> list[dict[str, Any]]:
+    runs = stack.api("GET", f"/dags/{DAG_ID}/dagRuns", params={"order_by": "id"})["dag_runs"]
+    return sorted(runs, key=lambda r: r["run_after"])
+
+
+def _wait_runs(stack: AirflowStack, count: int, timeout: float = 90) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = _runs(stack)
+        if len(runs) >= count:
+            return runs
+        time.sleep(0.5)
+    raise AssertionError(f"{count} run(s) of {DAG_ID} expected, found {len(_runs(stack))}")
+
+
+def _xcom(stack: AirflowStack, run_id: str, task_id: str) -> Any:
+    body = stack.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value")
+    value = body["value"]
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _final_tensors(stack: AirflowStack, run_id: str) -> dict[str, np.ndarray]:
+    published = _xcom(stack, run_id, "publish")
+    params, _ = read_artifact(pathlib.Path(published["final_model"].removeprefix("file:")))  # type: ignore[arg-type]
+    return params
+
+
+def _no_new_run(stack: AirflowStack, count: int, seconds: float = 8) -> None:
+    """The scheduler loops every second: give it several loops to (wrongly) start a run."""
+    time.sleep(seconds)
+    assert len(_runs(stack)) == count, [r["dag_run_id"] for r in _runs(stack)]
+
+
+def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path: pathlib.Path) -> None:
+    keys = TrustSettings(key_dir=str(stack.home / "flare-keys"))
+    for site in SITES:
+        generate_keys(site, party_dir(pathlib.Path(keys.key_dir), site))
+    folder = stack.dags / "data_runs"
+    folder.mkdir()
+    job = behave_job(folder, "data-runs", sites=4, rounds=1, min_clients=2, args=[])
+    job["warm_start"] = True
+    job["trigger"] = {"on_data": {"min_sites": 3, "window": "1d"}}
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    (folder / "dag.py").write_text(
+        "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
+        "dag = build_dag(Path(__file__).with_name('job.yaml'))\n"
+    )
+    stack.wait_for_dag(DAG_ID)
+    stack.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
+
+    # Window 1: two sites, one of them twice -> nothing; the third site -> exactly one run.
+    _announce(stack, "site-1", "v1")
+    _announce(stack, "site-2", "v1")
+    _announce(stack, "site-2", "v1")
+    _no_new_run(stack, 0)
+    formed = _announce(stack, "site-3", "v1")
+    first = _wait_runs(stack, 1)[0]["dag_run_id"]
+    assert stack.wait_for_run(DAG_ID, first) == "success"
+    tis = stack.task_instances(DAG_ID, first)
+    assert {s: tis[f"round_1.{s}"]["state"] for s in SITES} == {
+        "site-1": "success", "site-2": "success", "site-3": "success", "site-4": "skipped"
+    }  # fmt: skip
+    started = min(dt.datetime.fromisoformat(tis[f"round_1.{s}"]["start_date"]).timestamp() for s in SITES[:3])
+    latency = started - formed
+    (stack.root.parent / "data-trigger-latency.json").write_text(json.dumps({"seconds": latency}))
+    print(f"quorum-forming announcement -> first site task started: {latency:.1f} s")
+    prepared = _xcom(stack, first, "prepare")
+    assert prepared["participants"] == ["site-1", "site-2", "site-3"]
+    assert prepared["sat_out"] == {"site-4": "no data announced since its last run"}
+    published = _xcom(stack, first, "publish")
+    metrics = json.loads(pathlib.Path(published["metrics"].removeprefix("file:")).read_text())
+    assert metrics["data_versions"] == {"site-1": "v1", "site-2": "v1", "site-3": "v1"}
+    assert metrics["data"]["site-4"]["reason"] == "no data announced since its last run"
+    events = stack.api("GET", "/assets/events", params={"limit": 100})["asset_events"]
+    model_event = [e for e in events if e["name"] == "flare_airflow.data-runs.global_model"]
+    assert model_event[-1]["extra"]["data_versions"] == metrics["data_versions"]
+
+    # Window 2: site-4 was late for window 1 and counts now; site-1 again; a forged site-3.
+    _announce(stack, "site-4", "v2")
+    _no_new_run(stack, 1, seconds=4)
+    _post_signed(stack, keys, "site-3", "forged", signer="site-1")
+    _post_signed(stack, keys, "site-1", "v2", signer="site-1")
+    second = _wait_runs(stack, 2)[-1]["dag_run_id"]
+    assert stack.wait_for_run(DAG_ID, second) == "success"
+    prepared = _xcom(stack, second, "prepare")
+    assert prepared["participants"] == ["site-1", "site-4"], prepared
+    assert "its announcement was refused" in prepared["sat_out"]["site-3"]
+    assert "not by 'site-3'" in prepared["sat_out"]["site-3"]
+    assert "warm start from run " + first in prepared["source"]
+
+    # The same participants by hand (the form's `sites`): the bitwise-same model.
+    manual_1 = stack.trigger(DAG_ID, conf={"warm_start": False, "sites": ["site-1", "site-2", "site-3"]})
+    assert stack.wait_for_run(DAG_ID, manual_1) == "success"
+    manual_2 = stack.trigger(DAG_ID, conf={"warm_start": True, "sites": ["site-1", "site-4"]})
+    assert stack.wait_for_run(DAG_ID, manual_2) == "success"
+    data_model, manual_model = _final_tensors(stack, second), _final_tensors(stack, manual_2)
+    assert data_model.keys() == manual_model.keys()
+    for name in data_model:
+        assert data_model[name].tobytes() == manual_model[name].tobytes(), name
+    assert not np.array_equal(data_model["w"], _final_tensors(stack, first)["w"])  # warm start moved it on
