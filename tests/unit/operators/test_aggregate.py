@@ -126,3 +126,29 @@ def test_fedadam_state_is_stored_per_round_pinned_and_a_retry_writes_the_same_by
         path.unlink()
     with pytest.raises(AirflowFailException, match=r"the server state of round 1 .* is missing"):
         round_2.execute(context(ti))
+
+
+class _StatesTI(FakeTI):
+    """The Task SDK's ``get_task_states``: every site task succeeded except the ``skipped`` ones."""
+
+    skipped: tuple[str, ...] = ()
+
+    def get_task_states(self, dag_id: str, task_ids: list[str], run_ids: list[str]) -> dict:
+        return {self.run_id: {t: "skipped" if t in self.skipped else "success" for t in task_ids}}
+
+
+def test_a_site_that_sat_the_run_out_is_not_a_skipped_site_to_clear(job) -> None:
+    """Issue 39: prepare skipped site-3 (no fresh data); the round counts the others and says why
+    site-3 is missing -- while a site skipped for no recorded reason still stops the round."""
+    store, plain = setup_round(job, {"site-1": 1.0, "site-2": 3.0})
+    ti = _StatesTI(xcoms=plain.xcoms)
+    ti.skipped = (SITES["site-3"],)
+    with pytest.raises(AirflowFailException, match="site-3 were skipped and never ran"):
+        operator(job).execute(context(ti))
+    ti.xcoms[("prepare", "return_value")] = {"sat_out": {"site-3": "no data announced since its last run"}}
+    op = AggregateOperator(task_id="global_model", job=job, round_num=1, site_task_ids=SITES, prepare_task_id="prepare")
+    summary = op.execute(context(ti))
+    assert summary["accepted"] == ["site-1", "site-2"]
+    assert summary["rejected"]["site-3"] == "sat this run out: no data announced since its last run"
+    params, _ = read_artifact(store.global_model(job.job, RUN_ID, 1))
+    np.testing.assert_allclose(params["w"], [2.0, 2.0, 2.0])

@@ -274,3 +274,51 @@ def test_a_run_id_dot_says_why_prepare_left_no_reason() -> None:
     view = build_run_view("d", {"dag_run_id": ".", "state": "failed", "conf": {}}, tis, {}, None)
     html = page.run_content(view, "", [])
     assert "cannot serve a run with the id &#x27;.&#x27;" in html and "no reason recorded" not in html
+
+
+def test_a_data_driven_run_shows_what_each_site_trained_on_and_why_one_sat_out() -> None:
+    """Issue 39: the run page's site data, and the reason in the skipped site's cells."""
+    xcoms = _xcoms(1, {"site-3": "sat this run out: no data announced since its last run"})
+    why = "no data announced since its last run"
+    xcoms["prepare"].update(
+        participants=["site-1", "site-2"],
+        sat_out={"site-3": why},
+        data={
+            "site-1": {"version": "v7", "samples": 120, "announced_at": "2026-12-06T07:00:00+00:00"},
+            "site-2": {"version": "2026-12", "samples": 80, "announced_at": "2026-12-06T07:10:00+00:00"},
+            "site-3": {"version": None, "samples": None, "announced_at": None, "reason": why},
+        },
+    )
+    tis = _tis(1, {"round_1.site-3": "skipped"})
+    view = build_run_view("d", {"dag_run_id": "r", "state": "success"}, tis, xcoms, None)
+    assert view.rounds[0].sites["site-3"].reason == "sat this run out: no data announced since its last run"
+    assert view.site_data["site-1"]["version"] == "v7" and view.site_data["site-3"]["reason"] == why
+    html = page.run_content(view, "", [])
+    table = html.split('<table class="site-data">')[1].split("</table>")[0]
+    assert '<tr data-site="site-1"><th>site-1</th><td>v7</td><td class="num">120</td>' in table
+    assert "trained on it" in table and escape(why) in table
+
+
+def test_the_job_page_lists_each_sites_latest_announcement_and_the_run_that_consumed_it() -> None:
+    from flare_airflow.ui.view import latest_announcements
+
+    def event(site: str, version: str, when: str, runs: list[dict]) -> dict:
+        return {"partition_key": site, "timestamp": when, "created_dagruns": runs,
+                "extra": {"version": version, "samples": 5, "announced_at": when}}  # fmt: skip
+
+    events = [
+        event("site-1", "v1", "2026-12-06T07:00:00", [{"dag_id": "d", "run_id": "run-1"}]),
+        event("site-1", "v2", "2026-12-06T08:00:00", []),
+        event(
+            "site-2",
+            "v1",
+            "2026-12-06T07:01:00",
+            [{"dag_id": "other", "run_id": "x"}, {"dag_id": "d", "run_id": "run-1"}],
+        ),
+    ]
+    latest = latest_announcements(events, "d")
+    assert latest["site-1"] == {"version": "v2", "samples": 5, "announced_at": "2026-12-06T08:00:00", "run_id": None}
+    assert latest["site-2"]["run_id"] == "run-1"
+    html = page.dag_page("", "d", [], latest)
+    assert "not consumed yet: waits for the quorum of the next run" in html
+    assert '<a href="/flare/dags/d/runs/run-1">run-1</a>' in html or ">run-1</a>" in html
