@@ -53,6 +53,7 @@ from pathlib import Path
 
 import bench_confinement
 import bench_containers
+import bench_data_trigger
 import bench_e2e
 import bench_edge
 import bench_fedavg
@@ -92,6 +93,7 @@ OWN_OUTPUTS = {
     "tracking": BENCH_DIR / "results" / "tracking.md",
     "containers": BENCH_DIR / "results" / "containers.md",
     "trust": BENCH_DIR / "results" / "trust.md",
+    "data-trigger": BENCH_DIR / "results" / "data_trigger.md",
 }
 
 
@@ -121,6 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "tracking",
             "containers",
             "trust",
+            "data-trigger",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -199,6 +202,10 @@ def main(argv: list[str]) -> int:
             log("[trust] signing and verifying records at 256 MiB; a hello round before and with trust ...")
             tables = bench_trust.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Trust: signed records, their cost", tables))
+        if args.only == "data-trigger":
+            log("[data-trigger] quorum-forming announcement to the first site task, real scheduler ...")
+            tables = bench_data_trigger.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Runs driven by the sites' data: from the announcement to the run (issue 39)", tables))
         if args.only == "tracking":
             log("[tracking] digits: no tracking, MLflow embedded, MLflow server; under the real scheduler ...")
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)

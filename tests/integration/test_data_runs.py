@@ -4,7 +4,8 @@ One stack start for every scenario, one after another, on one job of 4 sites (mi
 min_clients 2, warm start on): two announcements start nothing, a duplicate is one, the third
 site starts exactly one run over those three; a late site's announcement waits for the next
 window with a forged one (site-1's key under site-3's name) that Airflow counts and ``prepare``
-refuses; then two manual runs with the same participants give the bitwise-same model.
+refuses. Two manual runs of the same job (another DAG, run alongside) with the same participants
+give the bitwise-same model as the two data-driven ones.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flare_airflow_testing.harness import behave_job
 from flare_airflow_testing.stack import BIN, AirflowStack, Postgres
 
 DAG_ID = "flare_data_runs"
+MANUAL_DAG_ID = "flare_data_runs_manual"
 SITES = ("site-1", "site-2", "site-3", "site-4")
 
 
@@ -68,8 +70,8 @@ def _post_signed(stack: AirflowStack, keys: TrustSettings, site: str, version: s
     stack.api("POST", "/assets/events", json={"asset_id": asset["id"], "partition_key": site, "extra": extra})
 
 
-def _runs(stack: AirflowStack) -> list[dict[str, Any]]:
-    runs = stack.api("GET", f"/dags/{DAG_ID}/dagRuns", params={"order_by": "id"})["dag_runs"]
+def _runs(stack: AirflowStack, dag_id: str = DAG_ID) -> list[dict[str, Any]]:
+    runs = stack.api("GET", f"/dags/{dag_id}/dagRuns", params={"order_by": "id"})["dag_runs"]
     return sorted(runs, key=lambda r: r["run_after"])
 
 
@@ -83,14 +85,14 @@ def _wait_runs(stack: AirflowStack, count: int, timeout: float = 90) -> list[dic
     raise AssertionError(f"{count} run(s) of {DAG_ID} expected, found {len(_runs(stack))}")
 
 
-def _xcom(stack: AirflowStack, run_id: str, task_id: str) -> Any:
-    body = stack.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value")
+def _xcom(stack: AirflowStack, run_id: str, task_id: str, dag_id: str = DAG_ID) -> Any:
+    body = stack.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value")
     value = body["value"]
     return json.loads(value) if isinstance(value, str) else value
 
 
-def _final_tensors(stack: AirflowStack, run_id: str) -> dict[str, np.ndarray]:
-    published = _xcom(stack, run_id, "publish")
+def _final_tensors(stack: AirflowStack, run_id: str, dag_id: str = DAG_ID) -> dict[str, np.ndarray]:
+    published = _xcom(stack, run_id, "publish", dag_id)
     params, _ = read_artifact(pathlib.Path(published["final_model"].removeprefix("file:")))  # type: ignore[arg-type]
     return params
 
@@ -105,16 +107,14 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
     keys = TrustSettings(key_dir=str(stack.home / "flare-keys"))
     for site in SITES:
         generate_keys(site, party_dir(pathlib.Path(keys.key_dir), site))
-    folder = stack.dags / "data_runs"
-    folder.mkdir()
-    job = behave_job(folder, "data-runs", sites=4, rounds=1, min_clients=2, args=[])
+    job = behave_job(tmp_path, "data-runs", sites=4, rounds=1, min_clients=2, args=[])
     job["warm_start"] = True
-    job["trigger"] = {"on_data": {"min_sites": 3, "window": "1d"}}
-    (folder / "job.yaml").write_text(yaml.safe_dump(job))
-    (folder / "dag.py").write_text(
-        "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
-        "dag = build_dag(Path(__file__).with_name('job.yaml'))\n"
-    )
+    # The same job by hand, run next to the data-driven one (its own DAG and store): two manual
+    # runs with the participants the two data-driven runs will have.
+    _write_dag(stack.dags / "manual", {**job, "job": "data-runs-manual"})
+    _write_dag(stack.dags / "data", {**job, "trigger": {"on_data": {"min_sites": 3, "window": "1d"}}})
+    manual_1 = stack.trigger(MANUAL_DAG_ID, conf={"warm_start": False, "sites": ["site-1", "site-2", "site-3"]})
+    manual_2 = stack.trigger(MANUAL_DAG_ID, conf={"warm_start": True, "sites": ["site-1", "site-4"]})
     stack.wait_for_dag(DAG_ID)
     stack.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
 
@@ -122,7 +122,7 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
     _announce(stack, "site-1", "v1")
     _announce(stack, "site-2", "v1")
     _announce(stack, "site-2", "v1")
-    _no_new_run(stack, 0)
+    _no_new_run(stack, 0, seconds=6)
     formed = _announce(stack, "site-3", "v1")
     first = _wait_runs(stack, 1)[0]["dag_run_id"]
     assert stack.wait_for_run(DAG_ID, first) == "success"
@@ -158,13 +158,23 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
     assert "not by 'site-3'" in prepared["sat_out"]["site-3"]
     assert "warm start from run " + first in prepared["source"]
 
-    # The same participants by hand (the form's `sites`): the bitwise-same model.
-    manual_1 = stack.trigger(DAG_ID, conf={"warm_start": False, "sites": ["site-1", "site-2", "site-3"]})
-    assert stack.wait_for_run(DAG_ID, manual_1) == "success"
-    manual_2 = stack.trigger(DAG_ID, conf={"warm_start": True, "sites": ["site-1", "site-4"]})
-    assert stack.wait_for_run(DAG_ID, manual_2) == "success"
-    data_model, manual_model = _final_tensors(stack, second), _final_tensors(stack, manual_2)
+    # The same participants by hand: the bitwise-same model.
+    assert stack.wait_for_run(MANUAL_DAG_ID, manual_1) == "success"
+    assert stack.wait_for_run(MANUAL_DAG_ID, manual_2) == "success"
+    by_hand = _xcom(stack, manual_2, "prepare", MANUAL_DAG_ID)
+    assert by_hand["participants"] == ["site-1", "site-4"] and "warm start from run " + manual_1 in by_hand["source"]
+    data_model = _final_tensors(stack, second)
+    manual_model = _final_tensors(stack, manual_2, MANUAL_DAG_ID)
     assert data_model.keys() == manual_model.keys()
     for name in data_model:
         assert data_model[name].tobytes() == manual_model[name].tobytes(), name
     assert not np.array_equal(data_model["w"], _final_tensors(stack, first)["w"])  # warm start moved it on
+
+
+def _write_dag(folder: pathlib.Path, job: dict[str, Any]) -> None:
+    folder.mkdir()
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    (folder / "dag.py").write_text(
+        "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
+        "dag = build_dag(Path(__file__).with_name('job.yaml'))\n"
+    )

@@ -168,3 +168,29 @@ def test_the_cli_cannot_sign_for_a_site_whose_key_is_elsewhere(tmp_path, monkeyp
     assert data_ready.signed_announcement("site-1", "v1", 5, create_key=False)["signed"]["payload"]["site"] == "site-1"
     with pytest.raises((AnnouncementError, TrustError), match="no signing key"):
         data_ready.signed_announcement("site-2", "v1", 5, create_key=False)
+
+
+def test_the_operator_announces_for_its_site_on_the_sites_queue(tmp_path, monkeypatch) -> None:
+    from airflow.sdk.execution_time.context import OutletEventAccessors
+
+    from flare_airflow.operators import data_ready
+
+    worker = TrustSettings(key_dir=str(tmp_path / "keys"))
+    monkeypatch.setattr(data_ready, "trust_settings", lambda: worker)
+    op = data_ready.DataReadyOperator(task_id="data_ready", site="site-1", version="2026-12-06", samples="250")
+    assert op.queue == "site-1"
+    events = OutletEventAccessors()
+    summary = op.execute({"outlet_events": events})  # type: ignore[arg-type]
+    event = events[site_data_asset()]
+    assert event.partition_keys == {"site-1"}
+    assert summary == {
+        "site": "site-1",
+        "version": "2026-12-06",
+        "samples": 250,
+        "announced_at": summary["announced_at"],
+    }
+    registry = worker.registry()
+    payload, _ = worker.verify(
+        event.extra["signed"], party="site-1", expect={"type": "data"}, what="x", registry=registry
+    )
+    assert payload is not None and payload["version"] == "2026-12-06"
