@@ -147,6 +147,10 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         RunBy("tests/unit/operators/test_aggregate_central_dp.py", "AIRFLOW_VAR_FLARE_CENTRAL_NOISE_SECRET"),
     ),
     (
+        r"^flare-airflow site data-ready\b",
+        RunBy("tests/integration/test_data_runs.py", '"site", "data-ready", site, "--version"'),
+    ),
+    (
         r"^flare-airflow site budget\b",
         RunBy("tests/unit/core/test_privacy_ledger.py", '"site", "budget", "--policy"'),
     ),
