@@ -346,6 +346,11 @@ def build_dag(
         f"Federated job {cfg.job}: {cfg.rounds} rounds of {cfg.aggregator.label} over {len(cfg.sites)} sites, "
         f"quorum {cfg.min_clients}"
     )
+    if cfg.on_data is not None:
+        summary += (
+            f"; runs when {cfg.on_data.min_sites} of its {len(cfg.sites)} sites announced fresh data "
+            f"(window {cfg.on_data.window})"
+        )
     # The DAG list shows `description`; the DAG's Docs tab shows `doc_md`: what the DAG runs.
     dag_kwargs.setdefault("description", summary[:200])
     dag_kwargs.setdefault("doc_md", _job_doc(cfg, job))

@@ -368,15 +368,15 @@ async def index(request: Request, user: GetUserDep) -> str:
 async def dag_runs(request: Request, dag_id: str) -> str:
     async with AirflowAPI(request) as api:
         body = await api.get(f"/dags/{segment(dag_id)}/dagRuns", limit=50, order_by="-run_after")
-        latest = await _announcements(api, dag_id)
-    return page.dag_page(ui_base(), dag_id, body["dag_runs"], latest)
+        dag = await api.get(f"/dags/{segment(dag_id)}/details", missing_ok=True) or {}
+        latest = await _announcements(api, dag_id, dag)
+    return page.dag_page(ui_base(), dag_id, body["dag_runs"], latest, str(dag.get("description") or ""))
 
 
-async def _announcements(api: AirflowAPI, dag_id: str) -> dict[str, dict[str, Any]]:
+async def _announcements(api: AirflowAPI, dag_id: str, dag: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The sites' latest data announcements and the runs of ``dag_id`` that consumed them (only
     for a DAG scheduled on the sites' data)."""
-    dag = await api.get(f"/dags/{segment(dag_id)}/details", missing_ok=True)
-    if not dag or SITE_DATA_ASSET not in json.dumps(dag.get("timetable_summary") or dag.get("asset_expression") or ""):
+    if SITE_DATA_ASSET not in json.dumps(dag.get("asset_expression") or ""):
         return {}
     assets = await api.get("/assets", name_pattern=SITE_DATA_ASSET, limit=10)
     ids = [a["id"] for a in (assets or {}).get("assets", []) if a.get("name") == SITE_DATA_ASSET]

@@ -154,6 +154,7 @@ def dag_page(
     dag_id: str,
     runs: Sequence[Mapping[str, Any]],
     announcements: Mapping[str, Mapping[str, Any]] | None = None,
+    description: str = "",
 ) -> str:
     rows = [
         f'<tr data-run="{escape(str(r["dag_run_id"]))}"><td><a href="'
@@ -168,7 +169,7 @@ def dag_page(
         "<table><tr><th>run</th><th>state</th><th>started</th><th>conf</th></tr>"
         + "".join(rows)
         + "</table>"
-        + announcements_table(ui_base, dag_id, announcements or {})
+        + announcements_table(ui_base, dag_id, announcements or {}, description)
     )
     return _doc(ui_base, dag_id, body)
 
@@ -352,10 +353,20 @@ def _consumed_by(ui_base: str, dag_id: str, run_id: Any) -> str:
     return f'<td><a href="{escape(run_page_path(dag_id, str(run_id), ui_base))}">{escape(str(run_id))}</a></td>'
 
 
-def announcements_table(ui_base: str, dag_id: str, latest: Mapping[str, Mapping[str, Any]]) -> str:
-    """Per site: its latest announced data version and when, and which run of the job consumed it."""
+def announcements_table(
+    ui_base: str, dag_id: str, latest: Mapping[str, Mapping[str, Any]], description: str = ""
+) -> str:
+    """Per site: its latest announced data version and when, and which run of the job consumed it;
+    above it, how many sites wait for a run and what starts one (the DAG's description)."""
     if not latest:
         return ""
+    waiting = sorted(site for site, a in latest.items() if not a.get("run_id"))
+    status = (
+        f'<p class="waiting">{len(waiting)} site(s) announced data no run has used yet: {escape(", ".join(waiting))}. '
+        f"No run yet: {escape(description) or 'the job waits for its quorum of sites'}.</p>"
+        if waiting
+        else ""
+    )
     rows = "".join(
         f'<tr data-site="{escape(site)}"><th>{escape(site)}</th><td>{escape(str(a.get("version") or ""))}</td>'
         f'<td class="num">{escape(str(a.get("samples") or ""))}</td><td>{escape(str(a.get("announced_at") or ""))}</td>'
@@ -363,7 +374,7 @@ def announcements_table(ui_base: str, dag_id: str, latest: Mapping[str, Mapping[
         for site, a in sorted(latest.items())
     )
     return (
-        '<h2>Site data</h2><table class="announcements"><tr><th>site</th><th>latest data version</th>'
+        f'<h2>Site data</h2>{status}<table class="announcements"><tr><th>site</th><th>latest data version</th>'
         f"<th>samples</th><th>announced</th><th>consumed by run</th></tr>{rows}</table>"
     )
 

@@ -115,6 +115,7 @@ def test_on_data_becomes_airflows_partitioned_schedule_with_the_quorum(tmp_path)
     assert mapper.wait_policy == MinimumCount(3)
     assert mapper.window == SegmentWindow(SITES)
     assert dag.params["sites"] == []
+    assert "runs when 3 of its 4 sites announced fresh data (window 1d)" in str(dag.description)
     # The scheduler reads the serialized DAG: the rollup must survive it.
     text = json.dumps(DagSerialization.to_dict(dag))
     assert SITE_DATA_ASSET in text and "MinimumCount" in text

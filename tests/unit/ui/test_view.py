@@ -319,6 +319,8 @@ def test_the_job_page_lists_each_sites_latest_announcement_and_the_run_that_cons
     latest = latest_announcements(events, "d")
     assert latest["site-1"] == {"version": "v2", "samples": 5, "announced_at": "2026-12-06T08:00:00", "run_id": None}
     assert latest["site-2"]["run_id"] == "run-1"
-    html = page.dag_page("", "d", [], latest)
+    why = "Federated job j: 1 rounds of FedAvg over 4 sites, quorum 2; runs when 3 of its 4 sites announced fresh data"
+    html = page.dag_page("", "d", [], latest, why)
     assert "not consumed yet: waits for the quorum of the next run" in html
+    assert f"1 site(s) announced data no run has used yet: site-1. No run yet: {why}." in html
     assert '<a href="/flare/dags/d/runs/run-1">run-1</a>' in html or ">run-1</a>" in html
