@@ -368,8 +368,13 @@ async def index(request: Request, user: GetUserDep) -> str:
 async def dag_runs(request: Request, dag_id: str) -> str:
     async with AirflowAPI(request) as api:
         body = await api.get(f"/dags/{segment(dag_id)}/dagRuns", limit=50, order_by="-run_after")
-        dag = await api.get(f"/dags/{segment(dag_id)}/details", missing_ok=True) or {}
-        latest = await _announcements(api, dag_id, dag)
+        # The site-data panel is extra: a user who may read the runs but not the DAG's details or
+        # the assets still gets the runs.
+        try:
+            dag = await api.get(f"/dags/{segment(dag_id)}/details", missing_ok=True) or {}
+            latest = await _announcements(api, dag_id, dag)
+        except HTTPException:
+            dag, latest = {}, {}
     return page.dag_page(ui_base(), dag_id, body["dag_runs"], latest, str(dag.get("description") or ""))
 
 

@@ -11,12 +11,14 @@ give the bitwise-same model as the two data-driven ones.
 from __future__ import annotations
 
 import datetime as dt
+import html
 import json
 import pathlib
 import subprocess
 import time
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import yaml
@@ -97,6 +99,15 @@ def _final_tensors(stack: AirflowStack, run_id: str, dag_id: str = DAG_ID) -> di
     return params
 
 
+def _job_page(stack: AirflowStack) -> str:
+    """The Federated runs page of the job (the per-site data panel), as the UI user sees it."""
+    r = httpx.get(
+        f"{stack.base}/flare/dags/{DAG_ID}", headers={"Authorization": f"Bearer {stack._login()}"}, timeout=60
+    )
+    r.raise_for_status()
+    return html.unescape(r.text)
+
+
 def _no_new_run(stack: AirflowStack, count: int, seconds: float = 8) -> None:
     """The scheduler loops every second: give it several loops to (wrongly) start a run."""
     time.sleep(seconds)
@@ -123,6 +134,9 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
     _announce(stack, "site-2", "v1")
     _announce(stack, "site-2", "v1")
     _no_new_run(stack, 0, seconds=6)
+    waiting = _job_page(stack)  # the UI says why there is no run
+    assert "2 site(s) announced data no run has used yet: site-1, site-2. No run yet:" in waiting, waiting
+    assert "runs when 3 of its 4 sites announced fresh data (window 1d)" in waiting
     formed = _announce(stack, "site-3", "v1")
     first = _wait_runs(stack, 1)[0]["dag_run_id"]
     assert stack.wait_for_run(DAG_ID, first) == "success"
@@ -157,6 +171,9 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
     assert "its announcement was refused" in prepared["sat_out"]["site-3"]
     assert "not by 'site-3'" in prepared["sat_out"]["site-3"]
     assert "warm start from run " + first in prepared["source"]
+    panel = _job_page(stack).split("<h2>Site data</h2>")[1]
+    assert '<tr data-site="site-2"><th>site-2</th><td>v1</td>' in panel and first in panel
+    assert '<tr data-site="site-4"><th>site-4</th><td>v2</td>' in panel and second in panel
 
     # The same participants by hand: the bitwise-same model.
     assert stack.wait_for_run(MANUAL_DAG_ID, manual_1) == "success"
