@@ -54,12 +54,14 @@ class RunParams:
     sites: tuple[str, ...] | None = None
 
 
-RUN_PARAMS = ("rounds", "min_clients", "warm_start", "sites")
+RUN_PARAMS = ("rounds", "min_clients", "warm_start")
+DATA_RUN_PARAMS = ("sites",)  # jobs with trigger.on_data: the form's Sites field
 
 
 def allowed_run_keys(job: JobConfig) -> list[str]:
     """The trigger conf keys a run of ``job`` understands."""
-    return [*RUN_PARAMS, *(HPARAM_PREFIX + key for key in job.trainer.hparams)]
+    data = DATA_RUN_PARAMS if job.on_data is not None else ()
+    return [*RUN_PARAMS, *data, *(HPARAM_PREFIX + key for key in job.trainer.hparams)]
 
 
 def _suggest(key: str, allowed: list[str]) -> str | None:
@@ -115,7 +117,7 @@ def run_params(context: Mapping[str, Any], job: JobConfig) -> RunParams:
     for key, default in job.trainer.hparams.items():
         if HPARAM_PREFIX + key in params:
             hparams[key] = _hparam(job, key, default, params[HPARAM_PREFIX + key])
-    sites = _sites(job, params.get("sites"))
+    sites = _sites(job, params.get("sites")) if job.on_data is not None else None
     # The budget is known before the run (the job's own noise and δ): the rounds beyond it are
     # skipped like rounds the form did not ask for, and the run publishes what it trained.
     return RunParams(

@@ -33,6 +33,7 @@ from flare_airflow_testing.stack import BIN, AirflowStack, Postgres
 
 DAG_ID = "flare_data_runs"
 MANUAL_DAG_ID = "flare_data_runs_manual"
+DAG_KW = f", dag_id={MANUAL_DAG_ID!r}, schedule=None"
 SITES = ("site-1", "site-2", "site-3", "site-4")
 
 
@@ -120,10 +121,12 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
         generate_keys(site, party_dir(pathlib.Path(keys.key_dir), site))
     job = behave_job(tmp_path, "data-runs", sites=4, rounds=1, min_clients=2, args=[])
     job["warm_start"] = True
-    # The same job by hand, run next to the data-driven one (its own DAG and store): two manual
+    # The same job by hand, run next to the data-driven one: a DAG of its own that runs only from
+    # the form, with a store of its own (its warm starts read their own latest.json). Two manual
     # runs with the participants the two data-driven runs will have.
-    _write_dag(stack.dags / "manual", {**job, "job": "data-runs-manual"})
-    _write_dag(stack.dags / "data", {**job, "trigger": {"on_data": {"min_sites": 3, "window": "1d"}}})
+    job["trigger"] = {"on_data": {"min_sites": 3, "window": "1d"}}
+    _write_dag(stack.dags / "data", job)
+    _write_dag(stack.dags / "manual", {**job, "store": str(tmp_path / "by-hand")}, DAG_KW)
     manual_1 = stack.trigger(MANUAL_DAG_ID, conf={"warm_start": False, "sites": ["site-1", "site-2", "site-3"]})
     manual_2 = stack.trigger(MANUAL_DAG_ID, conf={"warm_start": True, "sites": ["site-1", "site-4"]})
     stack.wait_for_dag(DAG_ID)
@@ -188,10 +191,10 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
     assert not np.array_equal(data_model["w"], _final_tensors(stack, first)["w"])  # warm start moved it on
 
 
-def _write_dag(folder: pathlib.Path, job: dict[str, Any]) -> None:
+def _write_dag(folder: pathlib.Path, job: dict[str, Any], kwargs: str = "") -> None:
     folder.mkdir()
     (folder / "job.yaml").write_text(yaml.safe_dump(job))
     (folder / "dag.py").write_text(
         "from pathlib import Path\nfrom flare_airflow.builder import build_dag\n"
-        "dag = build_dag(Path(__file__).with_name('job.yaml'))\n"
+        f"dag = build_dag(Path(__file__).with_name('job.yaml'){kwargs})\n"
     )
