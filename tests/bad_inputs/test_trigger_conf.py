@@ -369,3 +369,32 @@ def test_the_form_shows_the_strategy_bounds_and_takes_a_value_inside(tmp_path: p
     assert "allowed: 0.0 <= fedprox_mu <= 1000000.0" in param.description
     assert "minimum" not in param.schema and "maximum" not in param.schema
     assert run_params(context(job, {"hp_fedprox_mu": 0.5}), job).hparams["fedprox_mu"] == 0.5
+
+
+# The Sites field of a job run by the sites' data (issue 39): names of the job's sites, once each.
+DATA_CASES = [
+    Case("conf-sites-unknown", "trigger_conf", '{"sites": ["site-9"]} in a job of site-1 and site-2',
+         "sites: 'site-9' not in job 'demo' (its sites: site-1, site-2)"),
+    Case("conf-sites-not-a-list", "trigger_conf", '{"sites": "site-1"} (a name, not a list)',
+         "sites must be a list of site names, got 'site-1'"),
+    Case("conf-sites-twice", "trigger_conf", '{"sites": ["site-1", "site-1"]}',
+         "sites names a site twice"),
+]  # fmt: skip
+DATA_CONF = {"conf-sites-unknown": ["site-9"], "conf-sites-not-a-list": "site-1", "conf-sites-twice": ["site-1"] * 2}
+CASES = CASES + DATA_CASES
+
+
+@pytest.mark.parametrize("bad_case", DATA_CASES, ids=lambda c: c.id)
+def test_the_sites_of_a_data_driven_job_are_its_own(bad_case: Case, tmp_path: pathlib.Path) -> None:
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "init.safetensors").write_bytes(INITIAL_MODEL.read_bytes())
+    data = {
+        "job": "demo", "rounds": 1, "min_clients": 1, "initial_model": "init.safetensors",
+        "trainer": {"script": "train.py"}, "trigger": {"on_data": {"min_sites": 1}},
+        "sites": {"site-1": {}, "site-2": {}},
+    }  # fmt: skip
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    job = load_job(tmp_path / "job.yaml")
+    with pytest.raises(RunParamsError) as info:
+        run_params(context(job, {"sites": DATA_CONF[bad_case.id]}), job)
+    assert_clear(bad_case, str(info.value))
