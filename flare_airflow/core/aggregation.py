@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -24,12 +23,10 @@ from flare_airflow.core.errors import (
     AggregateNotFinite,
     FlareAirflowError,
     ModelFormatError,
-    QuorumNotReached,
     UpdateRejected,
 )
 from flare_airflow.core.model import (
     MAX_HEADER,
-    MAX_METRICS,
     ArtifactRecord,
     FiniteScan,
     Params,
@@ -41,6 +38,7 @@ from flare_airflow.core.model import (
     tensor_spec,
 )
 from flare_airflow.core.store import WritablePath
+from flare_airflow.core.tally import RoundOutcome, RoundTally
 
 # fedavg_from_store verifies this many updates side by side (two threads, each update in its own
 # read buffer), then adds them to the accumulator in one pass: peak memory is the float64
@@ -100,21 +98,6 @@ def update_weight(
     return weight, None
 
 
-@dataclass
-class RoundOutcome:
-    """What a round produced: the new global model and who counted."""
-
-    params: Params
-    accepted: dict[str, float]  # site -> effective weight
-    rejected: dict[str, str]  # site -> reason
-    metrics: dict[str, float]  # sample-weighted mean of the sites' metrics
-    site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    num_samples: int = 0
-    metrics_dropped: list[str] = field(default_factory=list)  # means left out: more than MAX_METRICS names
-    selected: list[str] | None = None  # the sites a selecting rule (Krum) combined; None: every accepted site
-    clipped: dict[str, float] = field(default_factory=dict)  # site -> factor its update was scaled by (norm bound)
-
-
 class PieceStep(Protocol):
     """A step after the mean, fed a piece of it at a time while it is in the CPU cache (a server
     optimizer: :class:`flare_airflow.core.strategies.server_optimizers.StepPieces`)."""
@@ -154,17 +137,17 @@ class FedAvg:
         self._scratch_lock = threading.Lock()
         self._diff_weight = 0.0
         self._total_weight = 0.0
-        self._metric_sums: dict[str, float] = {}
-        self._metric_weights: dict[str, float] = {}
-        self.accepted: dict[str, float] = {}
-        self.rejected: dict[str, str] = {}
-        self.site_metrics: dict[str, dict[str, float]] = {}
-        self.num_samples = 0
+        self.tally = RoundTally()
         self._consumed = False  # result() writes the new global model over the accumulators
         self._outcome: RoundOutcome | None = None
 
+    @property
+    def accepted(self) -> dict[str, float]:
+        """The sites counted so far, with their effective weights."""
+        return self.tally.accepted
+
     def reject(self, site: str, reason: str) -> None:
-        self.rejected[site] = reason
+        self.tally.reject(site, reason)
 
     def add(self, site: str, params: Params, record: ArtifactRecord) -> None:
         """Validate and accumulate one update; on a bad update the site is recorded as rejected."""
@@ -196,28 +179,23 @@ class FedAvg:
         """
         sites = [site for site, *_ in group]
         for site in sites:
-            if site in self.accepted or site in self.rejected or sites.count(site) > 1:
+            self.tally.check_new(site)
+            if sites.count(site) > 1:
                 raise FlareAirflowError(f"site {site!r} already counted in this round")
             if self._consumed:
                 raise FlareAirflowError(f"site {site!r} arrived after the round's result was computed")
         counted: list[tuple[Params, np.float64]] = []
         for site, params, record, rejected in group:
-            samples = record.num_samples if record.num_samples is not None else 1
             if rejected is None:
                 weight, rejected = update_weight(site, record, self.site_weights)
             if rejected is not None:
-                self.rejected[site] = rejected.reason
+                self.tally.reject(site, rejected.reason)
                 continue
             counted.append((params, np.float64(weight)))
             if record.params_type is ParamsType.DIFF:
                 self._diff_weight += weight
             self._total_weight += weight
-            self.accepted[site] = weight
-            self.num_samples += samples
-            self.site_metrics[site] = dict(record.metrics)
-            for key, value in record.metrics.items():
-                self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
-                self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
+            self.tally.accept(site, record, weight)
         if not counted:
             return
         # More parts than threads: whichever thread is on a core takes the next part.
@@ -251,8 +229,7 @@ class FedAvg:
         tensor's dtype first (as the step would see the whole mean) -- the model is bitwise what the
         step gives applied to the whole mean, without reading the mean from memory again.
         """
-        if len(self.accepted) < self.min_clients:
-            raise below_quorum(sorted(self.accepted), self.min_clients, self.rejected)
+        self.tally.check_quorum(self.min_clients)
         if self._outcome is not None:
             return self._outcome
         if self._consumed:
@@ -303,47 +280,8 @@ class FedAvg:
                     if not np.isfinite(flat[s:e]).all():
                         raise self._not_finite(name, f"the server optimizer's step is not finite in {ref.dtype}")
             out[name] = res
-        metrics, dropped = round_metrics(self._metric_sums, self._metric_weights)
-        self._outcome = RoundOutcome(
-            params=out,
-            accepted=dict(self.accepted),
-            rejected=dict(self.rejected),
-            metrics=metrics,
-            site_metrics=dict(self.site_metrics),
-            num_samples=self.num_samples,
-            metrics_dropped=dropped,
-        )
+        self._outcome = self.tally.outcome(out)
         return self._outcome
-
-
-def failed_sites(rejected: Mapping[str, str]) -> str:
-    """Every rejected site with its reason, for a round's failure message."""
-    return "; ".join(f"{s}: {r}" for s, r in sorted(rejected.items())) or "none reported"
-
-
-def below_quorum(valid: Sequence[str], min_clients: int, rejected: Mapping[str, str]) -> QuorumNotReached:
-    """The one message of a round with fewer valid updates than ``min_clients``, whatever the rule."""
-    return QuorumNotReached(
-        f"{len(valid)} valid update(s) from {list(valid)}, min_clients is {min_clients}. "
-        f"Failed sites: {failed_sites(rejected)}. The global model was not updated."
-    )
-
-
-def round_metrics(sums: Mapping[str, float], weights: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
-    """The round's sample-weighted metric means, and the names left out of them.
-
-    Each site's metrics are finite, but their sample-weighted sum may not be: such a mean is left out.
-    Each site sends at most ``MAX_METRICS``, but sites may name different ones: the round (one
-    artifact record, one XCom) keeps the ones reported for the most samples.
-    """
-    metrics = {k: sums[k] / weights[k] for k in sorted(sums)}
-    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
-    dropped: list[str] = []
-    if len(metrics) > MAX_METRICS:
-        kept = sorted(metrics, key=lambda k: (-weights[k], k))[:MAX_METRICS]
-        dropped = sorted(set(metrics) - set(kept))
-        metrics = {k: metrics[k] for k in sorted(kept)}
-    return metrics, dropped
 
 
 def _pinned_digest(
