@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flare_airflow.core.aggregation import update_weight
 from flare_airflow.core.errors import AggregateNotFinite, FlareAirflowError
 from flare_airflow.core.model import ParamsType, tensor_spec
 from flare_airflow.core.privacy.central import CentralDP
 from flare_airflow.core.strategies.base import RuleKind, Strategy
 from flare_airflow.core.tally import RoundOutcome, RoundTally
+from flare_airflow.core.update_reader import update_weight
 
 if TYPE_CHECKING:
     from flare_airflow.core.errors import UpdateRejected

@@ -28,14 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from flare_airflow.core.aggregation import (
-    _GROUP,
-    FedAvg,
-    UpdateReader,
-    side_by_side_runner,
-    stream_from_store,
-    update_weight,
-)
+from flare_airflow.core.aggregation import FedAvg, stream_from_store
 from flare_airflow.core.errors import FlareAirflowError, ModelFormatError, QuorumNotReached
 from flare_airflow.core.model import ArtifactRecord, Params, ParamsType, read_record, tensor_spec
 from flare_airflow.core.store import WritablePath, open_for_reading
@@ -43,6 +36,7 @@ from flare_airflow.core.strategies.base import ChunkRule, PostStep, StepContext,
 from flare_airflow.core.strategies.norm_bound import clip_factor, update_norm
 from flare_airflow.core.strategies.server_optimizers import ServerOptimizer
 from flare_airflow.core.tally import RoundOutcome, RoundTally
+from flare_airflow.core.update_reader import GROUP, UpdateReader, side_by_side_runner, update_weight
 
 CHUNK_BYTES = (
     8 << 20
@@ -183,9 +177,9 @@ def chunked_from_store(
 
     ordered = sorted(updates, key=lambda u: u[0])
     with side_by_side_runner() as side_by_side:
-        for start in range(0, len(ordered), _GROUP):
+        for start in range(0, len(ordered), GROUP):
             group = side_by_side(
-                [partial(inspect, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
+                [partial(inspect, slot, *update) for slot, update in enumerate(ordered[start : start + GROUP])]
             )
             for site, path, record, reason, offsets, scale in group:
                 tally.check_new(site)
