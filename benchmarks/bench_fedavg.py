@@ -321,7 +321,7 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
-    from flare_airflow.core.aggregation import FedAvg, check_spec
+    from flare_airflow.core.aggregation import FedAvg
     from flare_airflow.core.model import (
         FiniteScan,
         all_finite,
@@ -331,6 +331,7 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
         read_record,
         read_verified,
     )
+    from flare_airflow.core.update_reader import check_spec
 
     store, reps = Path(args["store"]), int(args["reps"])
     path = _update_path(store, 0)

@@ -20,10 +20,10 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, TaskGroup
 
-from flare_airflow.core.backends import load, sweeps
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.core.config.job import HparamRange
 from flare_airflow.operators.aggregate import AggregateOperator
+from flare_airflow.operators.bindings import binding, sweeps
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
 from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
 from flare_airflow.operators.sweep import sweep_groups
@@ -130,7 +130,7 @@ def _hparam_param(key: str, value: Any, bounds: HparamRange | None) -> Param:
 def site_task(job: JobConfig, site: str, round_num: int, **kwargs: Any) -> Any:
     """The site's task for one round, chosen by the site's launcher (site policy, not the DAG's):
     its backend's fused site-task class, imported only when a job has such a site."""
-    operator = load(job.sites[site].backend.site_task)
+    operator = binding(job.sites[site].launcher).site_task
     return operator(job=job, site=site, round_num=round_num, **kwargs)
 
 
@@ -260,8 +260,7 @@ def add_rounds(job: JobConfig, only_site: str | None = None) -> tuple[PrepareRun
     # A teardown that fails the run: Mark run as failed does not skip it and its failure is the run's.
     publish >> verdict.as_teardown(on_failure_fail_dagrun=True)
     tasks += [prepare, *aggregates, publish, verdict]
-    for task_id, operator in sweeps(job.sites):
-        sweep_cls = load(operator)
+    for task_id, sweep_cls in sweeps(job.sites):
         for sweep_id, sites, where in sweep_groups(job, sweep_cls, task_id):
             # A teardown: runs when everything else is done, failed runs included, and does not
             # change the run's outcome.

@@ -7,7 +7,6 @@ from typing import Any
 
 def get_provider_info() -> dict[str, Any]:
     from flare_airflow import __version__
-    from flare_airflow.core.backends import BACKENDS
 
     return {
         "package-name": "flare-airflow",
@@ -24,9 +23,13 @@ def get_provider_info() -> dict[str, Any]:
         "operators": [
             {
                 "integration-name": "Federated learning",
-                # Each backend's site-task module (the registry's), then the backend-neutral ones.
+                # Each backend's site-task module (operators/bindings.py binds them), then the
+                # backend-neutral ones; tests/unit/test_get_provider_info.py checks the list is whole.
                 "python-modules": [
-                    *dict.fromkeys(b.site_task.rpartition(".")[0] for b in BACKENDS.values()),
+                    "flare_airflow.operators.site",
+                    "flare_airflow.operators.pod",
+                    "flare_airflow.operators.slurm",
+                    "flare_airflow.operators.container",
                     "flare_airflow.operators.site_job",
                     "flare_airflow.operators.aggregate",
                     "flare_airflow.operators.run",
@@ -43,9 +46,11 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {
                 "integration-name": "Federated learning",
-                # Each watchable backend's trigger module (the registry's), then NVFlare native mode's.
+                # Each watchable backend's trigger module, then NVFlare native mode's.
                 "python-modules": [
-                    *(b.trigger_module for b in BACKENDS.values() if b.trigger_module is not None),
+                    "flare_airflow.triggers.pod_state",
+                    "flare_airflow.triggers.slurm_state",
+                    "flare_airflow.triggers.container_state",
                     "flare_airflow.triggers.flare_job",
                 ],
             }

@@ -1,4 +1,4 @@
-"""Aggregation strategies. FedAvg: streaming, float64 accumulation, every update validated first.
+"""Streaming FedAvg: float64 accumulation, every update verified first (:mod:`.update_reader`).
 
 Memory does not grow with the number of sites: the accumulator has the size of the global model (in
 float64), and :func:`fedavg_from_store` holds at most two updates, in two reused buffers.
@@ -8,111 +8,36 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
 
 from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
-from flare_airflow.core.digests import BLAKE3, SHA256, available
 from flare_airflow.core.errors import (
     AggregateNotFinite,
     FlareAirflowError,
-    ModelFormatError,
-    QuorumNotReached,
     UpdateRejected,
 )
 from flare_airflow.core.model import (
-    MAX_HEADER,
-    MAX_METRICS,
     ArtifactRecord,
-    FiniteScan,
     Params,
     ParamsType,
-    all_finite,
-    check_num_samples,
-    read_record,
-    read_verified,
     tensor_spec,
 )
 from flare_airflow.core.store import WritablePath
+from flare_airflow.core.tally import RoundOutcome, RoundTally
+from flare_airflow.core.update_reader import (
+    GROUP,
+    THREADS,
+    UpdateReader,
+    side_by_side_runner,
+    update_weight,
+    validate_update,
+)
 
-# fedavg_from_store verifies this many updates side by side (two threads, each update in its own
-# read buffer), then adds them to the accumulator in one pass: peak memory is the float64
-# accumulator + this many updates, and the accumulator is loaded from memory once per group instead
-# of per update. Measured at 1 MiB x 256: groups of 4-16 small updates cost more CPU than they save
-# (each buffer is fresh memory, whose first touch costs more than the hand-overs between threads).
-_GROUP = 2
-_THREADS = 2
 _PARALLEL_ELEMENTS = 1 << 20  # from this much multiply-add work (elements x updates) the pass is split over the threads
-
-
-def check_spec(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
-    """Raise ``UpdateRejected`` unless ``params`` has the global model's names, shapes and dtypes."""
-    missing = sorted(set(expected) - set(params))
-    extra = sorted(set(params) - set(expected))
-    if missing or extra:
-        raise UpdateRejected(site, f"tensor names differ from the global model (missing {missing}, unexpected {extra})")
-    for name, (dtype, shape) in expected.items():
-        arr = params[name]
-        if arr.shape != shape:
-            raise UpdateRejected(site, f"tensor {name!r} has shape {arr.shape}, the global model has {shape}")
-        if str(arr.dtype) != dtype:
-            raise UpdateRejected(site, f"tensor {name!r} has dtype {arr.dtype}, the global model has {dtype}")
-
-
-def non_finite(site: str, name: str) -> UpdateRejected:
-    return UpdateRejected(site, f"tensor {name!r} contains NaN or infinite values")
-
-
-def validate_update(site: str, expected: Mapping[str, tuple[str, tuple[int, ...]]], params: Params) -> None:
-    """Raise ``UpdateRejected`` unless ``params`` matches the global model's names, shapes, dtypes
-    and holds no NaN or infinity.
-
-    ``expected`` is the global model's :func:`tensor_spec` -- from its arrays or, without reading
-    them, from its record (``read_record(path).tensors``).
-    """
-    check_spec(site, expected, params)
-    bad = all_finite(params)
-    if bad is not None:
-        raise non_finite(site, bad)
-
-
-def update_weight(
-    site: str, record: ArtifactRecord, site_weights: Mapping[str, float]
-) -> tuple[float, UpdateRejected | None]:
-    """The update's aggregation weight, ``num_samples`` (1 when absent) x the site's weight, or why it has none."""
-    samples = record.num_samples if record.num_samples is not None else 1
-    try:
-        check_num_samples(record.num_samples)
-        weight = float(samples) * float(site_weights.get(site, 1.0))
-    except (ModelFormatError, OverflowError, TypeError, ValueError) as exc:
-        return 0.0, UpdateRejected(site, f"unusable aggregation weight: {exc}")
-    if not (math.isfinite(weight) and weight > 0):
-        return weight, UpdateRejected(
-            site, f"aggregation weight is {weight} (num_samples x site weight); it must be finite and > 0"
-        )
-    return weight, None
-
-
-@dataclass
-class RoundOutcome:
-    """What a round produced: the new global model and who counted."""
-
-    params: Params
-    accepted: dict[str, float]  # site -> effective weight
-    rejected: dict[str, str]  # site -> reason
-    metrics: dict[str, float]  # sample-weighted mean of the sites' metrics
-    site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    num_samples: int = 0
-    metrics_dropped: list[str] = field(default_factory=list)  # means left out: more than MAX_METRICS names
-    selected: list[str] | None = None  # the sites a selecting rule (Krum) combined; None: every accepted site
-    clipped: dict[str, float] = field(default_factory=dict)  # site -> factor its update was scaled by (norm bound)
 
 
 class PieceStep(Protocol):
@@ -154,17 +79,17 @@ class FedAvg:
         self._scratch_lock = threading.Lock()
         self._diff_weight = 0.0
         self._total_weight = 0.0
-        self._metric_sums: dict[str, float] = {}
-        self._metric_weights: dict[str, float] = {}
-        self.accepted: dict[str, float] = {}
-        self.rejected: dict[str, str] = {}
-        self.site_metrics: dict[str, dict[str, float]] = {}
-        self.num_samples = 0
+        self.tally = RoundTally()
         self._consumed = False  # result() writes the new global model over the accumulators
         self._outcome: RoundOutcome | None = None
 
+    @property
+    def accepted(self) -> dict[str, float]:
+        """The sites counted so far, with their effective weights."""
+        return self.tally.accepted
+
     def reject(self, site: str, reason: str) -> None:
-        self.rejected[site] = reason
+        self.tally.reject(site, reason)
 
     def add(self, site: str, params: Params, record: ArtifactRecord) -> None:
         """Validate and accumulate one update; on a bad update the site is recorded as rejected."""
@@ -196,33 +121,28 @@ class FedAvg:
         """
         sites = [site for site, *_ in group]
         for site in sites:
-            if site in self.accepted or site in self.rejected or sites.count(site) > 1:
+            self.tally.check_new(site)
+            if sites.count(site) > 1:
                 raise FlareAirflowError(f"site {site!r} already counted in this round")
             if self._consumed:
                 raise FlareAirflowError(f"site {site!r} arrived after the round's result was computed")
         counted: list[tuple[Params, np.float64]] = []
         for site, params, record, rejected in group:
-            samples = record.num_samples if record.num_samples is not None else 1
             if rejected is None:
                 weight, rejected = update_weight(site, record, self.site_weights)
             if rejected is not None:
-                self.rejected[site] = rejected.reason
+                self.tally.reject(site, rejected.reason)
                 continue
             counted.append((params, np.float64(weight)))
             if record.params_type is ParamsType.DIFF:
                 self._diff_weight += weight
             self._total_weight += weight
-            self.accepted[site] = weight
-            self.num_samples += samples
-            self.site_metrics[site] = dict(record.metrics)
-            for key, value in record.metrics.items():
-                self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
-                self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
+            self.tally.accept(site, record, weight)
         if not counted:
             return
         # More parts than threads: whichever thread is on a core takes the next part.
         work = sum(a.size for a in self._acc.values()) * len(counted)
-        parts = 2 * _THREADS if run is not None and work >= _PARALLEL_ELEMENTS else 1
+        parts = 2 * THREADS if run is not None and work >= _PARALLEL_ELEMENTS else 1
         if parts == 1 or run is None:
             accumulate(self._acc, counted, self._scratches[0])
         else:
@@ -251,8 +171,7 @@ class FedAvg:
         tensor's dtype first (as the step would see the whole mean) -- the model is bitwise what the
         step gives applied to the whole mean, without reading the mean from memory again.
         """
-        if len(self.accepted) < self.min_clients:
-            raise below_quorum(sorted(self.accepted), self.min_clients, self.rejected)
+        self.tally.check_quorum(self.min_clients)
         if self._outcome is not None:
             return self._outcome
         if self._consumed:
@@ -303,175 +222,8 @@ class FedAvg:
                     if not np.isfinite(flat[s:e]).all():
                         raise self._not_finite(name, f"the server optimizer's step is not finite in {ref.dtype}")
             out[name] = res
-        metrics, dropped = round_metrics(self._metric_sums, self._metric_weights)
-        self._outcome = RoundOutcome(
-            params=out,
-            accepted=dict(self.accepted),
-            rejected=dict(self.rejected),
-            metrics=metrics,
-            site_metrics=dict(self.site_metrics),
-            num_samples=self.num_samples,
-            metrics_dropped=dropped,
-        )
+        self._outcome = self.tally.outcome(out)
         return self._outcome
-
-
-def failed_sites(rejected: Mapping[str, str]) -> str:
-    """Every rejected site with its reason, for a round's failure message."""
-    return "; ".join(f"{s}: {r}" for s, r in sorted(rejected.items())) or "none reported"
-
-
-def below_quorum(valid: Sequence[str], min_clients: int, rejected: Mapping[str, str]) -> QuorumNotReached:
-    """The one message of a round with fewer valid updates than ``min_clients``, whatever the rule."""
-    return QuorumNotReached(
-        f"{len(valid)} valid update(s) from {list(valid)}, min_clients is {min_clients}. "
-        f"Failed sites: {failed_sites(rejected)}. The global model was not updated."
-    )
-
-
-def round_metrics(sums: Mapping[str, float], weights: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
-    """The round's sample-weighted metric means, and the names left out of them.
-
-    Each site's metrics are finite, but their sample-weighted sum may not be: such a mean is left out.
-    Each site sends at most ``MAX_METRICS``, but sites may name different ones: the round (one
-    artifact record, one XCom) keeps the ones reported for the most samples.
-    """
-    metrics = {k: sums[k] / weights[k] for k in sorted(sums)}
-    metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
-    dropped: list[str] = []
-    if len(metrics) > MAX_METRICS:
-        kept = sorted(metrics, key=lambda k: (-weights[k], k))[:MAX_METRICS]
-        dropped = sorted(set(metrics) - set(kept))
-        metrics = {k: metrics[k] for k in sorted(kept)}
-    return metrics, dropped
-
-
-def _pinned_digest(
-    site: str,
-    path: WritablePath,
-    record: ArtifactRecord,
-    accepted_sha256: Mapping[str, str] | None,
-    accepted_blake3: Mapping[str, str] | None,
-) -> str:
-    """Check the record's digests against what the site task accepted; return the one to verify the file by."""
-    for algorithm, accepted, recorded in (
-        (SHA256, accepted_sha256, record.sha256),
-        (BLAKE3, accepted_blake3, record.blake3),
-    ):
-        expected = None if accepted is None else accepted.get(site)
-        if accepted is not None and (expected is not None or algorithm == SHA256) and recorded != expected:
-            raise ModelFormatError(
-                f"{path}: {algorithm} {(recorded or 'none')[:12]}… is not the update its site task accepted "
-                f"({(expected or 'none')[:12]}…): the file was replaced after the task checked it"
-            )
-    blake3_pinned = accepted_sha256 is None or (accepted_blake3 is not None and site in accepted_blake3)
-    return BLAKE3 if record.blake3 and blake3_pinned and BLAKE3 in available() else SHA256
-
-
-_T = TypeVar("_T")
-_Verified = tuple[str, Params, ArtifactRecord | None, str | None]  # site, tensors, record, why rejected
-
-
-class UpdateReader:
-    """Reads site updates from the store, each verified before it counts, into reused buffers.
-
-    One reader serves every aggregation rule (:func:`fedavg_from_store` and the chunked rules of
-    :mod:`flare_airflow.core.strategies.engine`): ``slots`` buffers, one per update read side by side.
-    """
-
-    def __init__(
-        self,
-        expected: Mapping[str, tuple[str, tuple[int, ...]]],
-        accepted_sha256: Mapping[str, str] | None,
-        accepted_blake3: Mapping[str, str] | None,
-        slots: int = _GROUP,
-    ) -> None:
-        self.expected = expected
-        self.accepted_sha256 = accepted_sha256
-        self.accepted_blake3 = accepted_blake3
-        # No update of the global model's tensors is larger: a record claiming more is refused before
-        # a buffer of that size is allocated.
-        self.max_size = (
-            8 + MAX_HEADER + sum(math.prod(shape) * np.dtype(dtype).itemsize for dtype, shape in expected.values())
-        )
-        self.buffers = [np.empty(0, dtype=np.uint8) for _ in range(slots)]
-
-    def _grown(self, slot: int, size: int) -> np.ndarray:
-        if self.buffers[slot].nbytes < size:
-            self.buffers[slot] = np.empty(0, dtype=np.uint8)  # the old one goes before the new one comes
-            self.buffers[slot] = np.empty(size, dtype=np.uint8)
-        return self.buffers[slot]
-
-    def read(self, slot: int, site: str, path: WritablePath | None, failure: str | None) -> _Verified:
-        """The update's tensors (views into buffer ``slot``) and record, or why it does not count."""
-        if path is None:
-            return site, {}, None, failure or "no update"
-        record = None
-        try:
-            record = read_record(path)
-            algorithm = _pinned_digest(site, path, record, self.accepted_sha256, self.accepted_blake3)
-            if record.size > self.max_size:
-                raise ModelFormatError(
-                    f"{path}: its record says {record.size} bytes, more than an update of the global model's "
-                    f"tensors can take ({self.max_size})"
-                )
-            scan = FiniteScan()  # NaN/inf are looked for piece by piece as the file is read and hashed
-            # The buffer grows only once the file's real size matched its record's.
-            params = read_verified(path, record, partial(self._grown, slot), scan, (algorithm,))
-            check_spec(site, self.expected, params)
-            if scan.bad is not None:
-                raise non_finite(site, scan.bad)
-        except UpdateRejected as exc:
-            return site, {}, record, exc.reason
-        except FlareAirflowError as exc:
-            return site, {}, record, str(exc)
-        except OSError as exc:  # the site's file vanished or cannot be read: that site does not count
-            return site, {}, record, f"{path}: cannot read the update ({exc.strerror or type(exc).__name__})"
-        return site, params, record, None
-
-    def release(self) -> None:
-        """Free the read buffers (before a result is computed: peak memory is the larger of the two phases)."""
-        self.buffers = [np.empty(0, dtype=np.uint8) for _ in self.buffers]
-
-
-@contextmanager
-def side_by_side_runner() -> Iterator[Callable[[Sequence[Callable[[], Any]]], list[Any]]]:
-    """A function running a list of calls on this thread and one pool thread, side by side."""
-    with ThreadPoolExecutor(max_workers=_THREADS - 1, thread_name_prefix="fedavg") as pool:
-
-        def side_by_side(calls: Sequence[Callable[[], _T]]) -> list[_T]:
-            """Run ``calls`` on this thread and the pool's one thread, whichever is free taking the next
-            call, and return their results in order; raise the first call's error once all have
-            stopped (they use the read buffers).
-
-            One hand-over to the pool's thread per list, not per call; on a loaded machine a thread
-            waiting for a core holds up nothing: this thread takes every call that thread has not
-            started. Which thread runs a call changes nothing in its result.
-            """
-            pending = deque(enumerate(calls))
-            results: list[_T | None] = [None] * len(calls)
-            errors: list[tuple[int, BaseException]] = []
-
-            def drain() -> None:
-                while True:
-                    try:
-                        i, call = pending.popleft()  # atomic: each call is taken by one thread
-                    except IndexError:
-                        return
-                    try:
-                        results[i] = call()
-                    except BaseException as exc:
-                        errors.append((i, exc))
-
-            helper = pool.submit(drain) if len(calls) > 1 else None
-            drain()
-            if helper is not None and not helper.cancel():
-                helper.result()
-            if errors:
-                raise min(errors, key=lambda e: e[0])[1]
-            return results  # type: ignore[return-value]  # every call returned
-
-        yield side_by_side
 
 
 def fedavg_from_store(
@@ -524,9 +276,9 @@ def stream_from_store(
     reader = UpdateReader(agg.expected, accepted_sha256, accepted_blake3)
     ordered = sorted(updates, key=lambda u: u[0])
     with side_by_side_runner() as side_by_side:
-        for start in range(0, len(ordered), _GROUP):
+        for start in range(0, len(ordered), GROUP):
             group = side_by_side(
-                [partial(reader.read, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
+                [partial(reader.read, slot, *update) for slot, update in enumerate(ordered[start : start + GROUP])]
             )
             for site, _, record, reason in group:
                 if record is None:

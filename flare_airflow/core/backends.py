@@ -1,18 +1,15 @@
-"""The backend registry: every way a site runs its jobs, and what the rest of the house asks of it.
+"""The backend registry's core: every way a site runs its jobs, and the traits the house reads.
 
 A backend is one package (``flare_airflow/launchers/<name>/``), one config block
-(``launcher_spec.<name>``) and one :class:`Backend` entry here. The config, the DAG builder, the
-launch task and sensor, try-trainer, the run's sweeps and the provider info read these entries;
-no other module compares backend names (``tests/unit/test_backend_registry.py`` fails if one does).
-
-The entries name the Airflow-side classes as dotted paths: this module is core (no Airflow
-import), and a backend's heavy client (``kubernetes``) is imported only when a job has such a site
-(astronomer-cosmos's mode -> operator dispatch, kept lazy).
+(``launcher_spec.<name>``), one :class:`Backend` entry here (what it is: its names and traits,
+read by the config, the site run and try-trainer) and one binding in
+:mod:`flare_airflow.operators.bindings` (the Airflow classes that run it: site task, launcher
+factory, sensor trigger, sweep). No other module compares backend names
+(``tests/unit/test_backend_registry.py`` fails if one does).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,19 +20,14 @@ BackendName = Literal["process", "k8s", "slurm", "container"]
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: its name, its config block and the Airflow classes that run its site jobs.
+    """One backend: its name, its config block and its traits (its Airflow classes are its binding).
 
     :param name: the ``launcher:`` value and the ``launcher_spec`` block's key.
     :param title: how messages name the backend's sites ("a Kubernetes site").
     :param aliases: other names a job may use (NVFlare's ``kubernetes``, ``docker``).
-    :param site_task: the fused site task's operator class (``watch: task``).
-    :param launcher: a function ``(job, site, *, try_number, sink, hidden) -> JobLauncherSpec``
-        building the site's launcher on this worker, or ``None`` when the site's jobs end with the
-        task that launched them (no ``watch: sensor``; a process job never outlives its task).
-    :param trigger: a function ``(job, site, handle, round_num) -> trigger`` for a deferrable sensor.
-    :param trigger_module: the module holding that trigger's class (the provider info lists it).
-    :param sweep: ``(task_id, operator class)`` of the run's teardown ending jobs the run left
-        behind, or ``None`` when the backend's jobs cannot outlive their task.
+    :param watchable: a sensor in another task can find and watch its jobs (its binding has a
+        launcher factory); ``False`` when the site's jobs end with the task that launched them
+        (a process job never outlives its task).
     :param on_worker: the job runs as a process of this worker (working directory, host GPU
         allocation, the worker's environment).
     :param site_env: the block's ``env`` goes into the site run's environment (a pod gets it from
@@ -56,12 +48,8 @@ class Backend:
 
     name: str
     title: str
-    site_task: str
     aliases: tuple[str, ...] = ()
-    launcher: str | None = None
-    trigger: str | None = None
-    trigger_module: str | None = None
-    sweep: tuple[str, str] | None = None
+    watchable: bool = False
     on_worker: bool = False
     site_env: bool = True
     worker_secrets: bool = True
@@ -77,11 +65,6 @@ class Backend:
         the store themselves."""
         return self.on_worker or self.store_as_files
 
-    @property
-    def watchable(self) -> bool:
-        """Whether a sensor in another task can find and watch this backend's jobs."""
-        return self.launcher is not None
-
     def block(self, launcher_spec: Any) -> Any:
         """This backend's block of a site's ``launcher_spec``."""
         return getattr(launcher_spec, self.name)
@@ -93,18 +76,13 @@ BACKENDS: Mapping[str, Backend] = {
         Backend(
             name="process",
             title="process",
-            site_task="flare_airflow.operators.site.SiteTrainOperator",
             on_worker=True,
         ),
         Backend(
             name="k8s",
             title="Kubernetes",
             aliases=("kubernetes",),
-            site_task="flare_airflow.operators.pod.SitePodOperator",
-            launcher="flare_airflow.operators.pod.kubernetes_launcher",
-            trigger="flare_airflow.operators.pod.pod_trigger",
-            trigger_module="flare_airflow.triggers.pod_state",
-            sweep=("sweep_pods", "flare_airflow.operators.run.SweepPodsOperator"),
+            watchable=True,
             site_env=False,
             worker_secrets=False,
             argv="image",
@@ -114,11 +92,7 @@ BACKENDS: Mapping[str, Backend] = {
         Backend(
             name="slurm",
             title="SLURM",
-            site_task="flare_airflow.operators.slurm.SiteSlurmOperator",
-            launcher="flare_airflow.operators.slurm.slurm_launcher",
-            trigger="flare_airflow.operators.slurm.slurm_trigger",
-            trigger_module="flare_airflow.triggers.slurm_state",
-            sweep=("sweep_slurm_jobs", "flare_airflow.operators.slurm.SweepSlurmJobsOperator"),
+            watchable=True,
             argv="cluster",
             confined_by="the cluster (cgroups, the submitting user)",
         ),
@@ -126,11 +100,7 @@ BACKENDS: Mapping[str, Backend] = {
             name="container",
             title="container",
             aliases=("docker", "podman"),
-            site_task="flare_airflow.operators.container.SiteContainerOperator",
-            launcher="flare_airflow.operators.container.container_launcher",
-            trigger="flare_airflow.operators.container.container_trigger",
-            trigger_module="flare_airflow.triggers.container_state",
-            sweep=("sweep_containers", "flare_airflow.operators.container.SweepContainersOperator"),
+            watchable=True,
             argv="image",
             needs_image=True,
             confined_by="their container",
@@ -152,22 +122,3 @@ def backend(name: str) -> Backend:
         return BACKENDS[canonical(name)]
     except KeyError:
         raise KeyError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}") from None
-
-
-def load(dotted: str) -> Any:
-    """The object a registry entry names (``package.module.attribute``), imported now."""
-    module, _, attribute = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def sweeps(sites: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(task_id, operator class)`` of the teardowns a run over ``sites`` (name -> site spec)
-    needs: one per backend that has a sweep and at least one site, in registry order."""
-    used = {site.launcher for site in sites.values()}
-    return [b.sweep for b in BACKENDS.values() if b.sweep is not None and b.name in used]
-
-
-def sites_swept_by(sites: Mapping[str, Any], operator: type) -> dict[str, Any]:
-    """The sites (name -> site spec) whose backend's sweep is ``operator``: what that teardown ends."""
-    path = f"{operator.__module__}.{operator.__qualname__}"
-    return {name: site for name, site in sites.items() if (b := backend(site.launcher)).sweep and b.sweep[1] == path}

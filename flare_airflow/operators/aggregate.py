@@ -29,7 +29,6 @@ from flare_airflow.core.privacy.secret import weak_secret_problem
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, record_path
 from flare_airflow.core.strategies import StepContext, aggregate_from_store
-from flare_airflow.core.strategies.central_dp import with_central_dp
 from flare_airflow.core.trust import TrustError
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
@@ -183,17 +182,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
             else:
                 reason = read_failure(path) or "no update: the site task failed before its trainer ran, or never ran"
                 updates.append((site, None, reason))
-        strategy = job.aggregator.strategy()
-        central = job.privacy.central
-        if central is not None:
-            key = central_noise_key(central_noise_secret(r), job.job, run_id, r)
-            strategy = with_central_dp(
-                strategy,
-                clip=central.clip,
-                noise_multiplier=central.noise_multiplier,
-                num_sites=len(job.sites),
-                key=key,
-            )
+        strategy = job.round_strategy(lambda: central_noise_key(central_noise_secret(r), job.job, run_id, r))
         state, state_out = self._server_state(context, store, run_id) if strategy.stateful else ({}, None)
         try:
             outcome, new_state = aggregate_from_store(
@@ -234,7 +223,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
         # Central DP: the release is recorded before it is written (a distinct sum is charged once).
         central_releases = (
             self._central_releases(store, run_id, {s: (accepted or {}).get(s) for s in outcome.accepted})
-            if central is not None
+            if job.privacy.central is not None
             else None
         )
         global_out = store.global_model(job.job, run_id, r)

@@ -15,10 +15,11 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 
 from flare_airflow.core.config import JobConfig
+from flare_airflow.core.spec import JobHandleSpec
 from flare_airflow.launchers.container import ContainerEngineError, ContainerJobHandle, ContainerLauncher
 from flare_airflow.operators.common import run_id_of
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
-from flare_airflow.operators.site_steps import site_argv, site_task_defaults
+from flare_airflow.operators.site_steps import site_argv
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.triggers.container_state import ContainerJobTrigger
 
@@ -38,19 +39,18 @@ def container_launcher(
     )
 
 
-def container_trigger(job: JobConfig, site: str, handle: ContainerJobHandle, round_num: int) -> ContainerJobTrigger:
+def container_trigger(job: JobConfig, site: str, handle: JobHandleSpec, round_num: int) -> ContainerJobTrigger:
     """A container site job's deferrable watch for the sensor: found again by its identity labels."""
+    if not isinstance(handle, ContainerJobHandle):
+        raise TypeError(f"site {site!r}: a container trigger watches a container, not {type(handle).__name__}")
     spec = job.sites[site]
     return ContainerJobTrigger.for_site(spec.launcher_spec.container, spec.resource_spec, handle.identity)
 
 
-class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):
+class SiteContainerOperator(SiteTaskLifecycle[ContainerJobHandle], BaseOperator):
     """Train one site for one round in a container (podman or docker) on the site's worker.
 
-    :param job: the validated job.
-    :param site: the site (its launcher is ``container``).
-    :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
-    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
+    Its arguments are the lifecycle's (:class:`~flare_airflow.operators.lifecycle.SiteTaskLifecycle`).
 
     Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
     """
@@ -58,19 +58,11 @@ class SiteContainerOperator(SiteTaskLifecycle, BaseOperator):
     ui_color = "#cfe3f0"
     # The Rendered Templates tab: which site job this is and what it runs; the job's environment
     # (secrets resolved per try) is never a template field.
-    template_fields: Sequence[str] = ("job_name", "site", "round_num", "engine", "image")
+    template_fields: Sequence[str] = (*SiteTaskLifecycle.site_template_fields, "engine", "image")
 
-    def __init__(
-        self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
-    ) -> None:
-        site_task_defaults(job, site, kwargs)
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        block = job.sites[site].launcher_spec.container
-        self.job = job
-        self.job_name = job.job
-        self.site = site
-        self.round_num = round_num
-        self.global_task_id = global_task_id
+        block = self.job.sites[self.site].launcher_spec.container
         self.engine = block.engine
         self.image = block.image
 

@@ -2,35 +2,44 @@
 
 astronomer-cosmos's shape (``AbstractDbtBase`` mixed into each execution mode's operator): the
 base owns the steps, in order -- may-run check, site policy, the site run, secrets, claim and
-clear, earlier tries, launch, watch, accept or fail -- and a backend's operator fills two hooks,
-:meth:`SiteTaskLifecycle.launch` and :meth:`SiteTaskLifecycle.watch` (keyword-only, as the cncf
-provider's pod callbacks). Every failure leaves the reason with its return code in the site's
-failure record (where the aggregation reads it) and in XCom; a job is never left running when
-the task ends, whichever way it ends.
+clear, earlier tries, launch, watch (in the worker or deferred to the triggerer), resume, accept
+or fail -- and a backend's operator fills hooks (keyword-only, as the cncf provider's pod
+callbacks): :meth:`SiteTaskLifecycle.argv`, :meth:`~SiteTaskLifecycle.launch`, and
+:meth:`~SiteTaskLifecycle.trigger` where its job is watched by a trigger. Every failure leaves the
+reason with its return code in the site's failure record (where the aggregation reads it) and in
+XCom; a job is never left running when the task ends, whichever way it ends.
+
+The lifecycle is generic over the backend's handle ``H`` (what :meth:`~SiteTaskLifecycle.launch`
+returns and every later step is handed) and needs of the operator it is mixed into only
+:class:`SiteTaskHost` (any ``BaseOperator``); ``tests/unit/operators/test_lifecycle.py`` runs it
+against a fake backend and a fake host.
 
 Every site task is built on it: the process task (:mod:`~flare_airflow.operators.site`), the pod
 task (:mod:`~flare_airflow.operators.pod`), the SLURM task (:mod:`~flare_airflow.operators.slurm`),
 the container task (:mod:`~flare_airflow.operators.container`) and the launch of the launch +
-sensor pair (:mod:`~flare_airflow.operators.site_job`, whose watch hands the job to the sensor).
+sensor pair (:mod:`~flare_airflow.operators.site_job`, whose watch hands the job to the sensor,
+which ends it with the same :func:`~flare_airflow.operators.site_outputs.finish_site_job`).
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, Protocol, TypeVar, cast, runtime_checkable
 
 from airflow.sdk import Context
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskDeferred
 
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError, StoreError
 from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobLauncherSpec, JobReturnCode
-from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.site_outputs import accept_update, claim_and_clear, last_lines
+from flare_airflow.operators.site_outputs import Summary, claim_and_clear, finish_site_job, record_site_failure
 from flare_airflow.operators.site_steps import (
     SiteJobFailed,
     check_site_budget,
@@ -40,33 +49,97 @@ from flare_airflow.operators.site_steps import (
     resolve_secret_env,
     site_failed,
     site_launcher,
+    site_task_defaults,
     try_number_of,
 )
 from flare_airflow.operators.staging import check_connection, is_local, staged
-from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
 
+if TYPE_CHECKING:
+    from airflow.sdk.types import Logger
+    from airflow.triggers.base import BaseTrigger
 
-class SiteTaskLifecycle(abc.ABC):
+#: The backend's handle of a launched site job: a launcher spec's ``JobHandleSpec``, a pod, or
+#: ``None`` for a job that is the task's own process.
+H = TypeVar("H")
+
+#: A trigger's event payload (JSON: ``status``, ``reason``, ``return_code`` and the backend's own keys).
+WatchEvent = dict[str, Any]
+
+
+@runtime_checkable
+class SiteTaskHost(Protocol):
+    """What the lifecycle asks of the operator it is mixed into; every ``BaseOperator`` has it."""
+
+    task_id: str
+    execution_timeout: timedelta | None
+
+    @property
+    def log(self) -> Logger: ...
+
+    def defer(
+        self,
+        *,
+        trigger: BaseTrigger,
+        method_name: str,
+        kwargs: dict[str, Any] | None = None,
+        timeout: timedelta | int | float | None = None,
+    ) -> NoReturn: ...
+
+
+class SiteTaskLifecycle(abc.ABC, Generic[H]):
     """The steps of one site's task of one round; mixed into a backend's operator (first base).
 
-    The operator sets ``job``, ``site``, ``round_num`` and ``global_task_id`` and provides ``log``
-    (``BaseOperator`` does). It fills :meth:`argv` and, where the launcher spec's defaults do not
-    fit, :meth:`launch` and :meth:`watch`; the other steps are methods too, overridden only where
-    a backend really differs (each override says why).
+    The operator is a :class:`SiteTaskHost` (``BaseOperator`` is). It fills :meth:`argv` and,
+    where the launcher spec's defaults do not fit, :meth:`launch`, :meth:`trigger` (a job watched
+    by a trigger: deferred to the triggerer when ``deferrable``, else run in the worker; both end
+    in :meth:`resume`), :meth:`on_event` and :meth:`end_job`; the other steps are methods too,
+    overridden only where a backend really differs (each override says why).
+
+    :param job: the validated job.
+    :param site: the site (a key of ``job.sites``).
+    :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
+    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
+
+    Every other keyword goes to the operator's own base class, after the site's defaults (pool,
+    queue, executor, retries, timeout) were filled in.
     """
 
-    job: JobConfig
-    site: str
-    round_num: int
-    global_task_id: str | None
-    log: Any
-    # The running job, for on_kill (whatever the backend's launch returned).
-    _handle: Any = None
+    #: The Rendered Templates tab's fields every site task shows: which site job this is.
+    site_template_fields: ClassVar[tuple[str, ...]] = ("job_name", "site", "round_num")
 
     #: The job sees the model store through a local copy staged on this worker (process and
     #: container jobs read the worker's files); a pod or a SLURM job reaches the store itself.
     stages_store: ClassVar[bool] = True
+
+    #: The method a deferred watch resumes in (the pod task keeps the stock operator's name).
+    resume_method: ClassVar[str] = "resume"
+
+    #: Watch in the triggerer (a backend with a :meth:`trigger`); set by the operator.
+    deferrable: bool = False
+
+    # The running job, for on_kill (whatever the backend's launch returned).
+    _handle: H | None = None
+
+    def __init__(
+        self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
+    ) -> None:
+        if not callable(getattr(type(self), "defer", None)):  # before the base class sees the site's defaults
+            raise TypeError(f"{type(self).__name__} mixes in SiteTaskLifecycle without an operator (SiteTaskHost)")
+        site_task_defaults(job, site, kwargs)
+        super().__init__(**kwargs)
+        if not isinstance(self, SiteTaskHost):
+            raise TypeError(f"{type(self).__name__} mixes in SiteTaskLifecycle without an operator (SiteTaskHost)")
+        self.job = job
+        self.job_name = job.job
+        self.site = site
+        self.round_num = round_num
+        self.global_task_id = global_task_id
+
+    @property
+    def host(self) -> SiteTaskHost:
+        """This task as the operator it is (checked in ``__init__``)."""
+        return cast(SiteTaskHost, self)
 
     # ------------------------------------------------------------------ the backend's hooks
 
@@ -78,7 +151,7 @@ class SiteTaskLifecycle(abc.ABC):
         """The site's launcher on this worker, from its backend's registry entry; its secrets'
         values are hidden from every line it shows. ``None``: the backend launches without one."""
         return site_launcher(
-            self.job, self.site, try_number=try_number, sink=lambda line: self.log.info("%s", line),
+            self.job, self.site, try_number=try_number, sink=lambda line: self.host.log.info("%s", line),
             hidden=list(secrets.values()),
         )  # fmt: skip
 
@@ -90,28 +163,44 @@ class SiteTaskLifecycle(abc.ABC):
         launcher: JobLauncherSpec | None,
         try_number: int,
         secrets: Mapping[str, str],
-    ) -> Any:
+    ) -> H:
         """Start the site job; what :meth:`watch` follows (by default the launcher spec's handle)."""
-        assert launcher is not None, "a backend without a launcher fills launch itself"
+        if launcher is None:
+            raise NotImplementedError(f"{type(self).__name__} launches without a launcher: it fills launch itself")
         handle = launcher.launch_job(run.site_job(), {"try_number": try_number, "secrets": dict(secrets)})
-        self.log.info("site job %s launched: %s", JobIdentity.of(run.site_job(), try_number).label, handle.where())
-        return handle
+        self.host.log.info("site job %s launched: %s", JobIdentity.of(run.site_job(), try_number).label, handle.where())
+        return cast(H, handle)  # a backend with a launcher spec is generic over its JobHandleSpec
 
-    def watch(self, *, context: Context, run: SiteRun, handle: Any) -> Any:
-        """Wait for the job to end, then accept or fail (:meth:`finish`); the task's XCom.
+    def trigger(self, *, context: Context, run: SiteRun, handle: H) -> BaseTrigger | None:
+        """The trigger that watches the job (the same one deferred or in the worker, so both modes
+        share one state table); ``None``: the handle's own ``wait`` in the worker."""
+        return None
 
-        By default the handle's own ``wait`` in the worker. A deferrable backend defers here
-        instead and calls :meth:`finish` from the method the triggerer resumes.
-        """
-        try:
-            rc = handle.wait()
-        except BaseException:
-            # Killed (SIGTERM -> on_kill), timed out or interrupted while waiting: the job must not outlive us.
+    def defer_watch(self, *, context: Context, trigger: BaseTrigger) -> None:
+        """Hand the watch to the triggerer; it resumes in :attr:`resume_method`. The deferral's
+        timeout is the execution deadline plus a minute: the trigger enforces the deadline itself
+        and ends the job, which Airflow's own timeout of a deferred task gives no chance to."""
+        self.host.defer(trigger=trigger, method_name=self.resume_method, timeout=self.defer_timeout(context))
+
+    def on_event(self, *, context: Context, run: SiteRun, event: WatchEvent) -> Summary:
+        """The trigger's event: accept, or end what may still run and fail with its return code."""
+        status = event.get("status")
+        if status == "success":
+            return self.finish(context, run, JobReturnCode.SUCCESS)
+        if status in ("error", "timeout"):
+            self.end_watched_job(event)  # it may still run: it must not outlive the task
+        rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
+        return self.finish(context, run, rc, reason=str(event.get("reason") or status))
+
+    def end_watched_job(self, event: WatchEvent) -> None:
+        """End the job a trigger's event names (a resumed task holds no handle)."""
+
+    def end_job(self, handle: H) -> None:
+        """End a job this task launched (killed, timed out, interrupted, or a failed watch)."""
+        if isinstance(handle, JobHandleSpec):
             handle.terminate()
-            raise
-        return self.finish(context, run, rc, handle=handle)
 
-    def reattach(self, *, launcher: JobLauncherSpec | None, identity: JobIdentity) -> Any:
+    def reattach(self, *, launcher: JobLauncherSpec | None, identity: JobIdentity) -> H | None:
         """This try's job when it was launched already (then nothing is cleared or launched);
         a site task's own job never is: it ends with the task."""
         return None
@@ -191,7 +280,7 @@ class SiteTaskLifecycle(abc.ABC):
             return []
         ended = launcher.terminate_earlier_tries(identity)
         if ended:
-            self.log.info("site job %s: ended the jobs of earlier tries: %s", identity.label, ", ".join(ended))
+            self.host.log.info("site job %s: ended the jobs of earlier tries: %s", identity.label, ", ".join(ended))
         return ended
 
     def run_site_job(self, context: Context, run: SiteRun) -> Any:
@@ -201,8 +290,8 @@ class SiteTaskLifecycle(abc.ABC):
         identity = JobIdentity.of(run.site_job(), try_number)
         with self.launch_errors(context, run):
             launcher = self.launcher(try_number=try_number, secrets=secrets)
-            handle = self.reattach(launcher=launcher, identity=identity)
-        if handle is None:
+            found = self.reattach(launcher=launcher, identity=identity)
+        if found is None:
             self.check_privacy_budget(context, run)
             self.claim(run)
             with self.launch_errors(context, run):
@@ -210,8 +299,76 @@ class SiteTaskLifecycle(abc.ABC):
                 handle = self.launch(
                     context=context, run=run, launcher=launcher, try_number=try_number, secrets=secrets
                 )
+        else:
+            handle = found
         self._handle = handle
         return self.watch(context=context, run=run, handle=handle)
+
+    def watch(self, *, context: Context, run: SiteRun, handle: H) -> Any:
+        """Wait for the job to end, then accept or fail; the task's XCom.
+
+        With a :meth:`trigger`: deferred to the triggerer when ``deferrable`` (resumed in
+        :meth:`resume`), else the same trigger run here. Without one: the handle's own ``wait``.
+        Whatever stops the watch before its decision (killed, timed out, interrupted, the
+        deferral refused) ends the job first.
+        """
+        try:
+            trigger = self.trigger(context=context, run=run, handle=handle)
+            if trigger is None:
+                if not isinstance(handle, JobHandleSpec):
+                    raise NotImplementedError(f"{type(self).__name__}: a job without a trigger is a JobHandleSpec")
+                rc = handle.wait()
+            else:
+                if self.deferrable:
+                    self.defer_watch(context=context, trigger=trigger)
+                event = self.run_trigger_here(trigger)
+        except (TaskDeferred, AirflowSkipException):
+            raise
+        except BaseException:
+            self.end_job(handle)
+            raise
+        if trigger is None:
+            return self.finish(context, run, rc, handle=handle)
+        if event.get("status") == "error":
+            # No triggerer to hand the watch back to: the job cannot be followed, so it ends here.
+            event = {**event, "status": "timeout"}
+        return self.resume(context, event)
+
+    def run_trigger_here(self, trigger: BaseTrigger) -> WatchEvent:
+        """The trigger's first event, waited for in this worker."""
+
+        async def first_event() -> WatchEvent:
+            async for event in trigger.run():
+                return dict(event.payload)
+            return {
+                "status": "error",
+                "return_code": int(JobReturnCode.INFRASTRUCTURE_ERROR),
+                "reason": f"{type(trigger).__name__} ended without an event",
+            }
+
+        return asyncio.run(first_event())
+
+    def resume(self, context: Context, event: WatchEvent) -> Summary:
+        """Where a watch ends (from the triggerer, or this worker): the event decides.
+
+        A task resumed from the triggerer is a new process that parsed the DAG afresh: the site
+        policy and the site run are made again before the backend reads the event.
+        """
+        self.apply_site_policy(context)
+        run = self.site_run(context)
+        return self.on_event(context=context, run=run, event=event)
+
+    def execution_deadline(self, context: Context | None) -> float | None:
+        """When the task's ``execution_timeout`` ends (epoch seconds), counted from its start."""
+        start = getattr(context["ti"], "start_date", None) if context else None
+        timeout = self.host.execution_timeout
+        if timeout is None or start is None:
+            return None
+        return float(start.timestamp() + timeout.total_seconds())
+
+    def defer_timeout(self, context: Context | None) -> timedelta | None:
+        deadline = self.execution_deadline(context)
+        return None if deadline is None else timedelta(seconds=max(0.0, deadline - time.time()) + 60)
 
     @contextlib.contextmanager
     def launch_errors(self, context: Context, run: SiteRun) -> Iterator[None]:
@@ -234,28 +391,16 @@ class SiteTaskLifecycle(abc.ABC):
             raise self.fail(context, run, JobReturnCode.INFRASTRUCTURE_ERROR, f"cannot launch: {detail}") from None
 
     def finish(
-        self, context: Context, run: SiteRun, rc: JobReturnCode, *, handle: Any = None, reason: str | None = None
-    ) -> dict[str, Any]:
+        self, context: Context, run: SiteRun, rc: JobReturnCode, *, handle: H | None = None, reason: str | None = None
+    ) -> Summary:
         """Accept the update of a job that succeeded, or fail with the job's reason and last lines."""
-        if rc is JobReturnCode.SUCCESS:
-            return accept_update(context, self.site, self.round_num, run)
-        if isinstance(handle, JobHandleSpec):
-            if not handle.state.finished:
-                handle.terminate()
-            reason = reason or handle.reason or handle.state.value
-            tail = last_lines(handle)
-            if tail:
-                reason += f"; its last log lines: {tail}"
-        raise self.fail(
-            context, run, rc if rc is not JobReturnCode.UNKNOWN else JobReturnCode.EXECUTION_ERROR, reason or rc.name
-        )
+        return finish_site_job(context, run, self.site, self.round_num, rc, handle=handle, reason=reason)
 
     def fail(self, context: Context, run: SiteRun, rc: JobReturnCode, reason: str) -> SiteJobFailed:
         """The site's failure: in its failure record, in XCom and in the returned exception."""
-        write_failure(path_from_uri(run.output), rc, reason)
-        return site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]")
+        return record_site_failure(context, run, self.site, self.round_num, rc, reason)
 
     def on_kill(self) -> None:
-        if isinstance(self._handle, JobHandleSpec):
-            self.log.info("task killed: ending site job %s", self._handle.where())
-            self._handle.terminate()
+        if self._handle is not None:
+            self.host.log.info("task killed: ending site job %s of %s", self.site, self.host.task_id)
+            self.end_job(self._handle)

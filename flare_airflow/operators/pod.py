@@ -10,12 +10,9 @@ deleted unless the site keeps pods for debugging; the task log carries the pod's
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.utils.pod_manager import OnFinishAction
@@ -46,10 +43,12 @@ from flare_airflow.operators.lifecycle import SiteTaskLifecycle
 from flare_airflow.operators.site_steps import (
     job_at_site,
     site_config_failed,
-    site_task_defaults,
 )
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.triggers.pod_state import PodStateTrigger
+
+if TYPE_CHECKING:
+    from airflow.triggers.base import BaseTrigger
 
 
 def pod_settings(spec: KubernetesLaunchSpec) -> dict[str, Any]:
@@ -95,7 +94,7 @@ def pod_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> PodSt
     )
 
 
-class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
+class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
     """Train one site for one round as a pod in the site's cluster.
 
     :param job: the validated job.
@@ -112,6 +111,8 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
     # The pod reaches the store itself (a store_mount, or an object store with the pod's own
     # credentials): a copy staged on this worker would hand the pod paths that exist only here.
     stages_store = False
+    # The stock operator re-enters (and re-defers) by this name: the lifecycle's resume.
+    resume_method = "trigger_reentry"
     # The Rendered Templates tab: which site job this is, and where its pod runs. Of the stock
     # operator's fields only those this operator really uses are kept; the others are either
     # unused here (the pod comes from the manifest builder, so cmds, arguments, labels,
@@ -121,9 +122,7 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
     # configmaps name secret sources) or internal state (trigger_kwargs). The pod's environment,
     # secret references included, is built per try and never rendered.
     template_fields: Sequence[str] = (
-        "job_name",
-        "site",
-        "round_num",
+        *SiteTaskLifecycle.site_template_fields,
         "image",
         "namespace",
         "kubernetes_conn_id",
@@ -155,8 +154,11 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
                 f"each round, but it does not exist there (looked at {job.script_path()}); make it available "
                 "on the worker (paths are relative to the job file) or set evaluate: false"
             )
-        site_task_defaults(job, site, kwargs)
         super().__init__(
+            job=job,
+            site=site,
+            round_num=round_num,
+            global_task_id=global_task_id,
             **pod_settings(spec),
             base_container_name=CONTAINER_NAME,
             get_logs=True,
@@ -166,11 +168,6 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
             deferrable=deferrable,
             **kwargs,
         )
-        self.job = job
-        self.job_name = job.job
-        self.site = site
-        self.round_num = round_num
-        self.global_task_id = global_task_id
         self._run: SiteRun | None = None
         self._policy_applied = False
         # A multi-node site job (nodes > 1): this try's group, (label selector, pod names by rank).
@@ -310,21 +307,16 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
             raise
         return self.pod
 
-    def watch(self, *, context: Context, run: SiteRun, handle: Any) -> Any:
-        """The pod's trigger: in the triggerer when deferrable (the stock ``execute_async`` records the
-        pod in XCom and calls our :meth:`invoke_defer_method`), else in the worker; both end in
-        :meth:`trigger_reentry`."""
-        try:
-            if self.deferrable:
-                self.execute_async(context)
-            return self._watch_here(context)
-        except (AirflowSkipException, TaskDeferred):
-            raise
-        except BaseException:
-            # Failed between creating the pod and handing it to the trigger (or in sync mode
-            # anywhere): nothing else will delete it.
-            self._delete_pod_quietly()
-            raise
+    def trigger(self, *, context: Context, run: SiteRun, handle: k8s.V1Pod) -> PodStateTrigger:
+        return self._trigger(context)
+
+    def defer_watch(self, *, context: Context, trigger: BaseTrigger) -> None:
+        """The stock ``execute_async``: it records the pod in XCom (Airflow's own tooling reads it)
+        and calls our :meth:`invoke_defer_method`, or resumes at once when the pod already ended."""
+        self.execute_async(context)
+
+    def end_job(self, handle: k8s.V1Pod) -> None:
+        self._delete_pod_quietly()
 
     def delete_earlier_tries(self, context: Context) -> list[str]:
         """Delete the pods of this site job's earlier tries (found by their labels) before this try
@@ -352,12 +344,6 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
             )
         return deleted
 
-    def _deadline(self, context: Context | None) -> float | None:
-        start = getattr(context["ti"], "start_date", None) if context else None
-        if self.execution_timeout is None or start is None:
-            return None
-        return float(start.timestamp() + self.execution_timeout.total_seconds())
-
     def _trigger(self, context: Context | None) -> PodStateTrigger:
         spec = self.job.sites[self.site].launcher_spec.k8s
         assert self.pod is not None
@@ -367,7 +353,7 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
             pod_namespace=self.pod.metadata.namespace,
             # The trigger enforces execution_timeout itself and deletes the pod: Airflow's own
             # timeout of a deferred task would fail it without any chance to clean up.
-            execution_deadline=self._deadline(context),
+            execution_deadline=self.execution_deadline(context),
             grace_period=math.ceil(self.job.trainer.shutdown_timeout),  # as the pod's own grace period
             delete_on_kill=not spec.keep_pods,
             redefer_count=int((self.trigger_kwargs or {}).get("_redefer_count", 0)),
@@ -376,37 +362,7 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
         )
 
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
-        deadline = self._deadline(context)
-        timeout = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.time()) + 60)
-        self.defer(trigger=self._trigger(context), method_name="trigger_reentry", timeout=timeout)
-
-    def _watch_here(self, context: Context) -> Any:
-        # Same trigger, same state table as deferrable mode; the worker waits instead of the triggerer.
-        async def first_event() -> dict[str, Any]:
-            async for event in self._trigger(context).run():
-                return dict(event.payload)
-            return {**self._watch_lost("the pod-state trigger ended without an event"), "status": "error"}
-
-        try:
-            event = asyncio.run(first_event())
-        except BaseException:
-            # Killed (SIGTERM → on_kill) or interrupted while waiting: the pod must not outlive us.
-            self._delete_pod_quietly()
-            raise
-        if event.get("status") == "error":
-            # No triggerer to hand the watch back to: the pod cannot be followed, so it ends here.
-            event = {**event, "status": "timeout"}
-        return self.trigger_reentry(context, event)
-
-    def _watch_lost(self, reason: str) -> dict[str, Any]:
-        assert self.pod is not None
-        return {
-            "name": self.pod.metadata.name,
-            "namespace": self.pod.metadata.namespace,
-            "return_code": int(JobReturnCode.INFRASTRUCTURE_ERROR),
-            "reason": reason,
-            "message": reason,
-        }
+        self.defer(trigger=self._trigger(context), method_name=self.resume_method, timeout=self.defer_timeout(context))
 
     def _delete_pod_quietly(self, event: dict[str, Any] | None = None) -> None:
         """Delete this try's pod (a 404 counts as done); ``event`` names it when ``self.pod`` is unset.
@@ -425,9 +381,13 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
             self.log.warning("could not delete pod %s: %s", pod.metadata.name, exc)
 
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> Any:
-        self.apply_site_policy(context)
-        run = self.site_run(context)
+        return self.resume(context, event)
+
+    def on_event(self, *, context: Context, run: SiteRun, event: dict[str, Any]) -> dict[str, Any]:
+        """The stock ``trigger_reentry`` reads the pod's log and deletes it; then accept or fail."""
         self._know_group(context)
+        if self.pod is not None:  # a watch lost in the worker names no pod
+            event = {"name": self.pod.metadata.name, "namespace": self.pod.metadata.namespace, **event}
         reason = str(event.get("reason") or event.get("message") or event.get("status"))
         self.log.info("site %s round %d pod %s: %s", self.site, self.round_num, event.get("name"), event.get("status"))
         if event.get("status") == "error" and int(event.get("_redefer_count", 0)) >= self.MAX_REDEFER_ATTEMPTS:
@@ -439,7 +399,7 @@ class SitePodOperator(SiteTaskLifecycle, KubernetesPodOperator):
             # deleted it (execution timeout): there is no log to read, only the reason.
             self.get_logs = False
         try:
-            super().trigger_reentry(context, event)
+            KubernetesPodOperator.trigger_reentry(self, context, event)
         except (AirflowSkipException, TaskDeferred):
             raise
         except Exception as exc:  # the stock operator raises several types; each ends this site job

@@ -23,7 +23,6 @@ from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
-from flare_airflow.core.config import JobConfig
 from flare_airflow.core.spec import JobLauncherSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.trainer import trainer_argv
@@ -32,7 +31,6 @@ from flare_airflow.operators.site_steps import (
     SiteJobFailed,
     noise_secret_for,
     site_failed,
-    site_task_defaults,
 )
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.owners import owners_value
@@ -76,13 +74,10 @@ def _summary(output: str) -> dict[str, Any] | None:
     return None
 
 
-class SiteTrainOperator(SiteTaskLifecycle, BashOperator):
+class SiteTrainOperator(SiteTaskLifecycle[None], BashOperator):
     """Train one site for one round as a local process.
 
-    :param job: the validated job.
-    :param site: the site's name (a key of ``job.sites``).
-    :param round_num: the round, 1-based. Rounds beyond the run's ``rounds`` parameter are skipped.
-    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
+    Its arguments are the lifecycle's (:class:`~flare_airflow.operators.lifecycle.SiteTaskLifecycle`).
 
     Returns (XCom) the update's URI, sha256, sample count and metrics; never weights.
     """
@@ -91,15 +86,12 @@ class SiteTrainOperator(SiteTaskLifecycle, BashOperator):
     # The Rendered Templates tab: which site job this is, plus BashOperator's own fields (the
     # fixed runner command; ``env`` and ``cwd`` stay unset -- the site job's environment travels
     # in the runner's spec at execute time and secret values never reach a template field).
-    template_fields: Sequence[str] = ("job_name", "site", "round_num", *BashOperator.template_fields)
+    template_fields: Sequence[str] = (*SiteTaskLifecycle.site_template_fields, *BashOperator.template_fields)
     _secrets_json = ""
     _result_file = ""
     _noise_secret: str | None = None
 
-    def __init__(
-        self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
-    ) -> None:
-        site_task_defaults(job, site, kwargs)
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(
             bash_command=f"exec {shlex.quote(sys.executable)} -m flare_airflow.site_task",
             append_env=True,
@@ -108,11 +100,6 @@ class SiteTrainOperator(SiteTaskLifecycle, BashOperator):
             output_processor=_summary,
             **kwargs,
         )
-        self.job = job
-        self.job_name = job.job
-        self.site = site
-        self.round_num = round_num
-        self.global_task_id = global_task_id
         self._spec_json = ""
 
     def argv(self) -> list[str]:
@@ -159,7 +146,7 @@ class SiteTrainOperator(SiteTaskLifecycle, BashOperator):
         os.close(fd)
         self._spec_json = run.to_json()
 
-    def watch(self, *, context: Context, run: SiteRun, handle: Any) -> Any:
+    def watch(self, *, context: Context, run: SiteRun, handle: None) -> Any:
         """Run the runner as the shell command; it checks and publishes the update itself."""
         try:
             return BashOperator.execute(self, context)

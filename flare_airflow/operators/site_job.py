@@ -23,12 +23,11 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.core.config import JobConfig, load_job
 from flare_airflow.core.errors import ConfigError
-from flare_airflow.core.spec import JobIdentity, JobLauncherSpec
+from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobLauncherSpec
 from flare_airflow.operators.common import FINISHED_STATES, task_states
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
 from flare_airflow.operators.site_steps import (
     site_argv,
-    site_task_defaults,
     skip_beyond_rounds,
     try_number_of,
     watchable,
@@ -40,7 +39,7 @@ def as_job(job: JobConfig | str | pathlib.Path) -> JobConfig:
     return job if isinstance(job, JobConfig) else load_job(job)
 
 
-class SiteJobLaunchOperator(SiteTaskLifecycle, BaseOperator):
+class SiteJobLaunchOperator(SiteTaskLifecycle[JobHandleSpec], BaseOperator):
     """Launch one site's job of one round through the site's launcher spec; return its identity.
 
     The site-task lifecycle up to the launch; its watch hands the job to a
@@ -60,7 +59,7 @@ class SiteJobLaunchOperator(SiteTaskLifecycle, BaseOperator):
     """
 
     ui_color = "#d0e6f5"
-    template_fields: Sequence[str] = ("job_name", "site", "round_num")
+    template_fields: Sequence[str] = SiteTaskLifecycle.site_template_fields
     stages_store = False  # the job outlives this task: it reaches the store itself
 
     def __init__(
@@ -76,13 +75,7 @@ class SiteJobLaunchOperator(SiteTaskLifecycle, BaseOperator):
         if site not in cfg.sites:
             raise ConfigError(f"site {site!r} is not a site of job {cfg.job!r} (sites: {', '.join(cfg.sites)})")
         watchable(cfg, site)
-        site_task_defaults(cfg, site, kwargs)
-        super().__init__(**kwargs)
-        self.job = cfg
-        self.job_name = cfg.job
-        self.site = site
-        self.round_num = round_num
-        self.global_task_id = global_task_id
+        super().__init__(job=cfg, site=site, round_num=round_num, global_task_id=global_task_id, **kwargs)
 
     def argv(self) -> list[str]:
         return site_argv(self.job, self.site)
@@ -104,7 +97,7 @@ class SiteJobLaunchOperator(SiteTaskLifecycle, BaseOperator):
                 f"Clear {context['ti'].task_id} with 'Downstream' on and 'Only failed' off"
             )
 
-    def reattach(self, *, launcher: JobLauncherSpec | None, identity: JobIdentity) -> Any:
+    def reattach(self, *, launcher: JobLauncherSpec | None, identity: JobIdentity) -> JobHandleSpec | None:
         """This try launched it already (its task process was lost after the launch)."""
         assert launcher is not None
         found = launcher.find_job(identity)
@@ -112,7 +105,7 @@ class SiteJobLaunchOperator(SiteTaskLifecycle, BaseOperator):
             self.log.info("site job %s already launched: %s; not launching another", identity.label, found.where())
         return found
 
-    def watch(self, *, context: Context, run: SiteRun, handle: Any) -> dict[str, Any]:
+    def watch(self, *, context: Context, run: SiteRun, handle: JobHandleSpec) -> dict[str, Any]:
         """The sensor watches: hand it the job's identity and where it runs."""
         identity = JobIdentity.of(run.site_job(), try_number_of(context))
         return {**identity.to_dict(), **handle.where()}

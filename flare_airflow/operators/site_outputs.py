@@ -1,7 +1,8 @@
-"""A site job that runs elsewhere (a pod, a SLURM job): what its site task does around the launch.
+"""A site job that runs elsewhere (a pod, a SLURM job, a container): what its watcher does around it.
 
-Process sites do the same inside the site runner (:func:`flare_airflow.site_task.runner.run_site`);
-pod and SLURM site tasks launch through a backend and call these two steps themselves.
+Before the launch, claim and clear; after it, accept the update or record the failure -- one
+decision for every watcher (the site-task lifecycle and the sensor). Process sites do the same
+inside the site runner (:func:`flare_airflow.site_task.runner.run_site`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from airflow.sdk.bases.xcom import BaseXCom
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.spec import JobHandleSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.operators.site_steps import noise_secret_for, site_failed
+from flare_airflow.operators.site_steps import SiteJobFailed, noise_secret_for, site_failed
 from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.site_task.tries import Superseded, claim_try
+
+#: What a site task returns as XCom: the published update's summary (never weights).
+Summary = dict[str, Any]
 
 
 def claim_and_clear(run: SiteRun) -> None:
@@ -45,6 +49,45 @@ def accept_update(context: Context, site: str, round_num: int, run: SiteRun) -> 
         raise site_failed(context, site, round_num, str(exc)) from None
     context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=summary)
     return summary
+
+
+def record_site_failure(
+    context: Context, run: SiteRun | None, site: str, round_num: int, rc: JobReturnCode, reason: str
+) -> SiteJobFailed:
+    """A site job's failure, recorded once for every watcher (the site task, the sensor): in the
+    site's failure record (when its run is known) and in XCom; the returned error names both."""
+    if run is not None:
+        write_failure(path_from_uri(run.output), rc, reason)
+    return site_failed(context, site, round_num, f"{reason} [{rc.name}]")
+
+
+def finish_site_job(
+    context: Context,
+    run: SiteRun,
+    site: str,
+    round_num: int,
+    rc: JobReturnCode,
+    *,
+    handle: object = None,
+    reason: str | None = None,
+) -> Summary:
+    """Accept the update of a site job that succeeded, or raise its recorded failure.
+
+    A launcher spec's handle gives the job's own reason and last log lines; a job that has not
+    ended yet is ended first (it must not outlive its watcher's decision), and a return code of
+    "still running" counts as an EXECUTION_ERROR.
+    """
+    if rc is JobReturnCode.SUCCESS:
+        return accept_update(context, site, round_num, run)
+    if isinstance(handle, JobHandleSpec):
+        if not handle.state.finished:
+            handle.terminate()
+        reason = reason or handle.reason or handle.state.value
+        tail = last_lines(handle)
+        if tail:
+            reason += f"; its last log lines: {tail}"
+    rc = rc if rc is not JobReturnCode.UNKNOWN else JobReturnCode.EXECUTION_ERROR
+    raise record_site_failure(context, run, site, round_num, rc, reason or rc.name)
 
 
 LOG_LINES = 10

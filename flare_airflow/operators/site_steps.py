@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
-from flare_airflow.core.backends import BACKENDS, load
+from flare_airflow.core.backends import BACKENDS
 from flare_airflow.core.config import (
     SITE_CONFIG_ENV,
     SITE_POLICY_VARIABLE,
@@ -30,6 +30,7 @@ from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.trust import CENTRAL, TrustError
 from flare_airflow.hooks.secrets import secret_value
 from flare_airflow.launchers.trainer import trainer_argv
+from flare_airflow.operators.bindings import binding
 from flare_airflow.operators.common import (
     FINISHED_STATES,
     push_failure,
@@ -377,8 +378,9 @@ def site_launcher(
     sink: Callable[[str], None] | None = None,
     hidden: Sequence[str] = (),
 ) -> JobLauncherSpec:
-    """The site's launcher (launcher spec) on this worker, built by its backend's registry entry."""
+    """The site's launcher (launcher spec) on this worker, built by its backend's binding."""
     watchable(job, site)
-    factory = load(str(job.sites[site].backend.launcher))
-    launcher: JobLauncherSpec = factory(job, site, try_number=try_number, sink=sink, hidden=hidden)
-    return launcher
+    factory = binding(job.sites[site].launcher).launcher
+    if factory is None:  # watchable() said it has one: the core entry and its binding disagree
+        raise ConfigError(f"site {site!r}: backend {job.sites[site].launcher!r} has no launcher binding")
+    return factory(job, site, try_number=try_number, sink=sink, hidden=hidden)

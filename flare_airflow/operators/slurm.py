@@ -15,32 +15,26 @@ an execution timeout, a pending timeout and every failure path ``scancel`` it.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 from airflow.providers.common.compat.sdk import conf
 from airflow.sdk import BaseOperator, Context
-from airflow.sdk.exceptions import TaskDeferred
 
-from flare_airflow.core.config import JobConfig
-from flare_airflow.core.spec import JobIdentity, JobLauncherSpec, JobReturnCode, SiteJob
+from flare_airflow.core.config import JobConfig, SlurmLaunchSpec
+from flare_airflow.core.spec import JobIdentity, JobLauncherSpec, SiteJob
 from flare_airflow.hooks.slurm import slurm_commands
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.launchers.slurm import (
     SlurmCommandError,
     SlurmJobHandle,
     SlurmLauncher,
-    SubmittedJob,
     cancel,
     list_jobs,
     site_job_prefix,
 )
 from flare_airflow.launchers.trainer import output_prefix, trainer_argv
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
-from flare_airflow.operators.site_steps import site_task_defaults
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.triggers.slurm_state import SlurmJobTrigger
@@ -68,13 +62,11 @@ def slurm_trigger(job: JobConfig, site: str, handle: Any, round_num: int) -> Slu
     )
 
 
-class SiteSlurmOperator(SiteTaskLifecycle, BaseOperator):
+class SiteSlurmOperator(SiteTaskLifecycle[SlurmJobHandle], BaseOperator):
     """Train one site for one round as a SLURM batch job.
 
-    :param job: the validated job.
-    :param site: the site (its launcher is ``slurm``).
-    :param round_num: the round, 1-based; rounds beyond the run's ``rounds`` are skipped.
-    :param global_task_id: the task whose XCom names the input global model's sha256 (set by the builder).
+    The lifecycle's arguments (:class:`~flare_airflow.operators.lifecycle.SiteTaskLifecycle`), and
+
     :param deferrable: wait in the triggerer (``True``) or in the worker; by default what
         ``[operators] default_deferrable`` says.
 
@@ -84,27 +76,19 @@ class SiteSlurmOperator(SiteTaskLifecycle, BaseOperator):
     ui_color = "#b8e0d2"
     # The Rendered Templates tab: which site job this is, and where it is submitted. The job's
     # environment (secrets resolved per try) is never a template field.
-    template_fields: Sequence[str] = ("job_name", "site", "round_num", "connection", "partition", "account", "qos")
+    template_fields: Sequence[str] = (
+        *SiteTaskLifecycle.site_template_fields, "connection", "partition", "account", "qos",
+    )  # fmt: skip
     stages_store = False  # the cluster's nodes reach the store themselves
 
     def __init__(
         self,
         *,
-        job: JobConfig,
-        site: str,
-        round_num: int,
-        global_task_id: str | None = None,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
     ) -> None:
-        site_task_defaults(job, site, kwargs)
         super().__init__(**kwargs)
-        spec = job.sites[site].launcher_spec.slurm
-        self.job = job
-        self.job_name = job.job
-        self.site = site
-        self.round_num = round_num
-        self.global_task_id = global_task_id
+        spec = self.spec
         self.deferrable = deferrable
         self.connection = spec.connection
         self.partition = spec.partition
@@ -113,14 +97,14 @@ class SiteSlurmOperator(SiteTaskLifecycle, BaseOperator):
         self._run: SiteRun | None = None
 
     @property
-    def spec(self) -> Any:
+    def spec(self) -> SlurmLaunchSpec:
         return self.job.sites[self.site].launcher_spec.slurm
 
     def argv(self) -> list[str]:
         return trainer_argv(self.job, cluster=self.spec)
 
     def site_run(self, context: Context) -> SiteRun:
-        if self._run is None:  # the same run in execute and in the resumed execute_complete's sync call
+        if self._run is None:  # the same run in execute and in the resumed task's
             self._run = super().site_run(context)
         return self._run
 
@@ -157,44 +141,17 @@ class SiteSlurmOperator(SiteTaskLifecycle, BaseOperator):
         )
         return handle
 
-    def watch(self, *, context: Context, run: SiteRun, handle: SlurmJobHandle) -> Any:
-        """The job's trigger: in the triggerer when deferrable, else run here; both end in
-        :meth:`execute_complete`."""
-        trigger = self._trigger(context, handle.submitted, prefix=output_prefix(run.site_job()))
-        if self.deferrable:
-            deadline = trigger.execution_deadline
-            timeout = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.time()) + 60)
-            try:
-                self.defer(trigger=trigger, method_name="execute_complete", timeout=timeout)
-            except TaskDeferred:
-                raise
-            except BaseException:
-                self._cancel_quietly(handle.job_id)
-                raise
-        return self._wait_here(context, trigger)
-
-    def _wait_here(self, context: Context, trigger: SlurmJobTrigger) -> Any:
-        async def first_event() -> dict[str, Any]:
-            async for event in trigger.run():
-                return dict(event.payload)
-            return {"status": "error", "reason": "the SLURM job trigger ended without an event"}
-
-        trigger.stream_to(lambda line: self.log.info("%s", line))
-        try:
-            event = asyncio.run(first_event())
-        except BaseException:
-            # Killed (SIGTERM -> on_kill) or interrupted while waiting: the job must not outlive us.
-            if self._handle is not None:
-                self._cancel_quietly(self._handle.job_id)
-            raise
-        return self.execute_complete(context, event)
-
-    def _trigger(self, context: Context, submitted: SubmittedJob, prefix: str = "", offset: int = 0) -> SlurmJobTrigger:
-        start = getattr(context["ti"], "start_date", None)
-        deadline = None
-        if self.execution_timeout is not None and start is not None:
-            deadline = float(start.timestamp() + self.execution_timeout.total_seconds())
-        return SlurmJobTrigger.for_job(self.spec, submitted, offset=offset, prefix=prefix, execution_deadline=deadline)
+    def trigger(self, *, context: Context, run: SiteRun, handle: SlurmJobHandle) -> SlurmJobTrigger:
+        """The job's trigger; in the worker (not deferrable) its output streams into the task log."""
+        trigger = SlurmJobTrigger.for_job(
+            self.spec,
+            handle.submitted,
+            prefix=output_prefix(run.site_job()),
+            execution_deadline=self.execution_deadline(context),
+        )
+        if not self.deferrable:
+            trigger.stream_to(lambda line: self.log.info("%s", line))
+        return trigger
 
     def cancel_earlier_tries(self, commands: Any, run: SiteRun | SiteJob, try_number: int) -> list[str]:
         """Cancel this site job's jobs of earlier tries (found by name) before this try submits its
@@ -219,26 +176,20 @@ class SiteSlurmOperator(SiteTaskLifecycle, BaseOperator):
         except SlurmCommandError as exc:  # the original error matters more; say why the job may remain
             self.log.warning("could not cancel SLURM job %s: %s", job_id, exc)
 
-    def on_kill(self) -> None:
-        if self._handle is not None:
-            self.log.info("task killed: cancelling SLURM job %s", self._handle.job_id)
-            self._cancel_quietly(self._handle.job_id)
+    def end_job(self, handle: SlurmJobHandle) -> None:
+        self.log.info("ending SLURM job %s", handle.job_id)
+        self._cancel_quietly(handle.job_id)
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
-        """The trigger's event (from the triggerer, or the worker in sync mode): accept or fail."""
-        self.apply_site_policy(context)
-        run = self.site_run(context)
-        status = event.get("status")
-        job_id = str(event.get("job_id") or "")
+    def end_watched_job(self, event: dict[str, Any]) -> None:
+        if event.get("job_id"):
+            self._cancel_quietly(str(event["job_id"]))
+
+    def on_event(self, *, context: Context, run: SiteRun, event: dict[str, Any]) -> dict[str, Any]:
         self.log.info(
-            "site %s round %d SLURM job %s: %s (%s)", self.site, self.round_num, job_id, status, event.get("native")
-        )
-        if status == "success":
-            return self.finish(context, run, JobReturnCode.SUCCESS)
-        if job_id and status in ("error", "timeout"):
-            self._cancel_quietly(job_id)  # it may still run: it must not outlive the task
-        rc = JobReturnCode(int(event.get("return_code", int(JobReturnCode.EXECUTION_ERROR))))
-        return self.finish(context, run, rc, reason=str(event.get("reason") or status))
+            "site %s round %d SLURM job %s: %s (%s)",
+            self.site, self.round_num, event.get("job_id"), event.get("status"), event.get("native"),
+        )  # fmt: skip
+        return super().on_event(context=context, run=run, event=event)
 
 
 class SweepSlurmJobsOperator(SweepOperator):

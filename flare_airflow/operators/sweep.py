@@ -1,7 +1,7 @@
 """The run's sweeps: teardowns that end the site jobs a run's tries left behind.
 
-A backend whose jobs can outlive their task names a sweep in its registry entry
-(:mod:`flare_airflow.core.backends`). A site's jobs are reached from where its tasks run -- its
+A backend whose jobs can outlive their task names a sweep in its binding
+(:mod:`flare_airflow.operators.bindings`). A site's jobs are reached from where its tasks run -- its
 container engine, its cluster credentials, its site policy -- so the builder adds one sweep per
 queue and executor the backend's sites use (:func:`sweep_groups`), routed there, each ending the
 jobs of its own sites only.
@@ -15,9 +15,9 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from flare_airflow.core.backends import sites_swept_by
 from flare_airflow.core.config import JobConfig, SiteSpec, apply_site_policy
 from flare_airflow.core.errors import ConfigError
+from flare_airflow.operators.bindings import sites_swept_by
 from flare_airflow.operators.site_steps import site_policy, site_routing
 
 

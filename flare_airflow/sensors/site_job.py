@@ -31,15 +31,15 @@ from airflow.sdk.bases.sensor import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.bases.xcom import BaseXCom
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from flare_airflow.core.backends import load
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import read_artifact
-from flare_airflow.core.spec import JobIdentity, JobReturnCode, JobState
+from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import path_from_uri, record_path
+from flare_airflow.operators.bindings import binding
 from flare_airflow.operators.common import push_failure
 from flare_airflow.operators.site_job import as_job
-from flare_airflow.operators.site_outputs import accept_update, last_lines
+from flare_airflow.operators.site_outputs import Summary, finish_site_job, record_site_failure
 from flare_airflow.operators.site_steps import (
     SiteJobFailed,
     job_at_site,
@@ -49,7 +49,7 @@ from flare_airflow.operators.site_steps import (
     site_task_defaults,
     watchable,
 )
-from flare_airflow.site_task.checks import published_summary, read_failure, write_failure
+from flare_airflow.site_task.checks import published_summary, read_failure
 from flare_airflow.site_task.spec import SiteRun
 
 
@@ -146,13 +146,9 @@ class SiteJobSensor(BaseSensorOperator):
         )
 
     def _fail(self, context: Context, run: SiteRun | None, rc: JobReturnCode, reason: str) -> AirflowFailException:
-        """The sensor's failure (``soft_fail`` turns it into a skip): not retried -- the job ended;
-        clear the launch task to run it again."""
-        if run is not None:
-            write_failure(path_from_uri(run.output), rc, reason)
-        message = f"site {self.site!r} round {self.round_num} failed: {reason} [{rc.name}]"
-        push_failure(context, message)
-        return AirflowFailException(message)
+        """The sensor's failure (``soft_fail`` turns it into a skip), recorded as every site task
+        records it; not retried -- the job ended: clear the launch task to run it again."""
+        return AirflowFailException(str(record_site_failure(context, run, self.site, self.round_num, rc, reason)))
 
     def _recorded(self, run: SiteRun) -> dict[str, Any] | None:
         """The update this site job already published (a cleared sensor), or ``None``."""
@@ -171,9 +167,14 @@ class SiteJobSensor(BaseSensorOperator):
             self.log.info("site job %s: its update was already published; reporting it", identity.label)
             context["ti"].xcom_push(key=BaseXCom.XCOM_RETURN_KEY, value=recorded)
             return recorded
+        return self._finish(context, run, JobReturnCode.SUCCESS, None)
+
+    def _finish(self, context: Context, run: SiteRun, rc: JobReturnCode, handle: JobHandleSpec | None) -> Summary:
+        """The site task's own decision on an ended job (:func:`finish_site_job`); its failure --
+        an unusable update or a failed job -- is the job's result, not the watch's: not retried."""
         try:
-            return accept_update(context, self.site, self.round_num, run)
-        except SiteJobFailed as exc:  # an unusable update: the job's result, not the watch's
+            return finish_site_job(context, run, self.site, self.round_num, rc, handle=handle)
+        except SiteJobFailed as exc:
             raise AirflowFailException(str(exc)) from None
 
     def check(self, context: Context) -> dict[str, Any] | None:
@@ -221,11 +222,7 @@ class SiteJobSensor(BaseSensorOperator):
         self._found = None
         if state is JobState.SUCCEEDED:
             return self._succeeded(context, run, identity), None
-        reason = handle.reason or state.value
-        tail = last_lines(handle)
-        if tail:
-            reason += f"; its last log lines: {tail}"
-        raise self._fail(context, run, rc if rc is not JobReturnCode.UNKNOWN else JobReturnCode.EXECUTION_ERROR, reason)
+        return self._finish(context, run, rc, handle), None
 
     def _gone(self, context: Context, run: SiteRun, identity: JobIdentity) -> dict[str, Any]:
         """No such job (any more): a finished pod is deleted; its result is in the store."""
@@ -252,7 +249,7 @@ class SiteJobSensor(BaseSensorOperator):
     # ------------------------------------------------------------------ deferrable
 
     def execute(self, context: Context) -> Any:
-        if not self.deferrable or self.job.sites[self.site].backend.trigger is None:
+        if not self.deferrable or binding(self.job.sites[self.site].launcher).trigger is None:
             # A backend without a trigger in the registry is watched from the worker, in the
             # sensor's poke or reschedule mode.
             return super().execute(context)
@@ -269,7 +266,9 @@ class SiteJobSensor(BaseSensorOperator):
         )
 
     def _trigger(self, handle: Any) -> Any:
-        return load(str(self.job.sites[self.site].backend.trigger))(self.job, self.site, handle, self.round_num)
+        make = binding(self.job.sites[self.site].launcher).trigger
+        assert make is not None, "execute defers only a backend with a trigger"
+        return make(self.job, self.site, handle, self.round_num)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
         """The trigger saw the job end (or could not watch it): look at the job once more, through

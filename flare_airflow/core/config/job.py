@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import pathlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -33,7 +33,8 @@ from flare_airflow.core.config.validators import (
 from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.privacy.plan import PrivacyPlan
-from flare_airflow.core.strategies.central_dp import central_dp_problem
+from flare_airflow.core.strategies import Strategy
+from flare_airflow.core.strategies.central_dp import central_dp_problem, with_central_dp
 
 _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?\Z")
 _HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}\Z")
@@ -403,6 +404,24 @@ class JobConfig(Strict):
         """The privacy plan ``site``'s task applies: its own privacy block (the site policy's, once
         :func:`~flare_airflow.core.config.policy.apply_site_policy` ran) and the job's; None if neither has one."""
         return site_privacy_plan(self.sites[site].privacy, self.privacy, site, where or f"site {site!r}")
+
+    def round_strategy(self, central_noise_key: Callable[[], bytes]) -> Strategy:
+        """The strategy one round runs, assembled once from the job: the aggregator's (its config
+        union picks the class), wrapped in central DP when ``privacy.central`` is set -- as Flower
+        wraps DP around the inner strategy. ``central_noise_key`` is called only then: the round's
+        noise key (:func:`~flare_airflow.core.privacy.central.central_noise_key`), resolved by
+        whoever holds the run's secret."""
+        strategy = self.aggregator.strategy()
+        central = self.privacy.central
+        if central is None:
+            return strategy
+        return with_central_dp(
+            strategy,
+            clip=central.clip,
+            noise_multiplier=central.noise_multiplier,
+            num_sites=len(self.sites),
+            key=central_noise_key(),
+        )
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}

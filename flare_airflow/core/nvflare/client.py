@@ -32,21 +32,29 @@ before ``init()``, ``send()`` before ``receive()``, a second ``send()``.
 
 from __future__ import annotations
 
-import enum
-import json
-import math
 import os
 import sys
 from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from flare_airflow.core import client as native
 from flare_airflow.core.envvars import FLARE_NVFLARE_PARAMS_EXCHANGE, FLARE_NVFLARE_TRANSFER
 from flare_airflow.core.errors import ClientAPIError
 from flare_airflow.core.model import FLModel as NativeModel
 from flare_airflow.core.model import ParamsType as NativeParamsType
+from flare_airflow.core.nvflare.convert import diff_from, scalar, scalars, to_numpy, to_torch, update_meta
+from flare_airflow.core.nvflare.fl_model import (
+    NOT_AN_FLMODEL,
+    NOT_INITIALIZED,
+    NOTHING_TO_SEND,
+    SEND_BEFORE_RECEIVE,
+    AnalyticsDataType,
+    FLMetaKey,
+    FLModel,
+    NVFlareContractError,
+    NVFlareTypeError,
+    ParamsType,
+)
 
 __all__ = [
     "AnalyticsDataType",
@@ -81,108 +89,6 @@ TRANSFERS = ("FULL", "DIFF")
 TRAIN_TASK = "train"
 EVALUATE_TASK = "validate"
 SUBMIT_MODEL_TASK = "submit_model"
-
-NOT_INITIALIZED = "APIContext is None. Did you call flare.init() before using the Client API?"
-SEND_BEFORE_RECEIVE = '"receive" needs to be called before sending model!'
-NOTHING_TO_SEND = "the model to send does not have either params or metrics"
-NOT_AN_FLMODEL = "model needs to be an instance of FLModel"
-
-
-class NVFlareContractError(ClientAPIError, RuntimeError):
-    """A Client API call out of order; a ``RuntimeError`` with NVFlare's own message, as NVFlare raises it."""
-
-
-class NVFlareTypeError(ClientAPIError, TypeError):
-    """``send()`` of something that is not an ``FLModel``: a ``TypeError``, as NVFlare raises it."""
-
-
-class ParamsType(enum.StrEnum):
-    """NVFlare's ``nvflare.app_common.abstract.fl_model.ParamsType``."""
-
-    FULL = "FULL"
-    DIFF = "DIFF"
-
-
-class FLMetaKey:
-    """NVFlare 2.9's ``nvflare.apis.fl_constant.FLMetaKey``: the same names and values."""
-
-    NUM_STEPS_CURRENT_ROUND = "NUM_STEPS_CURRENT_ROUND"
-    PROCESSED_ALGORITHM = "PROCESSED_ALGORITHM"
-    PROCESSED_KEYS = "PROCESSED_KEYS"
-    INITIAL_METRICS = "initial_metrics"
-    FILTER_HISTORY = "filter_history"
-    CONFIGS = "configs"
-    VALIDATE_TYPE = "validate_type"
-    START_ROUND = "start_round"
-    CURRENT_ROUND = "current_round"
-    TOTAL_ROUNDS = "total_rounds"
-    JOB_ID = "job_id"
-    SITE_NAME = "site_name"
-    PROCESS_RC_FILE = "_process_rc.txt"
-    SUBMIT_MODEL_NAME = "submit_model_name"
-    AUTH_TOKEN = "auth_token"  # noqa: S105 - the name of a meta key, not a secret
-    AUTH_TOKEN_SIGNATURE = "auth_token_signature"  # noqa: S105 - likewise
-
-
-class AnalyticsDataType(enum.StrEnum):
-    """NVFlare's ``nvflare.apis.analytix.AnalyticsDataType`` (what ``log()`` is told it gets)."""
-
-    SCALARS = "SCALARS"
-    SCALAR = "SCALAR"
-    IMAGE = "IMAGE"
-    TEXT = "TEXT"
-    LOG_RECORD = "LOG_RECORD"
-    PARAMETER = "PARAMETER"
-    PARAMETERS = "PARAMETERS"
-    METRIC = "METRIC"
-    METRICS = "METRICS"
-    MODEL = "MODEL"
-    TAG = "TAG"
-    TAGS = "TAGS"
-    INIT_DATA = "INIT_DATA"
-
-
-class FLModel:
-    """NVFlare's ``FLModel``: the same constructor, the same attributes."""
-
-    def __init__(
-        self,
-        params_type: ParamsType | str | None = None,
-        params: Any = None,
-        optimizer_params: Any = None,
-        metrics: dict[str, Any] | None = None,
-        start_round: int | None = 0,
-        current_round: int | None = None,
-        total_rounds: int | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> None:
-        # As NVFlare's: params without a type are FULL; a FULL or DIFF model must have params.
-        if params_type is None:
-            self.params_type = ParamsType.FULL if params is not None else None
-        else:
-            self.params_type = ParamsType(params_type)
-            if params is None:
-                raise ValueError(f"params must be provided when params_type is {self.params_type}")
-        self.params = params
-        self.optimizer_params = optimizer_params
-        self.metrics = metrics
-        self.start_round = start_round
-        self.current_round = current_round
-        self.total_rounds = total_rounds
-        self.meta = {} if meta is None else meta
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "params_type": self.params_type,
-            "params": len(self.params) if isinstance(self.params, Mapping) else self.params,
-            "metrics": self.metrics,
-            "current_round": self.current_round,
-            "total_rounds": self.total_rounds,
-            "meta": self.meta,
-        }
-
-    def __repr__(self) -> str:
-        return f"FLModel({self.summary()})"
 
 
 class _ModelClasses:
@@ -263,7 +169,7 @@ def receive(timeout: float | None = None) -> Any:
     model = native.receive()
     params: dict[str, Any] = dict(model.params)
     if _exchange() == EXCHANGE_PYTORCH:
-        params = _to_torch(params)
+        params = to_torch(params)
     round_0 = (model.current_round or 1) - 1
     meta = {
         FLMetaKey.CURRENT_ROUND: round_0,
@@ -299,13 +205,13 @@ def send(model: Any, clear_cache: bool = True) -> None:
     if model.params is None and model.metrics is None:
         raise NVFlareContractError(NOTHING_TO_SEND)
     assert _session.received is not None  # set together with _session.given
-    params = _to_numpy(model.params or {}, "params")
+    params = to_numpy(model.params or {}, "params")
     # Ours or a real nvflare's ParamsType: compared by value.
     sent_type = ParamsType(getattr(model.params_type, "value", model.params_type) or "FULL")
     params_type = sent_type
     # NVFlare's DIFF transfer turns a FULL model into its difference to the model received.
     if params and model.params_type is not None and sent_type is ParamsType.FULL and _transfer() == "DIFF":
-        params = _diff(params, _session.received.params)
+        params = diff_from(params, _session.received.params)
         params_type = ParamsType.DIFF
     if model.optimizer_params:
         print(
@@ -313,8 +219,8 @@ def send(model: Any, clear_cache: bool = True) -> None:
             file=sys.stderr,
             flush=True,
         )
-    meta = _meta(model.meta or {})
-    metrics = {**_session.scalars, **_scalars(model.metrics or {})}
+    meta = update_meta(model.meta or {})
+    metrics = {**_session.scalars, **scalars(model.metrics or {})}
     native.send(NativeModel(params=params, params_type=NativeParamsType(params_type.value), metrics=metrics, meta=meta))
     _session.sent = True
 
@@ -375,13 +281,13 @@ def log(key: str, value: Any, data_type: AnalyticsDataType | str, **kwargs: Any)
     _initialized()
     kind = AnalyticsDataType(getattr(data_type, "value", data_type))  # ours, a real nvflare's, or its value
     if kind in (AnalyticsDataType.SCALAR, AnalyticsDataType.METRIC):
-        _session.scalars[key] = _scalar(value, key)
+        _session.scalars[key] = scalar(value, key)
     elif kind in (AnalyticsDataType.SCALARS, AnalyticsDataType.METRICS):
         if not isinstance(value, Mapping):
             raise ClientAPIError(f"log({key!r}, ...): {kind.value} takes a dict of numbers, got {type(value).__name__}")
         prefix = f"{key}/" if kind is AnalyticsDataType.SCALARS else ""
         for name, item in value.items():
-            _session.scalars[f"{prefix}{name}"] = _scalar(item, f"{prefix}{name}")
+            _session.scalars[f"{prefix}{name}"] = scalar(item, f"{prefix}{name}")
     # Text, images and parameters have no place in a round's metrics; they are not kept.
 
 
@@ -391,89 +297,3 @@ def clear() -> None:
 
 def shutdown() -> None:
     """Nothing to stop: no agent, no pipe."""
-
-
-# --- conversions -------------------------------------------------------------------------------------
-
-
-def _is_torch(value: Any) -> bool:
-    return type(value).__module__.startswith("torch")
-
-
-def _to_numpy(params: Any, what: str) -> dict[str, np.ndarray]:
-    if not isinstance(params, Mapping):
-        raise ClientAPIError(
-            f"FLModel.{what} must be a dict of arrays (or a torch state_dict), got {type(params).__name__}"
-        )
-    out: dict[str, np.ndarray] = {}
-    for name, value in params.items():
-        if _is_torch(value):
-            value = value.detach().cpu()
-            if str(value.dtype) == "torch.bfloat16":
-                raise ClientAPIError(
-                    f"FLModel.{what}[{name!r}] is a bfloat16 tensor, which numpy cannot hold: "
-                    "send float32 (tensor.float()) or float16"
-                )
-            out[name] = np.ascontiguousarray(value.numpy())
-        else:
-            out[name] = np.asarray(value)
-    return out
-
-
-def _to_torch(params: dict[str, Any]) -> dict[str, Any]:
-    try:
-        import torch
-    except ImportError:
-        raise ClientAPIError(
-            "this job exchanges params as pytorch tensors, but torch is not importable in the trainer's "
-            "environment: install torch there, or set the job's trainer.nvflare.params_exchange to numpy"
-        ) from None
-    # A copy: the arrays read from the store may be read-only, and torch tensors are writable.
-    return {name: torch.from_numpy(np.array(value)) for name, value in params.items()}
-
-
-def _diff(params: dict[str, np.ndarray], received: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``new - received`` per name, in the sent dtype. A name only one side has is an error here
-    (NVFlare drops it): the aggregation needs every tensor of the global model."""
-    if set(params) != set(received):
-        odd = sorted(set(params) ^ set(received))[:5]
-        raise ClientAPIError(
-            f"the job's transfer type is DIFF, but the params sent and the global model received differ in {odd}: "
-            "a DIFF needs the same names as the model received"
-        )
-    return {name: np.subtract(value, received[name], dtype=value.dtype) for name, value in params.items()}
-
-
-def _scalar(value: Any, key: str) -> float:
-    if _is_torch(value) or isinstance(value, np.generic | np.ndarray):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ClientAPIError(f"metric {key!r} is {type(value).__name__}; a round's metrics are numbers")
-    return float(value)
-
-
-def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
-    return {str(key): _scalar(value, str(key)) for key, value in metrics.items()}
-
-
-def _meta(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """NVFlare's meta as the update's meta: NUM_STEPS_CURRENT_ROUND becomes num_samples (the weight)."""
-    out: dict[str, Any] = {}
-    for key, value in meta.items():
-        if key == FLMetaKey.NUM_STEPS_CURRENT_ROUND:
-            steps = value.item() if _is_torch(value) or isinstance(value, np.generic) else value
-            if isinstance(steps, float) and math.isfinite(steps) and steps.is_integer():
-                steps = int(steps)
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-                raise ClientAPIError(
-                    f"meta[{FLMetaKey.NUM_STEPS_CURRENT_ROUND!r}] is {steps!r}: it is this update's FedAvg weight "
-                    "and must be a whole number >= 1 (the number of training steps or samples)"
-                )
-            out["num_samples"] = steps
-            continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            continue  # the update's record is JSON: objects that are not stay in the trainer
-        out[str(key)] = value
-    return out

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flare_airflow.core.nvflare.client import AnalyticsDataType, log
+from flare_airflow.core.nvflare.client import log
+from flare_airflow.core.nvflare.fl_model import AnalyticsDataType
 
 __all__ = ["MLflowWriter", "SummaryWriter"]
 

@@ -28,9 +28,9 @@ from flare_airflow.core.errors import AggregateNotFinite
 from flare_airflow.core.model import Params
 
 if TYPE_CHECKING:
-    from flare_airflow.core.aggregation import RoundOutcome
     from flare_airflow.core.errors import UpdateRejected
     from flare_airflow.core.model import ArtifactRecord
+    from flare_airflow.core.tally import RoundOutcome
 
 
 class RuleKind(enum.StrEnum):

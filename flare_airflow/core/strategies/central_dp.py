@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flare_airflow.core.aggregation import RoundOutcome, below_quorum, round_metrics, update_weight
 from flare_airflow.core.errors import AggregateNotFinite, FlareAirflowError
 from flare_airflow.core.model import ParamsType, tensor_spec
 from flare_airflow.core.privacy.central import CentralDP
 from flare_airflow.core.strategies.base import RuleKind, Strategy
+from flare_airflow.core.tally import RoundOutcome, RoundTally
+from flare_airflow.core.update_reader import update_weight
 
 if TYPE_CHECKING:
     from flare_airflow.core.errors import UpdateRejected
@@ -48,15 +49,10 @@ class CentralDPRound:
             num_sites=rule.num_sites,
             key=rule.key,
         )
-        self.accepted: dict[str, float] = {}
-        self.rejected: dict[str, str] = {}
-        self.site_metrics: dict[str, dict[str, float]] = {}
-        self.num_samples = 0
-        self._metric_sums: dict[str, float] = {}
-        self._metric_weights: dict[str, float] = {}
+        self.tally = RoundTally()
 
     def reject(self, site: str, reason: str) -> None:
-        self.rejected[site] = reason
+        self.tally.reject(site, reason)
 
     def add_verified(
         self,
@@ -67,47 +63,32 @@ class CentralDPRound:
         engine, so a retry adds in the same order and gets the same float64 sum). ``run`` (the
         engine's threads) is not used: one update's clip needs its whole norm first."""
         for site, params, record, rejected in group:
-            if site in self.accepted or site in self.rejected:
-                raise FlareAirflowError(f"site {site!r} already counted in this round")
+            self.tally.check_new(site)
             if rejected is None:
                 # The weight is not used (every site counts once, clipped), but an unusable
                 # num_samples is a bad update here as under FedAvg, and it weights the metrics.
                 _, rejected = update_weight(site, record, {})
             if rejected is not None:
-                self.rejected[site] = rejected.reason
+                self.tally.reject(site, rejected.reason)
                 continue
             self._dp.add(site, params, diff_update=record.params_type is ParamsType.DIFF)
-            samples = record.num_samples if record.num_samples is not None else 1
-            self.accepted[site] = 1.0
-            self.num_samples += samples
-            self.site_metrics[site] = dict(record.metrics)
-            for key, value in record.metrics.items():
-                self._metric_sums[key] = self._metric_sums.get(key, 0.0) + value * samples
-                self._metric_weights[key] = self._metric_weights.get(key, 0.0) + samples
+            self.tally.accept(site, record, 1.0)
 
     def result(self) -> RoundOutcome:
         """The noisy release; raises ``QuorumNotReached`` (every failed site's reason) below ``min_clients``."""
-        if len(self.accepted) < self.min_clients:
-            raise below_quorum(sorted(self.accepted), self.min_clients, self.rejected)
+        self.tally.check_quorum(self.min_clients)
         params = self._dp.result()
         for name, values in params.items():
             if values.dtype.kind == "f" and not np.isfinite(values).all():
+                sites = sorted(self.tally.accepted)
                 raise AggregateNotFinite(
-                    f"the central-DP release of sites {sorted(self.accepted)} is unusable: tensor {name!r} is not "
+                    f"the central-DP release of sites {sites} is unusable: tensor {name!r} is not "
                     f"finite in {values.dtype} (overflow). The global model was not updated; lower "
                     "privacy.central.clip or check the global model"
                 )
-        metrics, dropped = round_metrics(self._metric_sums, self._metric_weights)
         clip = self._dp.clip
-        return RoundOutcome(
-            params=params,
-            accepted=dict(self.accepted),
-            rejected=dict(self.rejected),
-            metrics=metrics,
-            site_metrics=dict(self.site_metrics),
-            num_samples=self.num_samples,
-            metrics_dropped=dropped,
-            clipped={s: clip / norm for s, norm in sorted(self._dp.norms.items()) if norm > clip},
+        return self.tally.outcome(
+            params, clipped={s: clip / norm for s, norm in sorted(self._dp.norms.items()) if norm > clip}
         )
 
 

@@ -28,24 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from flare_airflow.core.aggregation import (
-    _GROUP,
-    FedAvg,
-    RoundOutcome,
-    UpdateReader,
-    below_quorum,
-    failed_sites,
-    round_metrics,
-    side_by_side_runner,
-    stream_from_store,
-    update_weight,
-)
+from flare_airflow.core.aggregation import FedAvg, stream_from_store
 from flare_airflow.core.errors import FlareAirflowError, ModelFormatError, QuorumNotReached
 from flare_airflow.core.model import ArtifactRecord, Params, ParamsType, read_record, tensor_spec
 from flare_airflow.core.store import WritablePath, open_for_reading
 from flare_airflow.core.strategies.base import ChunkRule, PostStep, StepContext, Strategy, StreamingRule, cast_back
 from flare_airflow.core.strategies.norm_bound import clip_factor, update_norm
 from flare_airflow.core.strategies.server_optimizers import ServerOptimizer
+from flare_airflow.core.tally import RoundOutcome, RoundTally
+from flare_airflow.core.update_reader import GROUP, UpdateReader, side_by_side_runner, update_weight
 
 CHUNK_BYTES = (
     8 << 20
@@ -65,33 +56,6 @@ class _Counted:
     weight: float
     offsets: dict[str, int]  # tensor -> byte offset of its data in the file
     scale: float  # norm bounding's factor (1: within the bound)
-
-
-class _Tally:
-    """Who counted, their weights and the sample-weighted mean of their metrics (as FedAvg keeps them)."""
-
-    def __init__(self) -> None:
-        self.accepted: dict[str, float] = {}
-        self.rejected: dict[str, str] = {}
-        self.site_metrics: dict[str, dict[str, float]] = {}
-        self.num_samples = 0
-        self._sums: dict[str, float] = {}
-        self._weights: dict[str, float] = {}
-
-    def accept(self, site: str, record: ArtifactRecord, weight: float) -> None:
-        samples = record.num_samples if record.num_samples is not None else 1
-        self.accepted[site] = weight
-        self.num_samples += samples
-        self.site_metrics[site] = dict(record.metrics)
-        for key, value in record.metrics.items():
-            self._sums[key] = self._sums.get(key, 0.0) + value * samples
-            self._weights[key] = self._weights.get(key, 0.0) + samples
-
-    def metrics(self) -> tuple[dict[str, float], list[str]]:
-        return round_metrics(self._sums, self._weights)
-
-    def failed(self) -> str:
-        return failed_sites(self.rejected)
 
 
 def aggregate_from_store(
@@ -196,7 +160,7 @@ def chunked_from_store(
     """Phase 1 (verify every update) and phase 2 (combine chunk by chunk); see the module docstring."""
     expected = tensor_spec(global_params)
     reader = UpdateReader(expected, accepted_sha256, accepted_blake3)
-    tally = _Tally()
+    tally = RoundTally()
     counted: list[_Counted] = []
 
     def inspect(slot: int, site: str, path: WritablePath | None, failure: str | None) -> tuple[Any, ...]:
@@ -213,27 +177,25 @@ def chunked_from_store(
 
     ordered = sorted(updates, key=lambda u: u[0])
     with side_by_side_runner() as side_by_side:
-        for start in range(0, len(ordered), _GROUP):
+        for start in range(0, len(ordered), GROUP):
             group = side_by_side(
-                [partial(inspect, slot, *update) for slot, update in enumerate(ordered[start : start + _GROUP])]
+                [partial(inspect, slot, *update) for slot, update in enumerate(ordered[start : start + GROUP])]
             )
             for site, path, record, reason, offsets, scale in group:
-                if site in tally.accepted or site in tally.rejected:
-                    raise FlareAirflowError(f"site {site!r} already counted in this round")
+                tally.check_new(site)
                 if reason is not None or record is None:
-                    tally.rejected[site] = reason or "no update"
+                    tally.reject(site, reason or "no update")
                     continue
                 weight, rejected = update_weight(site, record, site_weights)
                 if rejected is not None:
-                    tally.rejected[site] = rejected.reason
+                    tally.reject(site, rejected.reason)
                     continue
                 tally.accept(site, record, weight)
                 counted.append(_Counted(site, path, record, weight, offsets, scale))
     reader.release()
 
     sites = [c.site for c in counted]
-    if len(counted) < min_clients:
-        raise below_quorum(sites, min_clients, tally.rejected)
+    tally.check_quorum(min_clients)
     problem = rule.quorum_problem(len(counted))
     if problem is not None:
         raise QuorumNotReached(
@@ -301,15 +263,8 @@ def chunked_from_store(
                 f"(sha256 {c.record.sha256[:12]}… then {(again or 'none')[:12]}…); the global model was not "
                 "written: run the aggregation again"
             )
-    metrics, dropped = tally.metrics()
-    return RoundOutcome(
-        params=out,
-        accepted=dict(tally.accepted),
-        rejected=dict(tally.rejected),
-        metrics=metrics,
-        metrics_dropped=dropped,
-        site_metrics=dict(tally.site_metrics),
-        num_samples=tally.num_samples,
+    return tally.outcome(
+        out,
         selected=[sites[r] for r in rows] if len(rows) != len(sites) else None,
         clipped={c.site: c.scale for c in counted if c.scale < 1.0},
     )

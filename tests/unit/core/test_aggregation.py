@@ -15,7 +15,7 @@ import pytest
 from upath import UPath
 
 from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
-from flare_airflow.core.aggregation import FedAvg, fedavg_from_store, validate_update
+from flare_airflow.core.aggregation import FedAvg, fedavg_from_store
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
 from flare_airflow.core.model import (
     CHUNK_BYTES,
@@ -29,6 +29,7 @@ from flare_airflow.core.model import (
     tensor_spec,
     write_artifact,
 )
+from flare_airflow.core.update_reader import validate_update
 from tests.unit.core.test_model import NoReadinto, forge, raw_safetensors
 
 FULL, DIFF = ParamsType.FULL, ParamsType.DIFF
@@ -557,16 +558,16 @@ def test_updates_without_readinto_and_object_store_paths(tmp_path: pathlib.Path)
 
 
 def test_an_unexpected_error_propagates_without_hanging(tmp_path: pathlib.Path, monkeypatch) -> None:
-    import flare_airflow.core.aggregation as aggregation
+    import flare_airflow.core.update_reader as update_reader
 
-    real = aggregation.read_verified
+    real = update_reader.read_verified
 
     def flaky(path, *args):
         if "s2" in str(path):
             raise RuntimeError("disk on fire")
         return real(path, *args)
 
-    monkeypatch.setattr(aggregation, "read_verified", flaky)
+    monkeypatch.setattr(update_reader, "read_verified", flaky)
     updates = [(f"site-{i}", write_update(tmp_path / f"s{i}.safetensors", good(i)), None) for i in range(6)]
     errors: list[BaseException] = []
 

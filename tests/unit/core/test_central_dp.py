@@ -134,3 +134,21 @@ def test_the_central_account_and_budget() -> None:
     assert privacy.rounds_allowed(20) == 11
     row = privacy.account(10)
     assert row is not None and row["epsilon"] == pytest.approx(7.511, abs=1e-3) and row["noise_multiplier"] == 2.0
+
+
+def test_the_round_strategy_is_assembled_once_from_the_job_with_central_dp_around_it(tmp_path: pathlib.Path) -> None:
+    from flare_airflow.core.strategies.central_dp import CentralDPRule
+    from tests.unit.airflow_layer import make_job
+
+    asked: list[str] = []
+
+    def key() -> bytes:
+        asked.append("key")
+        return b"k" * 32
+
+    plain = make_job(tmp_path).round_strategy(key)
+    assert plain.rule.name == "fedavg" and asked == []  # no central DP: the run's secret is never asked for
+    job = make_job(tmp_path, privacy={"central": {"clip": 1.0, "noise_multiplier": 0.5}, "delta": 1e-5})
+    rule = job.round_strategy(key).rule
+    assert isinstance(rule, CentralDPRule) and asked == ["key"]
+    assert (rule.clip, rule.noise_multiplier, rule.num_sites, rule.key) == (1.0, 0.5, 2, b"k" * 32)

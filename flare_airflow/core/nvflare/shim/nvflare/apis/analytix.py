@@ -1,5 +1,5 @@
 """``nvflare.apis.analytix`` under flare-airflow."""
 
-from flare_airflow.core.nvflare.client import AnalyticsDataType
+from flare_airflow.core.nvflare.fl_model import AnalyticsDataType
 
 __all__ = ["AnalyticsDataType"]

@@ -1,5 +1,5 @@
 """``nvflare.app_common.abstract.fl_model`` under flare-airflow."""
 
-from flare_airflow.core.nvflare.client import FLModel, ParamsType
+from flare_airflow.core.nvflare.fl_model import FLModel, ParamsType
 
 __all__ = ["FLModel", "ParamsType"]
