@@ -23,7 +23,7 @@ def _key_dir(args: argparse.Namespace) -> Path:
 
 def _keygen(party: str, args: argparse.Namespace) -> int:
     directory = party_dir(_key_dir(args), party)
-    keys = generate_keys(party, directory, box=party != CENTRAL, rotate=args.rotate)
+    keys = generate_keys(party, directory, rotate=args.rotate)
     for old in keys.retired:
         print(f"rotated: the old key {old} is kept at {directory} (*.{old}.retired); revoke it once no run needs it")
     print(f"{party}: private keys in {directory} (mode 0600, never copy them off this machine)")
@@ -97,10 +97,10 @@ def add_parsers(sub: Any, site_sub: Any) -> None:
     )
     for role, group, func, help_text in (
         ("site", site_sub, cmd_site_keygen, "a site's own keys (run at the site)"),
-        ("central", central_sub, cmd_central_keygen, "the central (aggregation) side's signing key"),
+        ("central", central_sub, cmd_central_keygen, "the central (aggregation) side's keys"),
     ):
-        p = group.add_parser("keygen", help=f"make {help_text}: an Ed25519 signing key"
-                             + (" and an X25519 box key" if role == "site" else ""))  # fmt: skip
+        # The central box key is what sites seal their sample counts and metrics to (issue 36 item 3).
+        p = group.add_parser("keygen", help=f"make {help_text}: an Ed25519 signing key and an X25519 box key")
         if role == "site":
             p.add_argument("site", help="the site's name, as in the job")
         p.add_argument("--out", help="the worker's key directory (default: [flare] key_dir, $AIRFLOW_HOME/flare-keys)")

@@ -42,6 +42,7 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.lineage import LineageMixin
+from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
@@ -250,12 +251,15 @@ class AggregateOperator(LineageMixin, BaseOperator):
             signed = sign_global(job.job, run_id, r, record)
         except TrustError as exc:
             raise AirflowFailException(f"round {r}: the global model cannot be signed: {exc}") from None
+        links = sealed_round_links(job, store, run_id, r + 1, record.size, self.log) if r < params.rounds else None
         summary: dict[str, Any] = {
             "round": r,
             "global_uri": str(global_out),
             "sha256": record.sha256,
             # The central side's signature on (job, run, round, digests): each site verifies it before training.
             "signed": signed,
+            # The next round's store links, each sealed to its site's box key (none on a local store).
+            **({LINKS_KEY: links} if links else {}),
             "accepted": sorted(outcome.accepted),
             # The update each site task vouched for when this round was aggregated: publish checks
             # that no site task was re-run (or failed) afterwards, which would make this model stale.
