@@ -19,7 +19,7 @@ from flare_airflow.core.config import JobConfig
 from flare_airflow.core.store import ModelStore
 from flare_airflow.core.store_links import LinksError, SiteLinks, mint_site_links
 from flare_airflow.core.trust import TrustError
-from flare_airflow.core.trust.sealed import load_box_key, open_sealed, seal, seal_context
+from flare_airflow.core.trust.sealed import links_context, load_box_key, open_sealed, seal
 from flare_airflow.operators.staging import is_local
 from flare_airflow.operators.trust import trust_settings
 
@@ -47,11 +47,6 @@ def link_seconds() -> int:
     return seconds
 
 
-def links_context(job: str, run_id: str, round_num: int, site: str) -> bytes:
-    """What a site's sealed links are bound to: they open for this (job, run, round, site) only."""
-    return seal_context("store-links", job=job, run_id=run_id, round=round_num, site=site)
-
-
 def central_client(job: JobConfig) -> Any:
     """An S3 client with the central side's store connection, signing links with SigV4."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
@@ -75,11 +70,13 @@ def mint_round_links(
     job: JobConfig, store: ModelStore, run_id: str, round_num: int, global_size: int, log: Any, client: Any = None
 ) -> dict[str, str] | None:
     """Site -> its sealed links for ``round_num``; None when the store is local (the embedded
-    default: every task reads the store itself) or cannot presign. A site with no box key in
-    the registry gets none and reaches the store with its own connection, as before (logged)."""
-    if not presigns(store):
+    default: every task reads the store itself) or cannot presign, or without a key registry
+    (one machine: no party to keep anything from). A site with no box key in the registry gets
+    none and reaches the store with its own connection, as before (logged)."""
+    settings = trust_settings()
+    if not presigns(store) or not settings.strict:
         return None
-    registry = trust_settings().registry()
+    registry = settings.registry()
     seconds = link_seconds()
     client = client if client is not None else central_client(job)
     sealed: dict[str, str] = {}

@@ -49,6 +49,23 @@ def seal_context(kind: str, **identity: Any) -> bytes:
     return f"{kind}\n{fields}".encode()
 
 
+# A site's report to the aggregation: what of its task's XCom summary only the aggregation may
+# read (other sites' sample counts, metrics and privacy spent are none of a site's business).
+REPORT_KEY = "report"
+REPORT_FIELDS = ("num_samples", "metrics", "privacy", "signed")
+
+
+def report_context(job: str, run_id: str, round_num: int, site: str) -> bytes:
+    """What a site's sealed report is bound to: it opens for this (job, run, round, site) only, so
+    a report copied into another site's or round's XCom does not open."""
+    return seal_context("site-report", job=job, run_id=run_id, round=round_num, site=site)
+
+
+def links_context(job: str, run_id: str, round_num: int, site: str) -> bytes:
+    """What a site's sealed store links are bound to: they open for this (job, run, round, site) only."""
+    return seal_context("store-links", job=job, run_id=run_id, round=round_num, site=site)
+
+
 def _raw(public: X25519PublicKey) -> bytes:
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 

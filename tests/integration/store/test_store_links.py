@@ -56,11 +56,13 @@ def s3():
 
 @pytest.fixture
 def keys(tmp_path, monkeypatch) -> pathlib.Path:
+    """Every party's keys and a strict registry listing them: links are minted in strict mode only."""
     key_dir = tmp_path / "keys"
-    for party in (*SITES, CENTRAL):
-        generate_keys(party, party_dir(key_dir, party))
+    jwks = [generate_keys(party, party_dir(key_dir, party)).jwks for party in (*SITES, CENTRAL)]
+    registry = tmp_path / "registry.json"
+    registry.write_text(json.dumps({"keys": [k for j in jwks for k in j["keys"]]}))
     monkeypatch.setenv("FLARE_KEY_DIR", str(key_dir))
-    monkeypatch.delenv("FLARE_SITE_KEYS", raising=False)
+    monkeypatch.setenv("FLARE_SITE_KEYS", str(registry))
     return key_dir
 
 
@@ -213,3 +215,30 @@ def test_a_per_site_policy_allows_its_slot_and_the_global_and_denies_the_rest(s3
     assert denied(site_1.list_objects_v2, Prefix="store/")
     assert admin.get_object(Bucket=BUCKET, Key=slots["site-2"])["Body"].read() == b"site-2's update"
     assert admin.get_object(Bucket=BUCKET, Key=global_key)["Body"].read() == b"global"
+
+
+def test_a_site_task_with_refused_links_fails_before_its_trainer_saying_why(s3, round_2) -> None:
+    from flare_airflow.operators.links import site_links
+    from flare_airflow.operators.site_steps import SiteJobFailed
+    from tests.unit.airflow_layer import FakeTI, context
+
+    class TI(FakeTI):
+        def xcom_push(self, key: str, value: object) -> None:
+            self.xcoms[("self", key)] = value
+
+    job, store, run_id, record = round_2
+    sealed = mint_round_links(job, store, run_id, 2, record.size, Log(), client=s3.client())
+    assert sealed is not None
+    ti = TI(run_id=run_id)
+    ctx = {**context(ti), "run_id": run_id}
+    ti.xcoms[("round_1.global_model", "return_value")] = {"sha256": record.sha256, LINKS_KEY: sealed}
+    links = site_links(ctx, job, "site-2", 2, "round_1.global_model")
+    assert links is not None and links.site == "site-2"
+    # site-1's entry overwritten with site-2's: site-1's task refuses, its reason in its XCom.
+    ti.xcoms[("round_1.global_model", "return_value")] = {
+        "sha256": record.sha256,
+        LINKS_KEY: {"site-1": sealed["site-2"]},
+    }
+    with pytest.raises(SiteJobFailed, match=r"not to this worker's box key.*the trainer was not started"):
+        site_links(ctx, job, "site-1", 2, "round_1.global_model")
+    assert "not to this worker's box key" in ti.xcoms[("self", "failure")]
