@@ -1,11 +1,12 @@
-"""``flare-airflow site keygen``, ``central keygen`` and ``registry add|revoke``: a party's keys and
-the consortium registry of public keys (docs/threat-model.md)."""
+"""``flare-airflow site keygen``, ``central keygen``, ``registry add|revoke``, ``site store-policy``:
+a party's keys, the consortium registry of public keys, a site's store policy (docs/threat-model.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,23 @@ def cmd_registry_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_site_store_policy(args: argparse.Namespace) -> int:
+    """Print the IAM policy for one site's own store identity (stores that cannot presign links)."""
+    from flare_airflow.core.config import load_job
+    from flare_airflow.core.store import ModelStore
+    from flare_airflow.core.store_links import site_bucket_policy
+
+    job = load_job(args.job)
+    if args.site not in job.sites:
+        print(f"{args.job}: no site {args.site!r} (sites: {', '.join(sorted(job.sites))})", file=sys.stderr)
+        return 2
+    if job.store is None or not job.store.startswith(("s3://", "s3a://")):
+        print(f"{args.job}: the store {job.store or 'file:// (default)'} is not S3: no policy", file=sys.stderr)
+        return 2
+    print(json.dumps(site_bucket_policy(ModelStore.from_uri(job.store), job=job.job, site=args.site), indent=2))
+    return 0
+
+
 def add_parsers(sub: Any, site_sub: Any) -> None:
     """The trust commands, under the CLI's sub-parsers (``site_sub``: the ``site`` command's own,
     which holds a site's other commands too)."""
@@ -109,6 +127,14 @@ def add_parsers(sub: Any, site_sub: Any) -> None:
     group = sub.add_parser("registry", help="the consortium registry of public keys").add_subparsers(
         dest="registry_command", required=True
     )
+    p = site_sub.add_parser(
+        "store-policy",
+        help="print the IAM policy of a site's own store identity: read the global models, write only its own "
+        "slot, no listing (for stores that cannot presign links; docs/model-store.md)",
+    )
+    p.add_argument("job", help="the job file (its store: and job: name the bucket, prefix and paths)")
+    p.add_argument("site", help="the site's name, as in the job")
+    p.set_defaults(func=cmd_site_store_policy)
     p = group.add_parser("add", help="enrol a party's public keys (the public.jwks.json its keygen wrote)")
     p.add_argument("registry")
     p.add_argument("public_jwks")
