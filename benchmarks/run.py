@@ -57,6 +57,7 @@ import bench_e2e
 import bench_edge
 import bench_fedavg
 import bench_k8s_api
+import bench_links
 import bench_nvflare
 import bench_nvflare_native
 import bench_nvflare_shim
@@ -92,6 +93,7 @@ OWN_OUTPUTS = {
     "tracking": BENCH_DIR / "results" / "tracking.md",
     "containers": BENCH_DIR / "results" / "containers.md",
     "trust": BENCH_DIR / "results" / "trust.md",
+    "links": BENCH_DIR / "results" / "links.md",
 }
 
 
@@ -121,6 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "tracking",
             "containers",
             "trust",
+            "links",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -199,6 +202,10 @@ def main(argv: list[str]) -> int:
             log("[trust] signing and verifying records at 256 MiB; a hello round before and with trust ...")
             tables = bench_trust.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Trust: signed records, their cost", tables))
+        if args.only == "links":
+            log("[links] a site's round today vs links + sealing + signatures (moto S3), and a hello round ...")
+            tables = bench_links.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Store links, sealing and signatures: the data plane's cost", tables))
         if args.only == "tracking":
             log("[tracking] digits: no tracking, MLflow embedded, MLflow server; under the real scheduler ...")
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
