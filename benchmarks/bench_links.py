@@ -3,12 +3,12 @@
 Side by side in one run, against moto's S3 server (an emulator in Python on loopback: it measures
 the client path, not a real S3 service):
 
-1. One site's data plane for one round, hello-sized (the digits model, 2.6 KB) and 256 MiB:
-   *today* -- the site's own credential: read the global model and its record, write the update
-   and its record; *new* -- what strict mode adds around the same transfers: the central side
-   mints and seals the site's links, the site opens them and moves the files through them, signs
-   its update record and seals its report, the aggregation opens the report and verifies the
-   signature.
+1. One site's data plane for one round, hello-sized (the digits model, 2.6 KB) and 256 MiB,
+   through the site task's own staging (``operators/staging.py: staged``): *today* -- the site's
+   own connection (Airflow's ObjectStoragePath, s3fs): clear its slot, read the global model and
+   its record, write the update and its record; *new* -- strict mode: the central side mints and
+   seals the site's links, the site opens them and stages through them, signs its update record
+   and seals its report, the aggregation opens the report and verifies the signature.
 2. A hello round (2 sites x 1 round, `flare-airflow run`, embedded default) measured in the same
    run: the added cost of (1) for its two sites, as a share of it.
 3. Signing and verifying the update record at 256 MiB, as a share of that site's 256 MiB round.
@@ -17,6 +17,7 @@ the client path, not a real S3 service):
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -24,19 +25,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from airflow.sdk import ObjectStoragePath
 from bench_common import MIB, Table, log, median, rotate, spread
 from bench_e2e import CASES, Runner, migrate, write_dags
 
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.store import ModelStore, record_path
-from flare_airflow.core.store_links import SiteLinks, Upload, bucket_key, download, mint_site_links, upload
+from flare_airflow.core.store_links import SiteLinks, bucket_key, mint_site_links
 from flare_airflow.core.trust import CENTRAL, generate_keys, sign_record, update_payload, verify_record
 from flare_airflow.core.trust.keys import load_signing_key, party_dir
 from flare_airflow.core.trust.registry import Registry
 from flare_airflow.core.trust.sealed import links_context, load_box_key, open_sealed, report_context, seal
+from flare_airflow.operators.staging import staged
+from flare_airflow.site_task.spec import SiteRun
 from flare_airflow_testing.s3_server import BUCKET, S3Server
 
 STORE = f"s3://{BUCKET}/bench"
+CONN_ID = "flare_bench_store"
 HELLO_FLOATS = 64 * 10 + 10  # the digits softmax model
 
 
@@ -59,21 +64,36 @@ class Site:
         self.update = self.tmp / "update.safetensors"
         self.update_record = write_artifact(self.update, FLModel(params={"w": rng.standard_normal(floats, np.float32)}))
         self.slot = self.store.site_update("bench", tag, 1, "site-1")
+        # The site's own connection, as store_for() builds the store on a site's worker today.
+        self.connected = ModelStore(ObjectStoragePath(STORE, conn_id=CONN_ID))
+        self.runs = {
+            name: SiteRun(
+                job="bench",
+                run_id=tag,
+                round=1,
+                total_rounds=1,
+                site="site-1",
+                task="train",
+                argv=[],
+                global_model=str(store.global_model("bench", tag, 0)),
+                output=str(store.site_update("bench", tag, 1, "site-1")),
+            )
+            for name, store in (("today", self.connected), ("new", self.store))
+        }
 
-    def _local(self, name: str) -> Path:
-        path = self.tmp / name
-        path.unlink(missing_ok=True)
-        return path
+    def _trainer(self, local: SiteRun) -> None:
+        """What the runner leaves after an accepted update: the update and its record."""
+        out = Path(local.output)
+        shutil.copyfile(self.update, out)
+        shutil.copyfile(record_path(self.update), Path(str(record_path(out))))
 
     def today(self) -> None:
-        """The site's own credential: two reads, two writes."""
-        for path, name in ((record_path(self.global_path), "g.json"), (self.global_path, "g.safetensors")):
-            self.client.download_file(BUCKET, bucket_key(path)[1], str(self._local(name)))
-        self.client.upload_file(str(self.update), BUCKET, bucket_key(self.slot)[1])
-        self.client.upload_file(str(record_path(self.update)), BUCKET, bucket_key(record_path(self.slot))[1])
+        """The site's own connection: the site task's staging as it is without links."""
+        with staged(self.runs["today"], self.connected) as local:
+            self._trainer(local)
 
     def new(self) -> float:
-        """Links, sealing and signatures around the same transfers; returns the signing + verifying seconds."""
+        """Links, sealing and signatures around the same staging; returns the signing + verifying seconds."""
         box = self.registry.box_key("site-1")
         links = mint_site_links(
             self.client, self.store, job="bench", run_id=self.run_id, round_num=1, site="site-1",
@@ -84,10 +104,8 @@ class Site:
         # at the site
         opened = SiteLinks.from_json(open_sealed(load_box_key(self.keys, "site-1"), sealed, context=ctx, what="l"), "l")
         opened.check(job="bench", run_id=self.run_id, round_num=1, site="site-1")
-        download(opened.global_record, self._local("g.json"), "record")
-        download(opened.global_model, self._local("g.safetensors"), "global")
-        upload(opened.update, self.update, "update")
-        upload(Upload(url=opened.update_record), Path(str(record_path(self.update))), "record")
+        with staged(self.runs["new"], self.store, opened) as local:
+            self._trainer(local)
         start = time.perf_counter()
         kid, key = load_signing_key(party_dir(self.keys, "site-1"), "site-1")
         rec = self.update_record
@@ -145,9 +163,10 @@ def data_plane(s3: S3Server, tmp: Path, reps: int, size_mib: int) -> tuple[Table
         )  # fmt: skip
     table.notes.append(
         f"{reps} repetitions, cases alternating, one moto S3 server (IAM off: moto cannot serve presigned links with "
-        "IAM on). 'today' moves the files with boto3 and the site's key; 'new' mints one site's links (a presigned URL "
-        "each), seals and opens them, moves the same files through them with the standard library's HTTP client, "
-        "signs the update record, seals the site's report and opens it, and verifies the signature."
+        "IAM on). Both run the site task's `staged()`: 'today' with the site's connection (s3fs through Airflow's "
+        "ObjectStoragePath: clear the slot, download, upload); 'new' mints one site's links (a presigned URL each), "
+        "seals and opens them, stages through them with the standard library's HTTP client, signs the update "
+        "record, seals the site's report and opens it, and verifies the signature."
     )
     return table, medians
 
@@ -168,6 +187,7 @@ def hello_round(reps: int, tmp: Path) -> float:
 def run(*, reps: int, keep: bool, tmp_base: str | None, size_mib: int = 256) -> list[Table]:
     tmp = Path(tempfile.mkdtemp(prefix="flare-bench-links-", dir=tmp_base))
     s3 = S3Server(enforce_iam=False)
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = s3.connection()
     ok = False
     try:
         for party in ("site-1", CENTRAL):
