@@ -145,10 +145,15 @@ class SiteTaskLifecycle(abc.ABC):
             # bucket that is not there, the endpoint unreachable. The site fails, the round holds.
             detail = " ".join(str(exc).split())[:400] or type(exc).__name__
             via = "its store links" if links else f"connection {self.job.store_conn_id or 'default'!r}"
+            fix = (
+                "check the store's endpoint is reachable from this worker; refused links: clear the task that "
+                "published this round's global model to mint new ones"
+                if links
+                else "check the connection's credentials and endpoint on the site's worker"
+            )
             reason = (
                 f"the model store {store.root} could not be used from this worker ({via}): "
-                f"{type(exc).__name__}: {detail}; check the connection's credentials and endpoint on the site's "
-                "worker [INFRASTRUCTURE_ERROR]"
+                f"{type(exc).__name__}: {detail}; {fix} [INFRASTRUCTURE_ERROR]"
             )
             raise site_failed(context, self.site, self.round_num, reason) from None
         if isinstance(summary, dict) and "uri" in summary:
