@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from flare_airflow.core.model import FLModel, write_artifact
-from flare_airflow.core.store import ModelStore, record_path
+from flare_airflow.core.store import ModelStore, failure_path, record_path
 from flare_airflow.core.store_links import LinksError, SiteLinks, bucket_key, mint_site_links, site_bucket_policy
 from flare_airflow.core.trust import CENTRAL, generate_keys
 from flare_airflow.core.trust.keys import party_dir
@@ -242,3 +242,39 @@ def test_a_site_task_with_refused_links_fails_before_its_trainer_saying_why(s3, 
     with pytest.raises(SiteJobFailed, match=r"not to this worker's box key.*the trainer was not started"):
         site_links(ctx, job, "site-1", 2, "round_1.global_model")
     assert "not to this worker's box key" in ti.xcoms[("self", "failure")]
+
+
+def test_a_site_task_without_any_store_connection_runs_its_round_through_its_links(
+    s3, keys, tmp_path, monkeypatch
+) -> None:
+    """The real site-task lifecycle (operators/lifecycle.py) with the fake backend of its unit
+    tests: no store connection is defined or named, the job is launched on local files, and its
+    result -- here a failure record -- lands in the site's slot through the links."""
+    from flare_airflow.core.spec import JobReturnCode
+    from flare_airflow.operators import lifecycle, site_steps
+    from flare_airflow.operators.site_steps import SiteJobFailed
+    from flare_airflow.operators.trust import sign_global
+    from tests.unit.airflow_layer import RUN_ID, FakeTI, context
+    from tests.unit.operators.test_lifecycle import FakeLauncher, fake_operator
+
+    job = make_job(tmp_path, store=STORE, sites={s: {} for s in SITES})
+    assert job.store_conn_id is None  # nothing on this worker could reach the store by itself
+    store = ModelStore.from_uri(STORE)
+    for module in (lifecycle, site_steps):
+        monkeypatch.setattr(module, "store_for", lambda job, conn_id=None: store)
+    record = put_model(
+        s3, store.global_model(job.job, RUN_ID, 0), FLModel(params={"w": np.ones(3, np.float32)}), tmp_path
+    )
+    sealed = mint_round_links(job, store, RUN_ID, 1, record.size, Log(), client=s3.client())
+    ti = FakeTI()
+    ti.xcoms[("prepare", "return_value")] = {
+        "sha256": record.sha256, "signed": sign_global(job.job, RUN_ID, 0, record), LINKS_KEY: sealed,
+    }  # fmt: skip
+    launcher = FakeLauncher(JobReturnCode.EXECUTION_ERROR)
+    task = fake_operator(job, launcher, stages=True)
+    task.global_task_id = "prepare"
+    with pytest.raises(SiteJobFailed, match=r"EXECUTION_ERROR"):
+        task.execute(context(ti))
+    (launched,) = launcher.launched
+    assert not launched.env["FLARE_GLOBAL_MODEL"].startswith("s3://")  # a local copy, read through a link
+    assert "EXECUTION_ERROR" in get(s3, failure_path(store.site_update(job.job, RUN_ID, 1, "site-1"))).decode()
