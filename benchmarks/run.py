@@ -58,6 +58,7 @@ import bench_e2e
 import bench_edge
 import bench_fedavg
 import bench_k8s_api
+import bench_links
 import bench_nvflare
 import bench_nvflare_native
 import bench_nvflare_shim
@@ -94,6 +95,7 @@ OWN_OUTPUTS = {
     "containers": BENCH_DIR / "results" / "containers.md",
     "trust": BENCH_DIR / "results" / "trust.md",
     "data-trigger": BENCH_DIR / "results" / "data_trigger.md",
+    "links": BENCH_DIR / "results" / "links.md",
 }
 
 
@@ -124,6 +126,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "containers",
             "trust",
             "data-trigger",
+            "links",
         ),
         help="run one benchmark (all but e2e write a report of their own)",
     )
@@ -206,6 +209,10 @@ def main(argv: list[str]) -> int:
             log("[data-trigger] quorum-forming announcement to the first site task, real scheduler ...")
             tables = bench_data_trigger.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("Runs driven by the sites' data: from the announcement to the run (issue 39)", tables))
+        if args.only == "links":
+            log("[links] a site's round today vs links + sealing + signatures (moto S3), and a hello round ...")
+            tables = bench_links.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("Store links, sealing and signatures: the data plane's cost", tables))
         if args.only == "tracking":
             log("[tracking] digits: no tracking, MLflow embedded, MLflow server; under the real scheduler ...")
             tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)

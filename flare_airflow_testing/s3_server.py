@@ -31,14 +31,17 @@ _ADMIN_POLICY = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Act
 
 
 class S3Server:
-    def __init__(self, host: str = "127.0.0.1", prefix: list[str] | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", prefix: list[str] | None = None, *, enforce_iam: bool = True) -> None:
         # ``prefix`` (e.g. ``ip netns exec NS``): the server runs in that network namespace on all
         # of its addresses, and the test process reaches it at ``host``.
+        # ``enforce_iam=False``: moto 5.2 with IAM on answers presigned URLs with HTTP 500 (it reads
+        # an Authorization header they do not have), and with IAM off it checks no signature at
+        # all -- so presigned links are tested for what they reach, never for a refused signature.
         self.host = host
         self.port = free_port()
         self.endpoint = f"http://{host}:{self.port}"
         bind = "0.0.0.0" if prefix else host  # all addresses of its own namespace
-        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_SETUP_REQUESTS)}
+        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(_SETUP_REQUESTS)} if enforce_iam else {**os.environ}
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
             env.pop(name, None)
         self.proc = subprocess.Popen(
@@ -68,16 +71,33 @@ class S3Server:
         self.key_id, self.secret = str(key["AccessKeyId"]), str(key["SecretAccessKey"])
         self.client().create_bucket(Bucket=BUCKET)
 
-    def client(self) -> Any:
+    def client(self, key_id: str | None = None, secret: str | None = None) -> Any:
+        """An S3 client signing with SigV4 (presigned links too), as this server's admin user or
+        with another access key."""
         import boto3
+        from botocore.config import Config
 
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
             region_name="us-east-1",
-            aws_access_key_id=self.key_id,
-            aws_secret_access_key=self.secret,
+            aws_access_key_id=key_id or self.key_id,
+            aws_secret_access_key=secret or self.secret,
+            config=Config(signature_version="s3v4"),
         )
+
+    def user_key(self, name: str, policy: dict[str, Any]) -> tuple[str, str]:
+        """A new IAM user with ``policy`` (as its only policy) and its access key."""
+        import boto3
+
+        iam = boto3.client(
+            "iam", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=self.key_id, aws_secret_access_key=self.secret,
+        )  # fmt: skip
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="site", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return str(key["AccessKeyId"]), str(key["SecretAccessKey"])
 
     def connection(self, secret: str | None = None, host: str | None = None) -> str:
         """An Airflow connection (the JSON of ``AIRFLOW_CONN_<ID>``) to this endpoint, reached at

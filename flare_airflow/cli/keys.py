@@ -1,11 +1,12 @@
-"""``flare-airflow site keygen``, ``central keygen`` and ``registry add|revoke``: a party's keys and
-the consortium registry of public keys (docs/threat-model.md)."""
+"""``flare-airflow site keygen``, ``central keygen``, ``registry add|revoke``, ``site store-policy``:
+a party's keys, the consortium registry of public keys, a site's store policy (docs/threat-model.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ def _key_dir(args: argparse.Namespace) -> Path:
 
 def _keygen(party: str, args: argparse.Namespace) -> int:
     directory = party_dir(_key_dir(args), party)
-    keys = generate_keys(party, directory, box=party != CENTRAL, rotate=args.rotate)
+    keys = generate_keys(party, directory, rotate=args.rotate)
     for old in keys.retired:
         print(f"rotated: the old key {old} is kept at {directory} (*.{old}.retired); revoke it once no run needs it")
     print(f"{party}: private keys in {directory} (mode 0600, never copy them off this machine)")
@@ -89,6 +90,23 @@ def cmd_registry_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_site_store_policy(args: argparse.Namespace) -> int:
+    """Print the IAM policy for one site's own store identity (stores that cannot presign links)."""
+    from flare_airflow.core.config import load_job
+    from flare_airflow.core.store import ModelStore
+    from flare_airflow.core.store_links import site_bucket_policy
+
+    job = load_job(args.job)
+    if args.site not in job.sites:
+        print(f"{args.job}: no site {args.site!r} (sites: {', '.join(sorted(job.sites))})", file=sys.stderr)
+        return 2
+    if job.store is None or not job.store.startswith(("s3://", "s3a://")):
+        print(f"{args.job}: the store {job.store or 'file:// (default)'} is not S3: no policy", file=sys.stderr)
+        return 2
+    print(json.dumps(site_bucket_policy(ModelStore.from_uri(job.store), job=job.job, site=args.site), indent=2))
+    return 0
+
+
 def add_parsers(sub: Any, site_sub: Any) -> None:
     """The trust commands, under the CLI's sub-parsers (``site_sub``: the ``site`` command's own,
     which holds a site's other commands too)."""
@@ -97,10 +115,10 @@ def add_parsers(sub: Any, site_sub: Any) -> None:
     )
     for role, group, func, help_text in (
         ("site", site_sub, cmd_site_keygen, "a site's own keys (run at the site)"),
-        ("central", central_sub, cmd_central_keygen, "the central (aggregation) side's signing key"),
+        ("central", central_sub, cmd_central_keygen, "the central (aggregation) side's keys"),
     ):
-        p = group.add_parser("keygen", help=f"make {help_text}: an Ed25519 signing key"
-                             + (" and an X25519 box key" if role == "site" else ""))  # fmt: skip
+        # The central box key is what sites seal their sample counts and metrics to (issue 36 item 3).
+        p = group.add_parser("keygen", help=f"make {help_text}: an Ed25519 signing key and an X25519 box key")
         if role == "site":
             p.add_argument("site", help="the site's name, as in the job")
         p.add_argument("--out", help="the worker's key directory (default: [flare] key_dir, $AIRFLOW_HOME/flare-keys)")
@@ -109,6 +127,14 @@ def add_parsers(sub: Any, site_sub: Any) -> None:
     group = sub.add_parser("registry", help="the consortium registry of public keys").add_subparsers(
         dest="registry_command", required=True
     )
+    p = site_sub.add_parser(
+        "store-policy",
+        help="print the IAM policy of a site's own store identity: read the global models, write only its own "
+        "slot, no listing (for stores that cannot presign links; docs/model-store.md)",
+    )
+    p.add_argument("job", help="the job file (its store: and job: name the bucket, prefix and paths)")
+    p.add_argument("site", help="the site's name, as in the job")
+    p.set_defaults(func=cmd_site_store_policy)
     p = group.add_parser("add", help="enrol a party's public keys (the public.jwks.json its keygen wrote)")
     p.add_argument("registry")
     p.add_argument("public_jwks")

@@ -43,10 +43,11 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.lineage import LineageMixin
+from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
-from flare_airflow.operators.trust import sign_global, verify_updates
+from flare_airflow.operators.trust import open_reports, sign_global, verify_updates
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
@@ -122,6 +123,8 @@ class AggregateOperator(LineageMixin, BaseOperator):
         self.global_task_id = global_task_id
         self.prepare_task_id = prepare_task_id
         self._handle: ProcessJobHandle | None = None
+        # Site -> its XCom summary with the sealed report opened (set when the updates are checked).
+        self._reports: dict[str, Any] = {}
 
     def _track(self, handle: ProcessJobHandle) -> None:
         self._handle = handle
@@ -246,12 +249,15 @@ class AggregateOperator(LineageMixin, BaseOperator):
             signed = sign_global(job.job, run_id, r, record)
         except TrustError as exc:
             raise AirflowFailException(f"round {r}: the global model cannot be signed: {exc}") from None
+        links = sealed_round_links(job, store, run_id, r + 1, record.size, self.log) if r < params.rounds else None
         summary: dict[str, Any] = {
             "round": r,
             "global_uri": str(global_out),
             "sha256": record.sha256,
             # The central side's signature on (job, run, round, digests): each site verifies it before training.
             "signed": signed,
+            # The next round's store links, each sealed to its site's box key (none on a local store).
+            **({LINKS_KEY: links} if links else {}),
             "accepted": sorted(outcome.accepted),
             # The update each site task vouched for when this round was aggregated: publish checks
             # that no site task was re-run (or failed) afterwards, which would make this model stale.
@@ -370,11 +376,15 @@ class AggregateOperator(LineageMixin, BaseOperator):
         if not self.site_task_ids:
             return None, None, {}, {}
         ti = context["ti"]
-        summaries = {site: ti.xcom_pull(task_ids=task_id) for site, task_id in self.site_task_ids.items()}
+        sealed = {site: ti.xcom_pull(task_ids=task_id) for site, task_id in self.site_task_ids.items()}
+        # Sites seal their counts, metrics and signed records to the aggregation (XCom is every site's to read).
+        summaries, unopened = open_reports(sealed, job=self.job.job, run_id=run_id, round_num=self.round_num)
+        self._reports = summaries
         accepted, blake3, refused = verify_updates(
             summaries, job=self.job.job, run_id=run_id, round_num=self.round_num, log=self.log
         )
-        vouched = {s: str(v["sha256"]) for s, v in summaries.items() if isinstance(v, dict) and v.get("sha256")}
+        refused.update(unopened)
+        vouched = {s: str(v["sha256"]) for s, v in sealed.items() if isinstance(v, dict) and v.get("sha256")}
         return accepted, {site: digest for site, digest in blake3.items() if digest}, refused, vouched
 
     def _central_releases(self, store: ModelStore, run_id: str, accepted: dict[str, str | None]) -> int:
@@ -400,7 +410,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
         """Site -> the distinct noised releases its ledger charged in this run (its task's report)."""
         releases: dict[str, int] = {}
         for site, task_id in self.site_task_ids.items():
-            summary = context["ti"].xcom_pull(task_ids=task_id)
+            summary = self._reports.get(site) if site in self._reports else context["ti"].xcom_pull(task_ids=task_id)
             privacy = summary.get("privacy") if isinstance(summary, dict) else None
             if isinstance(privacy, dict) and isinstance(privacy.get("releases"), int):
                 releases[site] = privacy["releases"]

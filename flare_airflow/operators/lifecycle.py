@@ -39,6 +39,7 @@ from flare_airflow.core.errors import FlareAirflowError, StoreError
 from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobLauncherSpec, JobReturnCode
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.operators.common import store_for
+from flare_airflow.operators.links import site_links
 from flare_airflow.operators.site_outputs import Summary, claim_and_clear, finish_site_job, record_site_failure
 from flare_airflow.operators.site_steps import (
     SiteJobFailed,
@@ -214,12 +215,15 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
         if not self.stages_store:
             return self.run_site_job(context, run)
         store = store_for(self.job)
+        # The round's store links the central side sealed to this site: then no store connection here.
+        links = site_links(context, self.job, self.site, self.round_num, self.global_task_id)
         try:
-            check_connection(store, self.job.store_conn_id)
+            if links is None:
+                check_connection(store, self.job.store_conn_id)
         except StoreError as exc:
             raise site_failed(context, self.site, self.round_num, f"{exc} [INFRASTRUCTURE_ERROR]") from None
         try:
-            with staged(run, store) as local:
+            with staged(run, store, links) as local:
                 summary = self.run_site_job(context, local)
         except (AirflowException, KeyboardInterrupt, SystemExit):
             raise
@@ -229,10 +233,16 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
             # Reading the global model or uploading the update: a wrong or missing credential, a
             # bucket that is not there, the endpoint unreachable. The site fails, the round holds.
             detail = " ".join(str(exc).split())[:400] or type(exc).__name__
+            via = "its store links" if links else f"connection {self.job.store_conn_id or 'default'!r}"
+            fix = (
+                "check the store's endpoint is reachable from this worker; refused links: clear the task that "
+                "published this round's global model to mint new ones"
+                if links
+                else "check the connection's credentials and endpoint on the site's worker"
+            )
             reason = (
-                f"the model store {store.root} could not be used from this worker "
-                f"(connection {self.job.store_conn_id or 'default'!r}): {type(exc).__name__}: {detail}; "
-                "check the connection's credentials and endpoint on the site's worker [INFRASTRUCTURE_ERROR]"
+                f"the model store {store.root} could not be used from this worker ({via}): "
+                f"{type(exc).__name__}: {detail}; {fix} [INFRASTRUCTURE_ERROR]"
             )
             raise site_failed(context, self.site, self.round_num, reason) from None
         if isinstance(summary, dict) and "uri" in summary:

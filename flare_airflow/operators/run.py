@@ -32,6 +32,7 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.lineage import LineageMixin
+from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
 from flare_airflow.operators.trust import sign_global, trust_settings
@@ -124,6 +125,7 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
             signed = sign_global(self.job.job, run_id, 0, record)
         except TrustError as exc:
             raise AirflowFailException(f"the round 0 global model cannot be signed: {exc}") from None
+        links = sealed_round_links(self.job, store, run_id, 1, record.size, self.log)
         result = {
             "global_uri": str(target),
             "sha256": record.sha256,
@@ -132,6 +134,8 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
             "rounds": params.rounds,
             "min_clients": params.min_clients,
             "hparams": params.hparams,
+            # Round 1's store links, each sealed to its site's box key (none on a local store).
+            **({LINKS_KEY: links} if links else {}),
         }
         if params.budget_note:
             result["budget_note"] = params.budget_note

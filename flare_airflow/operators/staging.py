@@ -7,6 +7,10 @@ an object store (``s3://`` ...) the site task downloads the round's input global
 record into a private temporary directory, runs the job there, then uploads what the runner left
 -- the accepted update, then its record (an artifact without a record is never read), or the
 failure record -- to the site's place in the store, and removes the directory.
+
+With store links (docs/model-store.md, "No store credential at the sites") the same happens
+through the round's presigned links the central side sealed to this site: the site task needs no
+store connection at all, and can reach nothing but the global model and its own slot.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from flare_airflow.core.errors import StoreError
 from flare_airflow.core.store import ModelStore, failure_path, record_path
+from flare_airflow.core.store_links import SiteLinks, Upload, download, upload
 from flare_airflow.site_task.checks import clear_outputs
 from flare_airflow.site_task.spec import SiteRun
 
@@ -88,12 +93,68 @@ def upload_result(local_output: Any, remote_output: Any) -> None:
         _copy(failure_path(local_output), failure_path(remote_output))
 
 
+def _beside(where: Any, local: pathlib.Path) -> pathlib.Path:
+    """``record_path`` / ``failure_path`` of a local file, as a local path."""
+    return pathlib.Path(str(where(local)))
+
+
+def upload_through_links(local_output: pathlib.Path, links: SiteLinks) -> None:
+    """What the runner left at ``local_output``, through the site's write links (as :func:`upload_result`)."""
+    what = f"site {links.site!r} round {links.round}"
+    record, failure = _beside(record_path, local_output), _beside(failure_path, local_output)
+    if record.exists() and local_output.exists():
+        upload(links.update, local_output, f"{what}: the update")
+        upload(Upload(url=links.update_record), record, f"{what}: the update's record")  # last: the update is complete
+    if failure.exists():
+        upload(Upload(url=links.failure), failure, f"{what}: the failure record")
+
+
+def _local_run(run: SiteRun, root: pathlib.Path) -> SiteRun:
+    local_global = root / "global" / pathlib.PurePosixPath(run.global_model).name
+    local_output = root / "out" / pathlib.PurePosixPath(run.output).name
+    local_output.parent.mkdir()
+    local_staging = None
+    if run.staging:
+        parts = pathlib.PurePosixPath(run.staging).parts
+        local_staging = str(root.joinpath("staging", *parts[-3:]))  # <site>/try-<n>/update.safetensors
+    return dataclasses.replace(run, global_model=str(local_global), output=str(local_output), staging=local_staging)
+
+
 @contextlib.contextmanager
-def staged(run: SiteRun, store: ModelStore) -> Iterator[SiteRun]:
-    """``run`` with local paths when the store is an object store (else ``run`` itself).
+def staged_through_links(run: SiteRun, links: SiteLinks) -> Iterator[SiteRun]:
+    """``run`` with local paths, its input read and its result written through ``links``.
+
+    Nothing is cleared first (the links cannot delete): the aggregation counts only the update
+    whose digests this site task signed and returned, so a slot's earlier content never counts.
+    """
+    root = pathlib.Path(tempfile.mkdtemp(prefix=f"flare-{run.site}-r{run.round}-"))
+    local = _local_run(run, root)
+    what = f"site {links.site!r} round {links.round}: the input global model"
+    try:
+        # A missing object is left missing: the runner's input check says what is wrong.
+        download(links.global_record, _beside(record_path, pathlib.Path(local.global_model)), f"{what}'s record")
+        download(links.global_model, pathlib.Path(local.global_model), what)
+        yield local
+        upload_through_links(pathlib.Path(local.output), links)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            upload_through_links(pathlib.Path(local.output), links)
+        raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged(run: SiteRun, store: ModelStore, links: SiteLinks | None = None) -> Iterator[SiteRun]:
+    """``run`` with local paths when the store is an object store (else ``run`` itself); through
+    ``links`` when the central side gave this site the round's links.
 
     On exit, whatever happened, the runner's result goes to the store and the local copy is removed.
     """
+    if links is not None:
+        with staged_through_links(run, links) as local:
+            yield local
+        return
     if is_local(store):
         yield run
         return
@@ -104,16 +165,10 @@ def staged(run: SiteRun, store: ModelStore) -> Iterator[SiteRun]:
         raise StoreError(f"cannot prepare {remote_output} in the model store: {exc}") from exc
     root = pathlib.Path(tempfile.mkdtemp(prefix=f"flare-{run.site}-r{run.round}-"))
     try:
-        local_global = root / "global" / pathlib.PurePosixPath(run.global_model).name
-        _download(store, run.global_model, local_global)
-        local_output = root / "out" / pathlib.PurePosixPath(run.output).name
-        local_output.parent.mkdir()
-        local_staging = None
-        if run.staging:
-            parts = pathlib.PurePosixPath(run.staging).parts
-            local_staging = str(root.joinpath("staging", *parts[-3:]))  # <site>/try-<n>/update.safetensors
-        yield dataclasses.replace(run, global_model=str(local_global), output=str(local_output), staging=local_staging)
-        upload_result(local_output, remote_output)
+        local = _local_run(run, root)
+        _download(store, run.global_model, pathlib.Path(local.global_model))
+        yield local
+        upload_result(pathlib.Path(local.output), remote_output)
     except BaseException:
         with contextlib.suppress(Exception):
             upload_result(root / "out" / pathlib.PurePosixPath(run.output).name, remote_output)

@@ -7,8 +7,10 @@ configuration and turns refusals into what a task does with them (docs/threat-mo
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from flare_airflow.core import envvars
@@ -36,6 +38,36 @@ def sign_global(job: str, run_id: str, round_num: int, record: Any) -> dict[str,
         job=job, run_id=run_id, round_num=round_num, size=record.size, sha256=record.sha256, blake3=record.blake3
     )
     return sign_record(payload, kid, key)
+
+
+def open_reports(
+    summaries: Mapping[str, Any], *, job: str, run_id: str, round_num: int
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each site's XCom summary with its sealed report opened (with the central box key, for this
+    job, run, round and site), and site -> why a report was refused. A refused report's site does
+    not count: its summary is left out, never taken in clear."""
+    from flare_airflow.core.trust.sealed import REPORT_FIELDS, REPORT_KEY, load_box_key, open_sealed, report_context
+
+    opened: dict[str, Any] = {}
+    refused: dict[str, str] = {}
+    box = None
+    for site, summary in summaries.items():
+        if not isinstance(summary, dict) or REPORT_KEY not in summary:
+            opened[site] = summary
+            continue
+        what = f"round {round_num}: site {site!r}'s sealed report"
+        try:
+            box = box or load_box_key(Path(trust_settings().key_dir), CENTRAL)
+            bound = report_context(job, run_id, round_num, site)
+            text = open_sealed(box, summary[REPORT_KEY], context=bound, what=what)
+            report = json.loads(text)
+            if not isinstance(report, dict) or set(report) - set(REPORT_FIELDS):
+                raise TrustError(f"{what} holds other fields than {', '.join(REPORT_FIELDS)}")
+        except (TrustError, ValueError) as exc:
+            refused[site] = f"refused: {exc}"
+            continue
+        opened[site] = {**{k: v for k, v in summary.items() if k != REPORT_KEY}, **report}
+    return opened, refused
 
 
 def verify_updates(

@@ -190,6 +190,40 @@ def published_summary(run: SiteRun, record: Any, privacy: dict[str, Any] | None 
         summary["privacy"] = privacy
     if run.trust is not None and run.task == "train":
         summary["signed"] = sign_update(run, record, summary)
+        summary = seal_report(run, summary)
+    return summary
+
+
+def seal_report(run: SiteRun, summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with its counts, metrics, privacy report and signed record sealed to the
+    aggregation's (central) box key: XCom is readable by every site task of the run.
+
+    Strict mode only (a registry is configured): there a missing central box key refuses the
+    update (nothing of the site's leaves in clear). On one machine -- no registry, every party's
+    keys in one directory of one user -- sealing would hide nothing from anyone, and the summary
+    stays in clear as before.
+    """
+    import json
+
+    from flare_airflow.core.trust import CENTRAL, TrustError, UnknownSigner
+    from flare_airflow.core.trust.sealed import REPORT_FIELDS, REPORT_KEY, report_context, seal
+    from flare_airflow.core.trust.settings import TrustSettings
+
+    assert run.trust is not None
+    settings = TrustSettings.from_dict(run.trust)
+    if not settings.strict:
+        return summary
+    try:
+        box = settings.registry().box_key(CENTRAL)
+    except UnknownSigner as exc:
+        raise TrustError(
+            f"site {run.site} round {run.round}: the update's report cannot be sealed to the aggregation, so it "
+            f"is not published: {exc} (keys made before box keys existed: `flare-airflow central keygen --rotate`)"
+        ) from None
+    report = {name: summary.pop(name) for name in REPORT_FIELDS if name in summary}
+    text = json.dumps(report, sort_keys=True, separators=(",", ":")).encode()
+    bound = report_context(run.job, run.run_id, run.round, run.site)
+    summary[REPORT_KEY] = seal(box.public, box.kid, text, context=bound)
     return summary
 
 

@@ -52,7 +52,7 @@ def strict_registry(root: pathlib.Path, enrolled: list[str], not_enrolled: list[
     """Keys for every party under ``root`` (as each would make them with keygen) and a registry that
     lists ``enrolled`` and the central key only; the environment of a strict-mode run."""
     keys = root / "keys"
-    jwks = [generate_keys(p, party_dir(keys, p), box=p != CENTRAL).jwks for p in (*enrolled, *not_enrolled, CENTRAL)]
+    jwks = [generate_keys(p, party_dir(keys, p)).jwks for p in (*enrolled, *not_enrolled, CENTRAL)]
     listed = [k for j in jwks for k in j["keys"] if k["flare_party"] not in not_enrolled]
     (root / "registry.json").write_text(json.dumps({"keys": listed}))
     return {"FLARE_KEY_DIR": str(keys), "FLARE_SITE_KEYS": str(root / "registry.json")}

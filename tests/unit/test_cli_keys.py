@@ -40,3 +40,22 @@ def test_keygen_enrol_rotate_revoke(tmp_path, capsys) -> None:
     assert main(["registry", "add", str(registry), str(tmp_path / "leak.json")]) == 2
     assert "private key" in capsys.readouterr().err
     assert Registry.from_file(registry).kids("site-3") == []
+
+
+def test_site_store_policy_prints_the_sites_own_slots_and_the_global_models(tmp_path, capsys) -> None:
+    import shutil
+
+    from flare_airflow_testing.harness import REPO
+
+    (tmp_path / "dags").mkdir()
+    job = tmp_path / "dags" / "digits.yaml"  # its initial_model and trainer are under ../examples
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    job.write_text((REPO / "dags" / "digits.yaml").read_text() + "\nstore: s3://flare/store\n")
+    assert main(["site", "store-policy", str(job), "site-1"]) == 0
+    policy = json.loads(capsys.readouterr().out)
+    resources = [r for statement in policy["Statement"] for r in statement["Resource"]]
+    assert "arn:aws:s3:::flare/store/digits/*/round-*/sites/site-1.safetensors" in resources
+    assert "arn:aws:s3:::flare/store/digits/*/round-*/global.safetensors" in resources
+    assert not [r for r in resources if "site-2" in r or r.endswith("/*")]
+    assert not [a for s in policy["Statement"] for a in s["Action"] if "List" in a]
+    assert main(["site", "store-policy", str(job), "site-9"]) == 2

@@ -52,6 +52,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         r"^flare-airflow (site keygen|central keygen|registry (add|revoke))\b",
         RunBy("tests/unit/test_cli_keys.py", '"registry", "revoke"'),
     ),
+    (r"^flare-airflow site store-policy\b", RunBy("tests/unit/test_cli_keys.py", '"site", "store-policy"')),
     (r"^airflow (db migrate|dags (trigger|unpause|reserialize))\b", WALKTHROUGH),
     # `flare-airflow run` is `airflow dags test` in-process; every e2e test runs it (flare_airflow_testing/harness.py)
     (r"^airflow dags test$", RunBy("flare_airflow_testing/harness.py", '"flare-airflow"), "run"')),

@@ -1,4 +1,4 @@
-"""A party's keys: an Ed25519 signing key and, for a site, an X25519 box key.
+"""A party's keys: an Ed25519 signing key and an X25519 box key.
 
 Layout of a worker's key directory (``[flare] key_dir``)::
 
@@ -6,6 +6,7 @@ Layout of a worker's key directory (``[flare] key_dir``)::
     <key_dir>/sites/<site>/box.pem           X25519 private key (sealed capabilities, issue 36 item 4)
     <key_dir>/sites/<site>/public.jwks.json  the public halves as a JWKS: what the site hands in
     <key_dir>/central/sign.pem               the central (aggregation) side's signing key
+    <key_dir>/central/box.pem                its box key: sites seal their counts and metrics to it
     <key_dir>/central/public.jwks.json
 
 Private halves are written once, 0600, in a 0700 directory, and never read by anything but the
@@ -197,7 +198,7 @@ def signing_key_for(key_dir: Path, party: str, *, create: bool) -> tuple[str, Ed
             with open(directory / ".lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not (directory / SIGN_FILE).exists():
-                    generate_keys(party, directory, box=party != CENTRAL)
+                    generate_keys(party, directory)
         except OSError as exc:
             raise KeyMissing(
                 f"{party}: cannot make its keys in {directory}: {exc.strerror or exc}; set [flare] key_dir "

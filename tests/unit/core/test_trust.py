@@ -141,7 +141,8 @@ def test_one_machine_mode_makes_keys_on_first_use_and_notes_what_it_cannot_prove
     assert (party_dir(tmp_path, "site-1") / "box.pem").exists()
     assert settings.signing_key("site-1")[0] == kid  # made once
     central_kid, central = settings.signing_key(CENTRAL)
-    assert not (party_dir(tmp_path, CENTRAL) / "box.pem").exists()
+    # The central side has a box key too: sites seal their counts and metrics to it.
+    assert (party_dir(tmp_path, CENTRAL) / "box.pem").exists()
     g = sign_record(
         global_payload(job="j", run_id="r", round_num=0, size=1, sha256="c" * 64, blake3=None), central_kid, central
     )

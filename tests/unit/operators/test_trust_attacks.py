@@ -34,7 +34,7 @@ def task(site: str, r: int) -> str:
 def keys(tmp_path, monkeypatch) -> pathlib.Path:
     """Every party's keys under one dir and a strict registry listing them (``FLARE_SITE_KEYS``)."""
     key_dir = tmp_path / "keys"
-    jwks = [generate_keys(p, party_dir(key_dir, p), box=p != CENTRAL).jwks for p in (*SITES, CENTRAL)]
+    jwks = [generate_keys(p, party_dir(key_dir, p)).jwks for p in (*SITES, CENTRAL)]
     registry = tmp_path / "registry.json"
     registry.write_text(json.dumps({"keys": [k for j in jwks for k in j["keys"]]}))
     monkeypatch.setenv("FLARE_KEY_DIR", str(key_dir))

@@ -1,0 +1,152 @@
+"""Store links in the Airflow layer: the central side mints and seals them, a site task opens its own.
+
+The task that publishes a round's input global model (``prepare`` for round 1, each round's
+aggregation for the next) mints, per site, that round's links (:mod:`flare_airflow.core.store_links`)
+with the store's credential -- which only the central side holds -- and seals each site's to that
+site's box key in the registry. They travel in its XCom summary under ``links``: ciphertext, one
+entry per site, each useless to any other site. A site task opens its own with its box key, checks
+they are for this job, run, round and site and not expired, and stages through them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from flare_airflow.core import envvars
+from flare_airflow.core.config import JobConfig
+from flare_airflow.core.store import ModelStore
+from flare_airflow.core.store_links import LinksError, SiteLinks, mint_site_links
+from flare_airflow.core.trust import TrustError
+from flare_airflow.core.trust.sealed import links_context, load_box_key, open_sealed, seal
+from flare_airflow.operators.staging import is_local
+from flare_airflow.operators.trust import trust_settings
+
+#: The key of the sealed links in the XCom summary of the task that published the input global model.
+LINKS_KEY = "links"
+#: How long a round's links stay valid unless ``[flare] store_link_seconds`` says otherwise: long
+#: enough for a round's site tasks to queue and train, short enough that a leaked link dies soon.
+DEFAULT_LINK_SECONDS = 6 * 3600
+# SigV4 presigned links live at most 7 days.
+MAX_LINK_SECONDS = 7 * 24 * 3600
+PRESIGNING_PROTOCOLS = ("s3", "s3a")
+
+
+def link_seconds() -> int:
+    """``$FLARE_STORE_LINK_SECONDS``, else ``[flare] store_link_seconds``, else 6 hours (at most 7 days)."""
+    from airflow.configuration import conf
+
+    text = os.environ.get(envvars.FLARE_STORE_LINK_SECONDS) or conf.get("flare", "store_link_seconds", fallback=None)
+    try:
+        seconds = int(text) if text else DEFAULT_LINK_SECONDS
+    except ValueError:
+        raise LinksError(f"[flare] store_link_seconds must be a whole number of seconds, got {text!r}") from None
+    if not 60 <= seconds <= MAX_LINK_SECONDS:
+        raise LinksError(f"[flare] store_link_seconds must be between 60 and {MAX_LINK_SECONDS}, got {seconds}")
+    return seconds
+
+
+def central_client(job: JobConfig) -> Any:
+    """An S3 client with the central side's store connection, signing links with SigV4."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from botocore.config import Config
+
+    hook = S3Hook(aws_conn_id=job.store_conn_id)
+    return hook.get_session().client(
+        "s3",
+        endpoint_url=hook.conn_config.endpoint_url,
+        region_name=hook.conn_region_name,
+        config=Config(signature_version="s3v4"),
+    )
+
+
+def presigns(store: ModelStore) -> bool:
+    """Whether the store is one the central side mints links for (an S3 store)."""
+    return not is_local(store) and getattr(store.root, "protocol", None) in PRESIGNING_PROTOCOLS
+
+
+def mint_round_links(
+    job: JobConfig, store: ModelStore, run_id: str, round_num: int, global_size: int, log: Any, client: Any = None
+) -> dict[str, str] | None:
+    """Site -> its sealed links for ``round_num``; None when the store is local (the embedded
+    default: every task reads the store itself) or cannot presign, or without a key registry
+    (one machine: no party to keep anything from). A site with no box key in the registry gets
+    none and reaches the store with its own connection, as before (logged)."""
+    settings = trust_settings()
+    if not presigns(store) or not settings.strict:
+        return None
+    registry = settings.registry()
+    seconds = link_seconds()
+    client = client if client is not None else central_client(job)
+    sealed: dict[str, str] = {}
+    for site in sorted(job.sites):
+        try:
+            box = registry.box_key(site)
+        except TrustError as exc:
+            log.warning(
+                "round %d: no store links for site %s: %s; it needs its own store connection", round_num, site, exc
+            )
+            continue
+        links = mint_site_links(
+            client, store, job=job.job, run_id=run_id, round_num=round_num, site=site,
+            expires_in=seconds, update_size=global_size,
+        )  # fmt: skip
+        context = links_context(job.job, run_id, round_num, site)
+        sealed[site] = seal(box.public, box.kid, links.to_json().encode(), context=context)
+    return sealed
+
+
+def sealed_round_links(
+    job: JobConfig, store: ModelStore, run_id: str, round_num: int, global_size: int, log: Any
+) -> dict[str, str] | None:
+    """:func:`mint_round_links` for a task: a failure fails it, saying what to fix (the global model
+    is written and signed, but no site of a credential-free deployment could read it)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        return mint_round_links(job, store, run_id, round_num, global_size, log)
+    except (TrustError, LinksError) as exc:
+        raise AirflowFailException(f"round {round_num}: the sites' store links cannot be minted: {exc}") from None
+    except Exception as exc:  # botocore raises many types: a wrong central credential, an unknown bucket
+        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise AirflowFailException(
+            f"round {round_num}: the sites' store links cannot be minted with the central store connection "
+            f"{job.store_conn_id or 'aws_default'!r}: {type(exc).__name__}: {detail}; check it on the central side"
+        ) from None
+
+
+def open_site_links(
+    summary: Any, *, job: str, run_id: str, round_num: int, site: str, key_dir: str | None = None
+) -> SiteLinks | None:
+    """This site's links from the XCom ``summary`` of the task that published its input global
+    model, opened with its box key and checked; None when it holds none for this site.
+
+    Raises :class:`TrustError` (sealed to another key, for another round, changed) or
+    :class:`LinksError` (for another round or site, expired): the site must not fall back to
+    anything else -- its trainer is not started."""
+    sealed = summary.get(LINKS_KEY) if isinstance(summary, dict) else None
+    if not isinstance(sealed, dict) or site not in sealed:
+        return None
+    what = f"site {site!r} round {round_num}: its store links"
+    box = load_box_key(Path(key_dir or trust_settings().key_dir), site)
+    plaintext = open_sealed(box, sealed[site], context=links_context(job, run_id, round_num, site), what=what)
+    links = SiteLinks.from_json(plaintext, what)
+    links.check(job=job, run_id=run_id, round_num=round_num, site=site)
+    return links
+
+
+def site_links(context: Any, job: JobConfig, site: str, round_num: int, global_task_id: str | None) -> SiteLinks | None:
+    """:func:`open_site_links` for a site task: its links from the producer's XCom, or None; a
+    refused one fails the task before anything is staged or launched (the reason in its XCom)."""
+    from flare_airflow.operators.common import run_id_of
+    from flare_airflow.operators.site_steps import site_failed
+
+    ti = context.get("ti")
+    if global_task_id is None or not hasattr(ti, "xcom_pull"):
+        return None
+    summary = ti.xcom_pull(task_ids=global_task_id)
+    try:
+        return open_site_links(summary, job=job.job, run_id=run_id_of(context), round_num=round_num, site=site)
+    except (TrustError, LinksError) as exc:
+        raise site_failed(context, site, round_num, f"{exc}; the trainer was not started [CONFIG_ERROR]") from None

@@ -1,0 +1,280 @@
+"""Store links and per-site bucket policies on moto's S3 server (an emulator: flare_airflow_testing/s3_server.py).
+
+Sites hold no store credential (issue 36 item 4): the central side mints each site's round links,
+sealed to the site's box key; the site reads the global model and writes its own slot through
+them and reaches nothing else. Where links cannot be presigned, a generated per-site policy grants
+the same -- tested on the emulator with IAM enforced, both what it allows and what it denies.
+
+moto 5.2 cannot check a presigned link's signature (with IAM on it answers them HTTP 500, with IAM
+off it accepts any), so the links are tested for what they name and reach, and their refusals
+(another site's, last round's, expired, replaced global) are the site's own checks.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+import pytest
+
+from flare_airflow.core.model import FLModel, write_artifact
+from flare_airflow.core.store import ModelStore, failure_path, record_path
+from flare_airflow.core.store_links import LinksError, SiteLinks, bucket_key, mint_site_links, site_bucket_policy
+from flare_airflow.core.trust import CENTRAL, generate_keys
+from flare_airflow.core.trust.keys import party_dir
+from flare_airflow.core.trust.sealed import SealedOpenError
+from flare_airflow.operators.links import LINKS_KEY, mint_round_links, open_site_links
+from flare_airflow.operators.staging import staged
+from flare_airflow.site_task.build import train_run
+from flare_airflow.site_task.checks import GlobalModelUnusable, check_global_model
+from flare_airflow_testing.s3_server import BUCKET, S3Server
+from tests.unit.airflow_layer import make_job
+
+RUN = "manual__2026-12-06"
+SITES = ("site-1", "site-2")
+STORE = f"s3://{BUCKET}/store"
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def warning(self, msg: str, *args: object) -> None:
+        self.lines.append(msg % args)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server(enforce_iam=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def keys(tmp_path, monkeypatch) -> pathlib.Path:
+    """Every party's keys and a strict registry listing them: links are minted in strict mode only."""
+    key_dir = tmp_path / "keys"
+    jwks = [generate_keys(party, party_dir(key_dir, party)).jwks for party in (*SITES, CENTRAL)]
+    registry = tmp_path / "registry.json"
+    registry.write_text(json.dumps({"keys": [k for j in jwks for k in j["keys"]]}))
+    monkeypatch.setenv("FLARE_KEY_DIR", str(key_dir))
+    monkeypatch.setenv("FLARE_SITE_KEYS", str(registry))
+    return key_dir
+
+
+def put_model(s3: S3Server, path, model: FLModel, tmp: pathlib.Path):
+    """Write ``model`` as the store would (tensors, then record) at ``path`` in the bucket."""
+    local = tmp / "m.safetensors"
+    record = write_artifact(local, model)
+    bucket, key = bucket_key(path)
+    s3.client().put_object(Bucket=bucket, Key=key, Body=local.read_bytes())
+    s3.client().put_object(Bucket=bucket, Key=bucket_key(record_path(path))[1], Body=record_path(local).read_bytes())
+    return record
+
+
+def get(s3: S3Server, path) -> bytes:
+    bucket, key = bucket_key(path)
+    return s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+@pytest.fixture
+def round_2(s3, keys, tmp_path):
+    """Round 1's global model in the bucket, and the job: what round 2's links are minted for."""
+    job = make_job(tmp_path, store=STORE, sites={s: {} for s in SITES})
+    store = ModelStore.from_uri(STORE)
+    run_id = f"{RUN}-{tmp_path.name}"
+    record = put_model(
+        s3, store.global_model(job.job, run_id, 1), FLModel(params={"w": np.ones(3, np.float32)}), tmp_path
+    )
+    return job, store, run_id, record
+
+
+def site_run(job, store, run_id, site, global_sha256):
+    return train_run(
+        job, site, 2, store=store, run_id=run_id, total_rounds=2, hparams={}, argv=["true"], try_number=1,
+        global_sha256=global_sha256, trust=None,
+    )  # fmt: skip
+
+
+def test_each_site_gets_links_only_for_the_global_model_and_its_own_slot(s3, round_2, tmp_path):
+    job, store, run_id, record = round_2
+    sealed = mint_round_links(job, store, run_id, 2, record.size, Log(), client=s3.client())
+    assert sealed is not None and set(sealed) == set(SITES)
+    assert all("http" not in v and "X-Amz" not in v for v in sealed.values()), "XCom carries ciphertext only"
+    links = open_site_links({LINKS_KEY: sealed}, job=job.job, run_id=run_id, round_num=2, site="site-1")
+    assert links is not None
+    urls = [links.global_model, links.global_record, links.update.url, links.update_record, links.failure]
+    keys = sorted(unquote(urlparse(str(u)).path) for u in urls)
+    prefix = f"/{BUCKET}/store/unit/{store.run_dir(job.job, run_id).name}"
+    assert keys == sorted([
+        f"{prefix}/round-0001/global.safetensors", f"{prefix}/round-0001/global.json",
+        f"{prefix}/round-0002/sites/site-1.safetensors", f"{prefix}/round-0002/sites/site-1.json",
+        f"{prefix}/round-0002/sites/site-1.failure.json",
+    ])  # fmt: skip
+
+    # The site stages through them: the global model checks out, its update lands in its own slot.
+    run = site_run(job, store, run_id, "site-1", record.sha256)
+    with staged(run, store, links) as local:
+        check_global_model(local)
+        update = write_artifact(pathlib.Path(local.output), FLModel(params={"w": np.full(3, 2.0, np.float32)}))
+    slot = store.site_update(job.job, run_id, 2, "site-1")
+    assert json.loads(get(s3, record_path(slot)))["sha256"] == update.sha256
+    assert not s3.keys(bucket_key(store.site_update(job.job, run_id, 2, "site-2"))[1])
+
+
+def test_site_1_cannot_open_site_2s_links_nor_last_rounds(s3, round_2, keys):
+    job, store, run_id, record = round_2
+    sealed = mint_round_links(job, store, run_id, 2, record.size, Log(), client=s3.client())
+    assert sealed is not None
+    with pytest.raises(SealedOpenError, match="not to this worker's box key"):
+        # site-1's worker, handed site-2's entry (an XCom copied between sites)
+        open_site_links(
+            {LINKS_KEY: {"site-1": sealed["site-2"]}}, job=job.job, run_id=run_id, round_num=2, site="site-1"
+        )
+    # Last round's genuine links, put in this round's XCom: bound to round 2, they do not open for 3.
+    with pytest.raises(SealedOpenError, match="another job, run, round or party"):
+        open_site_links({LINKS_KEY: sealed}, job=job.job, run_id=run_id, round_num=3, site="site-1")
+    links = open_site_links({LINKS_KEY: sealed}, job=job.job, run_id=run_id, round_num=2, site="site-1")
+    assert links is not None
+    with pytest.raises(LinksError, match="for round 2, not 3"):
+        links.check(job=job.job, run_id=run_id, round_num=3, site="site-1")
+    with pytest.raises(LinksError, match=r"expired.*clear the task that published"):
+        links.check(job=job.job, run_id=run_id, round_num=2, site="site-1", now=links.expires + 1)
+
+
+def test_a_global_model_replaced_after_minting_is_refused_before_the_trainer(s3, round_2, tmp_path):
+    job, store, run_id, record = round_2
+    sealed = mint_round_links(job, store, run_id, 2, record.size, Log(), client=s3.client())
+    assert sealed is not None
+    # Whoever can write the store replaces the global model and its record after round 1 signed it.
+    put_model(
+        s3, store.global_model(job.job, run_id, 1), FLModel(params={"w": np.full(3, -10.0, np.float32)}), tmp_path
+    )
+    links = open_site_links({LINKS_KEY: sealed}, job=job.job, run_id=run_id, round_num=2, site="site-2")
+    assert links is not None
+    run = site_run(job, store, run_id, "site-2", record.sha256)  # the signed record's digest
+    with pytest.raises(GlobalModelUnusable, match="it was replaced"), staged(run, store, links) as local:
+        check_global_model(local)
+
+
+def test_an_update_beyond_one_put_goes_up_in_parts(s3, round_2, tmp_path):
+    job, store, run_id, record = round_2
+    links = mint_site_links(
+        s3.client(), store, job=job.job, run_id=run_id, round_num=2, site="site-1", expires_in=600,
+        update_size=11 << 20, single_put_limit=1 << 20, part_size=5 << 20,
+    )  # fmt: skip
+    assert links.update.url is None and len(links.update.parts) == 3
+    links = SiteLinks.from_json(links.to_json(), "test")
+    run = site_run(job, store, run_id, "site-1", record.sha256)
+    with staged(run, store, links) as local:
+        params = {"w": np.arange((11 << 20) // 4, dtype=np.float32)}
+        update = write_artifact(pathlib.Path(local.output), FLModel(params=params))
+    slot = store.site_update(job.job, run_id, 2, "site-1")
+    got = get(s3, slot)
+    assert len(got) == update.size > 10 << 20
+    assert json.loads(get(s3, record_path(slot)))["size"] == len(got)
+
+
+@pytest.fixture(scope="module")
+def s3_iam():
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_per_site_policy_allows_its_slot_and_the_global_and_denies_the_rest(s3_iam):
+    store = ModelStore.from_uri(STORE)
+    admin = s3_iam.client()
+    slots = {s: bucket_key(store.site_update("unit", RUN, 1, s))[1] for s in SITES}
+    global_key = bucket_key(store.global_model("unit", RUN, 0))[1]
+    admin.put_object(Bucket=BUCKET, Key=global_key, Body=b"global")
+    admin.put_object(Bucket=BUCKET, Key=slots["site-2"], Body=b"site-2's update")
+    site_1 = s3_iam.client(*s3_iam.user_key("site-1", site_bucket_policy(store, job="unit", site="site-1")))
+
+    def denied(call, **kw) -> bool:
+        try:
+            call(Bucket=BUCKET, **kw)
+        except Exception as exc:  # botocore's ClientError
+            return "AccessDenied" in str(exc)
+        return False
+
+    # allowed: read the global model, write and read back its own slot
+    assert site_1.get_object(Bucket=BUCKET, Key=global_key)["Body"].read() == b"global"
+    site_1.put_object(Bucket=BUCKET, Key=slots["site-1"], Body=b"site-1's update")
+    assert site_1.get_object(Bucket=BUCKET, Key=slots["site-1"])["Body"].read() == b"site-1's update"
+    # denied: another site's slot (read or write), the global model (write), listing the bucket
+    assert denied(site_1.get_object, Key=slots["site-2"])
+    assert denied(site_1.put_object, Key=slots["site-2"], Body=b"-10x")
+    assert denied(site_1.put_object, Key=global_key, Body=b"poisoned")
+    assert denied(site_1.list_objects_v2, Prefix="store/")
+    assert admin.get_object(Bucket=BUCKET, Key=slots["site-2"])["Body"].read() == b"site-2's update"
+    assert admin.get_object(Bucket=BUCKET, Key=global_key)["Body"].read() == b"global"
+
+
+def test_a_site_task_with_refused_links_fails_before_its_trainer_saying_why(s3, round_2) -> None:
+    from flare_airflow.operators.links import site_links
+    from flare_airflow.operators.site_steps import SiteJobFailed
+    from tests.unit.airflow_layer import FakeTI, context
+
+    class TI(FakeTI):
+        def xcom_push(self, key: str, value: object) -> None:
+            self.xcoms[("self", key)] = value
+
+    job, store, run_id, record = round_2
+    sealed = mint_round_links(job, store, run_id, 2, record.size, Log(), client=s3.client())
+    assert sealed is not None
+    ti = TI(run_id=run_id)
+    ctx = {**context(ti), "run_id": run_id}
+    ti.xcoms[("round_1.global_model", "return_value")] = {"sha256": record.sha256, LINKS_KEY: sealed}
+    links = site_links(ctx, job, "site-2", 2, "round_1.global_model")
+    assert links is not None and links.site == "site-2"
+    # site-1's entry overwritten with site-2's: site-1's task refuses, its reason in its XCom.
+    ti.xcoms[("round_1.global_model", "return_value")] = {
+        "sha256": record.sha256,
+        LINKS_KEY: {"site-1": sealed["site-2"]},
+    }
+    with pytest.raises(SiteJobFailed, match=r"not to this worker's box key.*the trainer was not started"):
+        site_links(ctx, job, "site-1", 2, "round_1.global_model")
+    assert "not to this worker's box key" in ti.xcoms[("self", "failure")]
+
+
+def test_a_site_task_without_any_store_connection_runs_its_round_through_its_links(
+    s3, keys, tmp_path, monkeypatch
+) -> None:
+    """The real site-task lifecycle (operators/lifecycle.py) with the fake backend of its unit
+    tests: no store connection is defined or named, the job is launched on local files, and its
+    result -- here a failure record -- lands in the site's slot through the links."""
+    from flare_airflow.core.spec import JobReturnCode
+    from flare_airflow.operators import lifecycle, site_steps
+    from flare_airflow.operators.site_steps import SiteJobFailed
+    from flare_airflow.operators.trust import sign_global
+    from tests.unit.airflow_layer import RUN_ID, FakeTI, context
+    from tests.unit.operators.test_lifecycle import FakeLauncher, fake_operator
+
+    job = make_job(tmp_path, store=STORE, sites={s: {} for s in SITES})
+    assert job.store_conn_id is None  # nothing on this worker could reach the store by itself
+    store = ModelStore.from_uri(STORE)
+    for module in (lifecycle, site_steps):
+        monkeypatch.setattr(module, "store_for", lambda job, conn_id=None: store)
+    record = put_model(
+        s3, store.global_model(job.job, RUN_ID, 0), FLModel(params={"w": np.ones(3, np.float32)}), tmp_path
+    )
+    sealed = mint_round_links(job, store, RUN_ID, 1, record.size, Log(), client=s3.client())
+    ti = FakeTI()
+    ti.xcoms[("prepare", "return_value")] = {
+        "sha256": record.sha256, "signed": sign_global(job.job, RUN_ID, 0, record), LINKS_KEY: sealed,
+    }  # fmt: skip
+    launcher = FakeLauncher(JobReturnCode.EXECUTION_ERROR)
+    task = fake_operator(job, launcher, stages=True)
+    task.global_task_id = "prepare"
+    with pytest.raises(SiteJobFailed, match=r"EXECUTION_ERROR"):
+        task.execute(context(ti))
+    (launched,) = launcher.launched
+    assert not launched.env["FLARE_GLOBAL_MODEL"].startswith("s3://")  # a local copy, read through a link
+    assert "EXECUTION_ERROR" in get(s3, failure_path(store.site_update(job.job, RUN_ID, 1, "site-1"))).decode()

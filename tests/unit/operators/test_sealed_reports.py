@@ -1,0 +1,71 @@
+"""Sites' reports sealed to the aggregation (issue 36 item 3): sample counts, metrics, privacy spent
+and the signed record leave a site task's XCom only as ciphertext only the central box key opens.
+
+Strict mode (a registry), through the real aggregation: sealed reports count; a report copied
+into another site's XCom, or changed, is refused with its reason and the round goes on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flare_airflow.core.store import ModelStore
+from flare_airflow.core.trust import CENTRAL, TrustError
+from flare_airflow.site_task.build import train_run
+from flare_airflow.site_task.checks import seal_report
+from tests.unit.airflow_layer import RUN_ID
+from tests.unit.operators.test_trust_attacks import SITES, aggregate, job, keys, setup_round, task
+
+__all__ = ["job", "keys"]  # the fixtures, shared with the records' attacks
+
+
+def sealed(job, keys, site: str, summary: dict, r: int = 1) -> dict:
+    """What the site task's XCom holds in strict mode: its summary with the report sealed."""
+    trust = {"key_dir": str(keys), "registry_path": str(keys.parent / "registry.json")}
+    run = train_run(
+        job, site, r, store=ModelStore.from_uri(job.store), run_id=RUN_ID, total_rounds=2, hparams={}, argv=["x"],
+        try_number=1, global_sha256=None, trust=trust,
+    )  # fmt: skip
+    return seal_report(run, {**summary, "metrics": {"accuracy": 0.9}, "privacy": {"releases": 1}})
+
+
+def test_sealed_reports_hide_counts_and_metrics_and_count_at_the_aggregation(job, keys) -> None:
+    _, ti, _ = setup_round(job, keys)
+    for site in SITES:
+        key = (task(site, 1), "return_value")
+        ti.xcoms[key] = sealed(job, keys, site, ti.xcoms[key])
+        text = json.dumps(ti.xcoms[key])
+        assert set(ti.xcoms[key]) == {"sha256", "report"}, "only the digest and the ciphertext are readable"
+        assert "num_samples" not in text and "accuracy" not in text and "releases" not in text
+    summary = aggregate(job, ti)
+    assert summary["accepted"] == list(SITES) and summary["rejected"] == {}
+    assert summary["num_samples"] == 30  # the counts the reports sealed, read by the aggregation only
+
+
+def test_a_report_copied_to_another_site_or_changed_is_refused_and_the_round_goes_on(job, keys) -> None:
+    _, ti, _ = setup_round(job, keys)
+    for site in SITES:
+        key = (task(site, 1), "return_value")
+        ti.xcoms[key] = sealed(job, keys, site, ti.xcoms[key])
+    # site-2's XCom gets site-1's genuine sealed report (and its digest); site-3's report is changed.
+    ti.xcoms[(task("site-2", 1), "return_value")] = dict(ti.xcoms[(task("site-1", 1), "return_value")])
+    report = ti.xcoms[(task("site-3", 1), "return_value")]["report"]
+    ti.xcoms[(task("site-3", 1), "return_value")]["report"] = report[:-6] + (
+        "AAAAAA" if report[-6:] != "AAAAAA" else "BBBBBB"
+    )
+    with pytest.raises(Exception, match="round 1 failed") as failed:
+        aggregate(job, ti)  # only site-1 left: below min_clients 2
+    text = str(failed.value)
+    for site in ("site-2", "site-3"):
+        assert f"site {site!r}'s sealed report does not open for this context" in text, site
+
+
+def test_strict_mode_without_a_central_box_key_refuses_to_publish_in_clear(job, keys) -> None:
+    registry = keys.parent / "registry.json"
+    data = json.loads(registry.read_text())
+    data["keys"] = [k for k in data["keys"] if not (k["flare_party"] == CENTRAL and k["crv"] == "X25519")]
+    registry.write_text(json.dumps(data))
+    with pytest.raises(TrustError, match="central keygen"):
+        sealed(job, keys, "site-1", {"sha256": "0" * 64, "num_samples": 10})
