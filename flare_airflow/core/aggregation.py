@@ -41,6 +41,7 @@ from flare_airflow.core.model import (
     tensor_spec,
 )
 from flare_airflow.core.store import WritablePath
+from flare_airflow.core.tensors import is_inexact
 
 # fedavg_from_store verifies this many updates side by side (two threads, each update in its own
 # read buffer), then adds them to the accumulator in one pass: peak memory is the float64
@@ -292,7 +293,7 @@ class FedAvg:
                         raise self._not_finite(name, f"its mean leaves the range of {ref.dtype}")
                 with np.errstate(over="ignore", invalid="ignore"):  # checked just below
                     flat[s:e] = m
-                if ref.dtype.kind in "fc" and not np.isfinite(flat[s:e]).all():
+                if is_inexact(ref.dtype) and not np.isfinite(flat[s:e]).all():
                     # float64 sums of finite updates are finite; the cast back (float16, float32) or a
                     # DIFF added to the global model can still overflow.
                     raise self._not_finite(name, f"its mean is not finite in {ref.dtype} (overflow)")

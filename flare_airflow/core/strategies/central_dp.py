@@ -27,6 +27,7 @@ from flare_airflow.core.errors import AggregateNotFinite, FlareAirflowError
 from flare_airflow.core.model import ParamsType, tensor_spec
 from flare_airflow.core.privacy.central import CentralDP
 from flare_airflow.core.strategies.base import RuleKind, Strategy
+from flare_airflow.core.tensors import is_float
 
 if TYPE_CHECKING:
     from flare_airflow.core.errors import UpdateRejected
@@ -91,7 +92,7 @@ class CentralDPRound:
             raise below_quorum(sorted(self.accepted), self.min_clients, self.rejected)
         params = self._dp.result()
         for name, values in params.items():
-            if values.dtype.kind == "f" and not np.isfinite(values).all():
+            if is_float(values.dtype) and not np.isfinite(values).all():
                 raise AggregateNotFinite(
                     f"the central-DP release of sites {sorted(self.accepted)} is unusable: tensor {name!r} is not "
                     f"finite in {values.dtype} (overflow). The global model was not updated; lower "
