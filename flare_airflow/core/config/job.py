@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flare_airflow.core.config.aggregator import AggregatorSpec, FedAvgSpec, strategy_hparams_to_trainer
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
+from flare_airflow.core.config.lora import LoraSpec
 from flare_airflow.core.config.privacy import JobPrivacy, site_privacy_plan
 from flare_airflow.core.config.site import SiteSpec, merge_sites
 from flare_airflow.core.config.tracking import TrackingSpec
@@ -186,6 +187,9 @@ class JobConfig(Strict):
     tracking: TrackingSpec | None = Field(
         None,
         description="experiment tracking of each run (docs/tracking.md); false: none, whatever the deployment default",
+    )
+    lora: LoraSpec | None = Field(
+        None, description="LoRA adapter fine-tuning of a base model each site keeps, pinned by digest (docs/llm.md)"
     )
     sites: dict[str, SiteSpec]
     base_dir: str = Field(".", description="directory relative paths are resolved against")
@@ -374,6 +378,13 @@ class JobConfig(Strict):
         """The privacy plan ``site``'s task applies: its own privacy block (the site policy's, once
         :func:`~flare_airflow.core.config.policy.apply_site_policy` ran) and the job's; None if neither has one."""
         return site_privacy_plan(self.sites[site].privacy, self.privacy, site, where or f"site {site!r}")
+
+    def base_model_path(self, site: str) -> pathlib.Path | None:
+        """Where ``site`` keeps the LoRA job's base model (its own ``base_model``, else the job's
+        ``lora.base_model.file``); ``None`` for a job without ``lora``."""
+        if self.lora is None:
+            return None
+        return self.resolve(self.sites[site].base_model or self.lora.base_model.file)
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}
