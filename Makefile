@@ -80,7 +80,7 @@ lm-env: $(VENV)/.installed
 
 # LoRA fine-tuning of SmolLM2-135M across 3 sites through Airflow (dags/llm_lora.yaml), then the
 # per-site held-out loss table and plot. The site's base model is dequantized once into its cache
-# first (FLARE_LM_CACHE, default ~/.cache/flare-airflow/lm), so that every site job loads it in seconds.
+# first (FLARE_LM_CACHE, default .lm-venv/base-model-cache), so that every site job loads it in seconds.
 # CUDA: a trainer uses the GPU its site was granted (CUDA_VISIBLE_DEVICES) when torch sees one; this
 # CPU-only torch says so and runs on the CPU.
 llm-demo: setup lm-env

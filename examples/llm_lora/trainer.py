@@ -15,7 +15,7 @@ loss on every site's text, and the base model's without the adapter).
 Also: ``--init-model PATH`` writes the shared initial adapter (PEFT's init: A random, seeded;
 B zero); ``--tiny-base DIR`` writes a random 2-layer LLaMA with the packaged SmolLM2 tokenizer (the
 fast tests' base model); ``--prepare-base`` dequantizes the GGUF base model once into this site's
-cache (``FLARE_LM_CACHE``), so that each site job loads it in seconds.
+cache (``FLARE_LM_CACHE``, default: inside this environment), so that each site job loads it in seconds.
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ def sha256_of(path: pathlib.Path) -> str:
 
 
 def cache_dir(sha256: str) -> pathlib.Path:
-    root = os.environ.get(CACHE_ENV) or str(pathlib.Path.home() / ".cache" / "flare-airflow" / "lm")
+    """The site's cache of a dequantized base model: by default inside this environment (written by
+    whoever built it, as its torch was; readable by a confined trainer, which runs as nobody and
+    cannot enter root's home)."""
+    root = os.environ.get(CACHE_ENV) or str(pathlib.Path(sys.prefix) / "base-model-cache")
     return pathlib.Path(root) / sha256[:32]
 
 
@@ -109,6 +112,8 @@ def prepare_base(gguf: pathlib.Path) -> pathlib.Path:
                 del config.quantization_config
             config.save_pretrained(str(target))
             tokenizer.save_pretrained(str(target))
+            for path in (target, *target.iterdir()):  # confined trainers read it as another user
+                path.chmod(0o755 if path.is_dir() else 0o644)
             (target / ".complete").write_text(gguf.name)
             print(f"dequantized {gguf.name} into {target} in {time.monotonic() - started:.0f} s", flush=True)
     return target
@@ -188,6 +193,20 @@ def windows(tokenizer: Any, text: str, seq_len: int) -> np.ndarray:
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
+def device() -> Any:
+    """The GPU this site job was granted (CUDA_VISIBLE_DEVICES, a pod's limit), else the CPU, said plainly."""
+    import torch
+
+    if torch.cuda.is_available():
+        print(
+            f"training on {torch.cuda.get_device_name(0)} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+        return torch.device("cuda")
+    why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+    print(f"training on the CPU: {why} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return torch.device("cpu")
+
+
 def mean_loss(model: Any, batches: np.ndarray, batch_size: int) -> float:
     import torch
 
@@ -195,7 +214,7 @@ def mean_loss(model: Any, batches: np.ndarray, batch_size: int) -> float:
     total = 0.0
     with torch.no_grad():
         for s in range(0, len(batches), batch_size):
-            x = torch.from_numpy(batches[s : s + batch_size])
+            x = torch.from_numpy(batches[s : s + batch_size]).to(model.device)
             total += float(model(input_ids=x, labels=x).loss) * len(x)
     return total / len(batches)
 
@@ -253,6 +272,7 @@ def main(argv: list[str]) -> int:
     model = with_adapters(model, lora)
     dtypes = {k: v.dtype for k, v in received.params.items()}
     load_adapters(model, received.params)
+    model.to(device())
     seq_len, batch_size = int(lora["seq_len"]), int(hp.get("batch_size", 4))
     eval_windows = int(hp.get("eval_windows", 8))
     loaded = time.monotonic() - started
@@ -282,7 +302,7 @@ def main(argv: list[str]) -> int:
     model.train()
     losses = []
     for step in range(int(lora["steps_per_round"])):
-        x = torch.from_numpy(train[rng.choice(len(train), size=batch_size, replace=False)])
+        x = torch.from_numpy(train[rng.choice(len(train), size=batch_size, replace=False)]).to(model.device)
         loss = model(input_ids=x, labels=x).loss
         optimizer.zero_grad()
         loss.backward()
