@@ -197,13 +197,12 @@ def device() -> Any:
     """The GPU this site job was granted (CUDA_VISIBLE_DEVICES, a pod's limit), else the CPU, said plainly."""
     import torch
 
+    visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
     if torch.cuda.is_available():
-        print(
-            f"training on {torch.cuda.get_device_name(0)} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
-        )
+        print(f"training on {torch.cuda.get_device_name(0)} ({visible})")
         return torch.device("cuda")
     why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
-    print(f"training on the CPU: {why} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    print(f"training on the CPU: {why} ({visible})")
     return torch.device("cpu")
 
 
