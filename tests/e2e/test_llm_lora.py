@@ -156,9 +156,10 @@ def test_smollm2_three_sites_learn_and_a_site_with_another_base_is_refused(
     job = yaml.safe_load((REPO / "dags" / "llm_lora.yaml").read_text())
     job.update(rounds=2, min_clients=3, initial_model=str(REPO / "examples/llm_lora/initial_adapter.safetensors"))
     job["lora"]["base_model"]["file"] = str(gguf)
-    job["lora"].update(seq_len=32, steps_per_round=3)
-    job["trainer"].update(script=str(TRAINER), command=[str(lm.python)], args=["--max-chars", "60000"])
-    job["trainer"]["hparams"].update(lr=0.005, batch_size=2, eval_windows=4)
+    # Small on purpose (the suite's budget): 2 optimizer steps of 2 x 32 tokens per site and round.
+    job["lora"].update(seq_len=32, steps_per_round=2)
+    job["trainer"].update(script=str(TRAINER), command=[str(lm.python)], args=["--max-chars", "40000"])
+    job["trainer"]["hparams"].update(lr=0.005, batch_size=2, eval_windows=3)
     job["sites"]["site-4"] = {"base_model": str(other)}
     (folder / "llm_job.yaml").write_text(yaml.safe_dump(job))
     dag_file = folder / "llm_dag.py"
