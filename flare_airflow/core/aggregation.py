@@ -36,6 +36,7 @@ from flare_airflow.core.update_reader import (
     update_weight,
     validate_update,
 )
+from flare_airflow.core.tensors import is_inexact
 
 _PARALLEL_ELEMENTS = 1 << 20  # from this much multiply-add work (elements x updates) the pass is split over the threads
 
@@ -211,7 +212,7 @@ class FedAvg:
                         raise self._not_finite(name, f"its mean leaves the range of {ref.dtype}")
                 with np.errstate(over="ignore", invalid="ignore"):  # checked just below
                     flat[s:e] = m
-                if ref.dtype.kind in "fc" and not np.isfinite(flat[s:e]).all():
+                if is_inexact(ref.dtype) and not np.isfinite(flat[s:e]).all():
                     # float64 sums of finite updates are finite; the cast back (float16, float32) or a
                     # DIFF added to the global model can still overflow.
                     raise self._not_finite(name, f"its mean is not finite in {ref.dtype} (overflow)")

@@ -43,6 +43,7 @@ from flare_airflow.core.envvars import (
     FLARE_HANDSHAKE,
     FLARE_HPARAMS,
     FLARE_JOB,
+    FLARE_LORA,
     FLARE_OUTPUT,
     FLARE_ROUND,
     FLARE_RUN_ID,
@@ -69,6 +70,7 @@ __all__ = [
     "get_fedprox_mu",
     "get_hparams",
     "get_job_info",
+    "get_lora",
     "get_round",
     "get_site_name",
     "get_total_rounds",
@@ -158,6 +160,23 @@ def get_fedprox_mu() -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ClientAPIError(f"FLARE_HPARAMS: {FEDPROX_MU_HPARAM} must be a number >= 0, got {value!r}")
     return float(value)
+
+
+def get_lora() -> dict[str, Any] | None:
+    """A LoRA job's block (``FLARE_LORA``): ``base_model`` (this site's copy, its sha256 checked by
+    the site before the launch), ``target_modules``, ``rank``, ``alpha``, ``seq_len``,
+    ``steps_per_round``, and ``frozen``: glob patterns of the adapter tensors to leave as received
+    (FFA-LoRA's A matrices). ``None`` for a job without ``lora`` (docs/llm.md)."""
+    raw = os.environ.get(FLARE_LORA)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ClientAPIError(f"{FLARE_LORA} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ClientAPIError(f"{FLARE_LORA} must be a JSON object")
+    return value
 
 
 def receive() -> FLModel:

@@ -28,6 +28,8 @@ FLARE_HPARAMS = "FLARE_HPARAMS"
 """JSON object of the trainer's hyper-parameters."""
 FLARE_GLOBAL_SHA256 = "FLARE_GLOBAL_SHA256"
 """(Optional) the sha256 the global model must have; ``receive()`` checks it."""
+FLARE_LORA = "FLARE_LORA"
+"""(LoRA jobs) JSON of the job's ``lora`` block for the trainer, with the site's verified base model path."""
 FLARE_HANDSHAKE = "FLARE_HANDSHAKE"
 """(Optional) a file ``receive()`` creates: the process launcher's launch-timeout handshake."""
 

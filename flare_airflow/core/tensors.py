@@ -21,10 +21,20 @@ from flare_airflow.core.digests import SHA256, Hasher, new_hasher
 from flare_airflow.core.errors import ModelFormatError
 from flare_airflow.core.store import WritablePath, open_for_reading
 
+try:
+    import ml_dtypes
+except ImportError:  # a trainer image with only numpy and safetensors: bfloat16 files are refused there
+    ml_dtypes = None  # type: ignore[assignment]
+
 Params = dict[str, np.ndarray]
 
-# safetensors' dtype names -> numpy (little-endian, as the format stores them); BF16 and the float8
-# formats have no numpy dtype and are refused, as safetensors.numpy refuses them.
+# safetensors' dtype names -> numpy (little-endian, as the format stores them). BF16 (language models'
+# weights and adapters) is ml_dtypes' bfloat16, a real numpy dtype: a bf16 tensor is read, hashed,
+# checked for NaN/inf, validated and written back as bf16 -- never upcast behind the author's back --
+# and safetensors.numpy writes it as BF16. (The alternative, raw uint16 plus a side tag, would make
+# every dtype comparison, cast and finite check a special case.) ml-dtypes is a dependency of the
+# package and of the `client` extra; an environment without it refuses BF16 as unsupported. The
+# float8 formats stay refused: nothing here trains in them.
 SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(code)
     for name, code in {
@@ -33,6 +43,22 @@ SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
         "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
     }.items()
 }  # fmt: skip
+BFLOAT16: np.dtype[Any] | None = None if ml_dtypes is None else np.dtype(ml_dtypes.bfloat16)
+if BFLOAT16 is not None:
+    SAFETENSORS_DTYPES["BF16"] = BFLOAT16
+
+
+def is_float(dtype: np.dtype[Any]) -> bool:
+    """A real floating-point dtype: numpy's (kind ``f``) or bfloat16 (whose numpy kind is ``V``, so a
+    ``kind == "f"`` test would let a bf16 tensor skip every finite check, clip and noise)."""
+    return dtype.kind == "f" or (BFLOAT16 is not None and dtype == BFLOAT16)
+
+
+def is_inexact(dtype: np.dtype[Any]) -> bool:
+    """Floating-point or complex: the dtypes whose values can be NaN or infinite."""
+    return dtype.kind == "c" or is_float(dtype)
+
+
 MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 CHUNK_BYTES = 1 << 20  # reading + hashing and the finite check go through a file in cache-sized pieces
 
@@ -83,7 +109,8 @@ def safetensors_layout(data: Any, where: str) -> list[TensorSlice]:
                 raise ValueError(f"tensor {name!r}: expected dtype, shape and data_offsets, got {info!r}")
             dtype = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
             if dtype is None:
-                raise ValueError(f"tensor {name!r}: unsupported dtype {info['dtype']!r}")
+                hint = " (install ml-dtypes to read bfloat16)" if info["dtype"] == "BF16" else ""
+                raise ValueError(f"tensor {name!r}: unsupported dtype {info['dtype']!r}{hint}")
             shape, offsets = info["shape"], info["data_offsets"]
             ints = [*shape, *offsets] if isinstance(shape, list) and isinstance(offsets, list) else [None]
             if len(offsets) != 2 or not all(type(x) is int and x >= 0 for x in ints):
@@ -158,7 +185,7 @@ class FiniteScan:
                 self._tensors = []
         while self.bad is None and self._next < len(self._tensors):
             t = self._tensors[self._next]
-            if t.dtype.kind in "fc":
+            if is_inexact(t.dtype):
                 start = max(self._done, t.start)
                 end = t.start + (min(upto, t.end) - t.start) // t.dtype.itemsize * t.dtype.itemsize
                 if end > start:
@@ -254,7 +281,7 @@ def all_finite(params: Params) -> str | None:
     Checks ``CHUNK_BYTES`` at a time: no array-sized temporary, each piece in the CPU cache.
     """
     for name, arr in params.items():
-        if arr.dtype.kind in "fc":
+        if is_inexact(arr.dtype):
             flat = arr.reshape(-1)
             step = max(1, CHUNK_BYTES // arr.dtype.itemsize)
             if not all(np.isfinite(flat[s : s + step]).all() for s in range(0, flat.size, step)):

@@ -125,7 +125,12 @@ def _run(
     argv: list[str],
     **paths_and_devices: Any,
 ) -> SiteRun:
-    """What every site run takes from the job and the run: identity, rounds, hyper-parameters, timeouts."""
+    """What every site run takes from the job and the run: identity, rounds, hyper-parameters, timeouts,
+    and a LoRA job's block with the site's base model."""
+    base_model = job.base_model_path(site)
+    lora = None
+    if job.lora is not None and base_model is not None:
+        lora = job.lora.for_trainer(str(base_model), job.aggregator.frozen())
     return SiteRun(
         job=job.job,
         run_id=run_id,
@@ -137,5 +142,6 @@ def _run(
         hparams=dict(hparams),
         launch_timeout=job.trainer.launch_timeout,
         shutdown_timeout=job.trainer.shutdown_timeout,
+        lora=lora,
         **paths_and_devices,
     )

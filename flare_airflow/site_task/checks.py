@@ -40,6 +40,40 @@ class GlobalModelUnusable(FlareAirflowError):
     """The input global model is missing or does not match its record: the trainer is not started."""
 
 
+class BaseModelRefused(FlareAirflowError):
+    """A LoRA job's base model at this site is missing or is not the one the job pins: no training."""
+
+
+def check_base_model(run: SiteRun) -> None:
+    """Hash the site's base model and compare it with the job's ``lora.base_model.sha256``.
+
+    Adapters trained on another base model would be averaged with the others' as if they fitted the
+    same weights: the site is refused before its trainer starts, saying which file and which digests.
+    """
+    if run.lora is None:
+        return
+    path = pathlib.Path(str(run.lora["base_model"]))
+    expected = str(run.lora["base_model_sha256"])
+    where = f"site {run.site} round {run.round}: the base model {path}"
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    except OSError as exc:
+        raise BaseModelRefused(
+            f"{where} cannot be read ({exc.strerror or exc}); put the job's base model there (sites.{run.site}."
+            "base_model or lora.base_model.file); the trainer was not started"
+        ) from None
+    if digest.hexdigest() != expected:
+        raise BaseModelRefused(
+            f"{where} has sha256 {digest.hexdigest()[:16]}…, but the job pins {expected[:16]}… "
+            f"(lora.base_model.sha256): this site holds a different base model, and adapters trained on it "
+            f"would not fit the others'; install the job's base model at sites.{run.site}.base_model; "
+            "the trainer was not started"
+        )
+
+
 def model_fingerprint(run: SiteRun) -> tuple[tuple[int, int, int], ...] | None:
     """(inode, size, mtime) of the global model and its record on a local store, else ``None``.
 

@@ -42,7 +42,9 @@ from flare_airflow.launchers.process import (
 )
 from flare_airflow.launchers.process.sandbox import Sandbox
 from flare_airflow.site_task.checks import (
+    BaseModelRefused,
     GlobalModelUnusable,
+    check_base_model,
     check_global_model,
     check_result,
     clear_outputs,
@@ -139,6 +141,11 @@ def run_site(
         except GlobalModelUnusable as exc:
             write_failure(output, JobReturnCode.INFRASTRUCTURE_ERROR, str(exc))
             return JobReturnCode.INFRASTRUCTURE_ERROR, str(exc)
+        try:
+            check_base_model(run)
+        except BaseModelRefused as exc:
+            write_failure(output, JobReturnCode.CONFIG_ERROR, str(exc))
+            return JobReturnCode.CONFIG_ERROR, str(exc)
         checked = model_fingerprint(run)
         if secrets:
             job = replace(job, env={**job.env, **secrets})

@@ -70,6 +70,9 @@ class SiteRun:
     # (a trainer tried by hand, the server's evaluation).
     try_number: int | None = None
     trust: dict[str, Any] | None = None
+    # A LoRA job's block for the trainer (core.config.lora.LoraSpec.for_trainer): the site's base
+    # model path and the digest the runner checks it against before the launch. None: no LoRA.
+    lora: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -96,6 +99,8 @@ class SiteRun:
         )
         if self.global_sha256:
             env[envvars.FLARE_GLOBAL_SHA256] = self.global_sha256
+        if self.lora is not None:
+            env[envvars.FLARE_LORA] = json.dumps(self.lora)
         return SiteJob(
             job=self.job,
             run_id=self.run_id,

@@ -642,7 +642,7 @@ case(
     "aggregator-unknown",
     "aggregator: {name: fedsgd}",
     "aggregator.name: must be 'fedavg', 'fedprox', 'fedavgm', 'fedadam', 'fedyogi', 'fedadagrad', 'median', "
-    "'trimmed_mean' or 'krum', got 'fedsgd'",
+    "'trimmed_mean', 'krum' or 'ffa_lora', got 'fedsgd'",
     field="aggregator.name",
     value="fedsgd",
 )

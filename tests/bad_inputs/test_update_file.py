@@ -15,6 +15,7 @@ import pickle
 import struct
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -173,14 +174,20 @@ BAD: dict[str, tuple[str, str, Callable[[pathlib.Path], None]]] = {
         "unsupported dtype 'F128'",
         replace_tensors(safetensors_bytes({"w": {**_W, "dtype": "F128"}, "b": _B}, _FLOATS)),
     ),
-    "update-header-bf16": (
-        "a tensor is bfloat16 (no numpy dtype)",
-        "unsupported dtype 'BF16'",
+    "update-header-float8": (
+        "a tensor is float8 (no format this project trains in)",
+        "unsupported dtype 'F8_E4M3'",
         replace_tensors(
             safetensors_bytes(
-                {"w": {**_W, "dtype": "BF16", "data_offsets": [0, 8]}, "b": {**_B, "data_offsets": [8, 16]}}, b"\0" * 16
+                {"w": {**_W, "dtype": "F8_E4M3", "data_offsets": [0, 4]}, "b": {**_B, "data_offsets": [4, 12]}},
+                b"\0" * 12,
             )
         ),
+    ),
+    "update-bf16-for-float32": (
+        "a bfloat16 update for a float32 global model (half precision where full was sent)",
+        "has dtype bfloat16, the global model has float32",
+        resend({k: v.astype(ml_dtypes.bfloat16) for k, v in good_params().items()}),
     ),
     "update-header-overlapping": (
         "two tensors overlap",
@@ -327,6 +334,12 @@ CASES += [
         "leaves the range of int8",
     ),
     Case(
+        "update-bf16-nan",
+        "update_file",
+        "a bfloat16 tensor holds NaN (numpy files bf16 under kind 'V', not 'f')",
+        "contains NaN or infinite values",
+    ),
+    Case(
         "site-weight-times-samples-overflow",
         "update_file",
         "a site weight of 1e300 times num_samples 10**15",
@@ -401,3 +414,15 @@ def test_writing_a_record_refuses_what_reading_would_refuse(tmp_path: pathlib.Pa
             write(tmp_path / "x.safetensors", good_params(), **meta)
     with pytest.raises(ModelFormatError, match="metrics must be finite"):
         write_artifact(tmp_path / "y.safetensors", FLModel(params=good_params(), metrics={"loss": float("nan")}))
+
+
+def test_a_nan_in_a_bf16_update_rejects_its_site(tmp_path: pathlib.Path) -> None:
+    case = next(c for c in CASES if c.id == "update-bf16-nan")
+    bf16 = ml_dtypes.bfloat16
+    glob = {"w": np.zeros(4, bf16), "b": np.zeros(2, bf16)}
+    good = write(tmp_path / "site-1.safetensors", {"w": np.ones(4, bf16), "b": np.ones(2, bf16)})
+    bad = write(tmp_path / "site-2.safetensors", {"w": np.array([1, np.nan, 1, 1], bf16), "b": np.ones(2, bf16)})
+    outcome = fedavg_from_store(glob, [("site-1", good, None), ("site-2", bad, None)], min_clients=1)
+    assert list(outcome.accepted) == ["site-1"]
+    assert_clear(case, outcome.rejected["site-2"])
+    assert outcome.params["w"].dtype == bf16 and outcome.params["w"].tolist() == [1, 1, 1, 1]

@@ -21,6 +21,8 @@ def test_every_dag_in_dags_folder_imports() -> None:
     form = dag.params.dump()
     assert form["rounds"] == 5 and form["min_clients"] == 3 and form["warm_start"] is False
     assert {"hp_lr", "hp_local_epochs", "hp_batch_size"} <= set(form)
+    # The LoRA example loads without torch in Airflow's environment (its trainers use .lm-venv's Python).
+    assert len(bag.dags["flare_llm_lora"].tasks) == 3 + 3 * 4
 
 
 def test_the_launch_and_watch_example_composes_the_operator_and_the_sensor() -> None:

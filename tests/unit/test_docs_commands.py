@@ -84,6 +84,15 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     ),
     (r"^make airflow$", RunBy("tests/integration/test_make_airflow.py", '"airflow", f"AIRFLOW_HOME={home}"')),
     (r"^make test$", NotRun("the command that runs this suite (.ci/run calls it)")),
+    # make lm-env is `python -m flare_airflow_testing.side_venvs lm`: the LoRA tests build through lm_venv().
+    (r"^make lm-env$", RunBy("tests/e2e/test_llm_lora.py", "lm_venv()")),
+    (
+        r"^make llm-demo$",
+        NotRun(
+            "the full demo (3 rounds of SmolLM2-135M, minutes of CPU); tests/e2e/test_llm_lora.py runs the same job "
+            "through Airflow with 2 rounds and fewer steps"
+        ),
+    ),
     (
         r"^make (setup|lint|unit)$",
         NotRun(

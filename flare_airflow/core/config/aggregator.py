@@ -14,7 +14,7 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, TypeAdapter, field_validator
+from pydantic import BeforeValidator, Field, TypeAdapter, field_validator, model_validator
 
 from flare_airflow.core.config.describe import short_repr
 from flare_airflow.core.config.validators import Strict, no_nul
@@ -25,6 +25,7 @@ from flare_airflow.core.strategies import (
     FedAvgM,
     FedAvgRule,
     FedYogi,
+    FfaLoraRule,
     Krum,
     Median,
     PostStep,
@@ -61,6 +62,10 @@ class StrategySpec(Strict):
 
     def excluded(self) -> tuple[str, ...]:
         """Tensor names (glob patterns) a server optimizer leaves to the plain aggregate."""
+        return ()
+
+    def frozen(self) -> tuple[str, ...]:
+        """Tensor names (glob patterns) the trainers must leave as received (FFA-LoRA's A matrices)."""
         return ()
 
     def strategy(self) -> Strategy:
@@ -212,6 +217,43 @@ class KrumSpec(StrategySpec):
         return Krum(f=self.f, m=self.m)
 
 
+class FfaLoraSpec(StrategySpec):
+    """FFA-LoRA (Sun et al., ICLR 2024): LoRA's A matrices frozen at the shared initialisation, only B
+    trained and averaged -- the exact aggregate of the sites' weight changes (docs/llm.md)."""
+
+    label = "FFA-LoRA"
+    name: Literal["ffa_lora"]
+    freeze: list[str] | None = Field(
+        None, description="tensor names (glob patterns) kept frozen (default ['*lora_A*'], PEFT's A matrices)"
+    )
+
+    @field_validator("freeze")
+    @classmethod
+    def _freeze(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("name at least one pattern (default ['*lora_A*'])")
+        for pattern in value or ():
+            if not pattern.strip():
+                raise ValueError("patterns must not be empty (e.g. '*lora_A*')")
+            no_nul(pattern, "aggregator.freeze")
+        return value
+
+    @model_validator(mode="after")
+    def _no_norm_bound(self) -> FfaLoraSpec:
+        if self.norm_bound is not None:
+            raise ValueError(
+                "norm_bound is not available with ffa_lora (its chunked form would average the frozen tensors "
+                "too); bound updates at the sites instead (privacy filters: clip)"
+            )
+        return self
+
+    def frozen(self) -> tuple[str, ...]:
+        return tuple(self.freeze) if self.freeze else FfaLoraRule().frozen
+
+    def rule(self) -> Rule:
+        return FfaLoraRule(self.frozen())
+
+
 def _foreign_parameters(data: Any) -> Any:
     """Before the union picks a class: a parameter of *another* strategy, or a missing required one,
     is named with the strategies it belongs to (pydantic alone would say only "unknown key")."""
@@ -249,7 +291,8 @@ AggregatorSpec = Annotated[
     | FedAdagradSpec
     | MedianSpec
     | TrimmedMeanSpec
-    | KrumSpec,
+    | KrumSpec
+    | FfaLoraSpec,
     Field(discriminator="name"),
     BeforeValidator(_foreign_parameters),
 ]

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from flare_airflow.core.config.aggregator import AggregatorSpec, FedAvgSpec, strategy_hparams_to_trainer
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
+from flare_airflow.core.config.lora import LoraSpec
 from flare_airflow.core.config.privacy import JobPrivacy, site_privacy_plan
 from flare_airflow.core.config.site import SiteSpec, merge_sites
 from flare_airflow.core.config.tracking import TrackingSpec
@@ -191,6 +192,9 @@ class JobConfig(Strict):
     tracking: TrackingSpec | None = Field(
         None,
         description="experiment tracking of each run (docs/tracking.md); false: none, whatever the deployment default",
+    )
+    lora: LoraSpec | None = Field(
+        None, description="LoRA adapter fine-tuning of a base model each site keeps, pinned by digest (docs/llm.md)"
     )
     sites: dict[str, SiteSpec]
     base_dir: str = Field(".", description="directory relative paths are resolved against")
@@ -422,6 +426,14 @@ class JobConfig(Strict):
             num_sites=len(self.sites),
             key=central_noise_key(),
         )
+
+    def base_model_path(self, site: str) -> pathlib.Path | None:
+        """Where ``site`` keeps the LoRA job's base model (its own ``base_model``, else the job's
+        ``lora.base_model.file``, as for the server's evaluation); ``None`` for a job without ``lora``."""
+        if self.lora is None:
+            return None
+        spec = self.sites.get(site)
+        return self.resolve((spec.base_model if spec is not None else None) or self.lora.base_model.file)
 
     def site_weights(self) -> dict[str, float]:
         return {name: site.weight for name, site in self.sites.items()}

@@ -71,6 +71,9 @@ class SiteSpec(Strict):
         "task",
         description="task: one site task launches and waits; sensor: a launch task, then a sensor that watches",
     )
+    base_model: str | None = Field(
+        None, description="this site's copy of a LoRA job's base model (default: lora.base_model.file)"
+    )
     confinement: ProcessConfinement | None = Field(
         None, description="set by the site policy only (sites.<site>.confinement); None: the default, auto"
     )

@@ -36,6 +36,7 @@ from flare_airflow.core.privacy.filters import (
     noise_generator,
     release_noise_key,
 )
+from flare_airflow.core.tensors import is_float
 
 _KEY_DOMAIN = b"flare-airflow/central-noise/v1"  # apart from the sites' noise keys, whatever the secret
 _SET_DOMAIN = b"flare-airflow/central-set/v1"
@@ -92,7 +93,7 @@ class CentralDP:
             raise ConfigError(f"central DP needs the job's number of sites (>= 1), got {num_sites}")
         self.global_params = global_params
         self.clip, self.noise_multiplier, self.num_sites, self.key = clip, noise_multiplier, num_sites, key
-        self._sum = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items() if v.dtype.kind == "f"}
+        self._sum = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_params.items() if is_float(v.dtype)}
         self.counted: list[str] = []
         self.norms: dict[str, float] = {}
         self.digests: dict[str, bytes] = {}  # each counted update's clipped difference: keys the noise

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.tensors import is_float
 
 Params = dict[str, np.ndarray]
 # NumPy's generator for the noise: PCG64 (NumPy's default bit generator), seeded from a 256-bit key.
@@ -76,7 +77,7 @@ def clipped_digest(diff: Mapping[str, np.ndarray], step: Mapping[str, Any]) -> b
     h.update(json.dumps(dict(step), sort_keys=True, default=str).encode())
     for name in sorted(diff):
         arr = diff[name]
-        if arr.dtype.kind != "f":
+        if not is_float(arr.dtype):
             continue
         h.update(b"\0".join([name.encode(), arr.dtype.str.encode(), repr(arr.shape).encode(), b""]))
         h.update(np.ascontiguousarray(arr).data)
@@ -106,7 +107,7 @@ def l2_norm(diff: Mapping[str, np.ndarray]) -> float:
     """The L2 norm over every element of the float tensors of ``diff`` (float64 sums)."""
     total = 0.0
     for arr in diff.values():
-        if arr.dtype.kind == "f":
+        if is_float(arr.dtype):
             flat = arr.reshape(-1)
             for s in range(0, flat.size, _NOISE_CHUNK):
                 piece = flat[s : s + _NOISE_CHUNK].astype(np.float64, copy=False)
@@ -126,7 +127,7 @@ def clip_in_place(diff: dict[str, np.ndarray], clip: float) -> tuple[float, bool
         return norm, False
     scale = clip / norm
     for arr in diff.values():
-        if arr.dtype.kind == "f":
+        if is_float(arr.dtype):
             arr *= arr.dtype.type(scale)
     return norm, True
 
@@ -137,7 +138,7 @@ def add_gaussian_in_place(
     """Add N(0, sd²) to every element of the float tensors of ``diff`` (except ``skip``), in name order."""
     for name in sorted(diff):
         arr = diff[name]
-        if arr.dtype.kind != "f" or name in skip:
+        if not is_float(arr.dtype) or name in skip:
             continue
         flat = arr.reshape(-1)
         for s in range(0, flat.size, _NOISE_CHUNK):
@@ -151,12 +152,12 @@ def percentile_in_place(diff: dict[str, np.ndarray], percentile: float, gamma: f
     """NVIDIA FLARE's PercentilePrivacy on ``diff``: zero the elements whose magnitude is below the
     ``percentile``-th percentile of all float magnitudes, clip the rest to [-gamma, gamma].
     Returns the cut-off. Not differential privacy."""
-    floats = [arr.reshape(-1) for arr in diff.values() if arr.dtype.kind == "f"]
+    floats = [arr.reshape(-1) for arr in diff.values() if is_float(arr.dtype)]
     if not floats:
         return 0.0
     cutoff = float(np.percentile(np.abs(np.concatenate(floats)), percentile))
     for arr in diff.values():
-        if arr.dtype.kind == "f":
+        if is_float(arr.dtype):
             arr[np.abs(arr) < cutoff] = 0
             np.clip(arr, -gamma, gamma, out=arr)
     return cutoff
@@ -325,7 +326,7 @@ def apply_filters(
     for step in steps:
         exclude |= step.excludes(list(params))
     private_ints = sorted(
-        n for n, a in params.items() if a.dtype.kind != "f" and n not in exclude and n not in public_tensors
+        n for n, a in params.items() if not is_float(a.dtype) and n not in exclude and n not in public_tensors
     )
     if private_ints:
         raise PrivacyRefused(
@@ -340,7 +341,7 @@ def apply_filters(
     for name, arr in params.items():
         if name in exclude:
             continue
-        if arr.dtype.kind == "f":
+        if is_float(arr.dtype):
             d = arr.astype(np.float64)
             if not diff_update:
                 d -= global_params[name].astype(np.float64)
@@ -355,7 +356,7 @@ def apply_filters(
     for name, arr in params.items():
         if name in exclude:
             out[name] = np.zeros_like(arr) if diff_update else np.array(global_params[name], copy=True)
-        elif arr.dtype.kind == "f":
+        elif is_float(arr.dtype):
             d = diff[name] if diff_update else diff[name] + global_params[name].astype(np.float64)
             out[name] = d.astype(arr.dtype)
         else:

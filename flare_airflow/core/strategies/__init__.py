@@ -19,6 +19,7 @@ from flare_airflow.core.strategies.base import (
 from flare_airflow.core.strategies.engine import aggregate_from_store
 from flare_airflow.core.strategies.fedavg import FedAvgRule
 from flare_airflow.core.strategies.fedprox import FEDPROX_MU_HPARAM, proximal_gradient, proximal_term
+from flare_airflow.core.strategies.ffa_lora import FfaLoraRule
 from flare_airflow.core.strategies.krum import Krum
 from flare_airflow.core.strategies.median import Median
 from flare_airflow.core.strategies.server_optimizers import FedAdagrad, FedAdam, FedAvgM, FedYogi, ServerOptimizer
@@ -32,6 +33,7 @@ __all__ = [
     "FedAvgM",
     "FedAvgRule",
     "FedYogi",
+    "FfaLoraRule",
     "Krum",
     "Median",
     "PostStep",

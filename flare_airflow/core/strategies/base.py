@@ -26,6 +26,7 @@ import numpy as np
 
 from flare_airflow.core.errors import AggregateNotFinite
 from flare_airflow.core.model import Params
+from flare_airflow.core.tensors import is_inexact
 
 if TYPE_CHECKING:
     from flare_airflow.core.errors import UpdateRejected
@@ -163,7 +164,7 @@ def cast_back(values: np.ndarray, dtype: np.dtype, name: str, sites: Sequence[st
             raise _not_finite(name, sites, f"its aggregate leaves the range of {dtype}")
     with np.errstate(over="ignore", invalid="ignore"):  # checked just below
         out = values.astype(dtype)
-    if dtype.kind in "fc" and not np.isfinite(out).all():
+    if is_inexact(dtype) and not np.isfinite(out).all():
         raise _not_finite(name, sites, f"its aggregate is not finite in {dtype} (overflow)")
     return out
 

@@ -28,6 +28,7 @@ from flare_airflow.core.privacy.central import CentralDP
 from flare_airflow.core.strategies.base import RuleKind, Strategy
 from flare_airflow.core.tally import RoundOutcome, RoundTally
 from flare_airflow.core.update_reader import update_weight
+from flare_airflow.core.tensors import is_float
 
 if TYPE_CHECKING:
     from flare_airflow.core.errors import UpdateRejected
@@ -79,7 +80,7 @@ class CentralDPRound:
         self.tally.check_quorum(self.min_clients)
         params = self._dp.result()
         for name, values in params.items():
-            if values.dtype.kind == "f" and not np.isfinite(values).all():
+            if is_float(values.dtype) and not np.isfinite(values).all():
                 sites = sorted(self.tally.accepted)
                 raise AggregateNotFinite(
                     f"the central-DP release of sites {sites} is unusable: tensor {name!r} is not "

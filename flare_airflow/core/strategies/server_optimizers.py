@@ -31,6 +31,7 @@ from flare_airflow.core.accumulate import ACC_CHUNK
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import Params
 from flare_airflow.core.strategies.base import StepContext, cast_back
+from flare_airflow.core.tensors import is_float
 
 
 class ServerOptimizer:
@@ -44,7 +45,7 @@ class ServerOptimizer:
         self.exclude = tuple(exclude)
 
     def optimises(self, name: str, arr: np.ndarray) -> bool:
-        return arr.dtype.kind == "f" and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
+        return is_float(arr.dtype) and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
 
     def update(self, d: np.ndarray, moments: list[np.ndarray], t: np.ndarray) -> None:
         """The step for one piece, in place: ``d`` (float64) holds the pseudo-gradient on entry and the

@@ -314,7 +314,7 @@ W2 = ("F32", np.ones(2, np.float32))
         ((10**9).to_bytes(8, "little") + b"{}", "does not fit"),
         (raw_safetensors({"w": W2})[:-1], "the file has"),  # data shorter than the offsets say
         (raw_safetensors({"w": W2}) + b"\x00", "the tensors end at byte"),  # trailing bytes
-        (raw_safetensors({"w": W2}, {"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 8]}}), "unsupported"),
+        (raw_safetensors({"w": W2}, {"w": {"dtype": "F8_E5M2", "shape": [2], "data_offsets": [0, 8]}}), "unsupported"),
         (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}), "do not hold"),
         (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}), "starts at"),
         (raw_safetensors({"w": W2}, {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}), "bad shape"),

@@ -600,3 +600,42 @@ def test_the_site_signs_its_update_record_and_without_its_key_publishes_nothing(
     rc, reason = run(trainer, global_model, output, lines, "ok", trust=strict)
     assert rc is RC.EXECUTION_ERROR and "flare-airflow site keygen site-1" in str(reason)
     assert not output.exists() and "no signing key" in failure(output)["reason"]
+
+
+def lora_block(base: pathlib.Path, sha256: str) -> dict:
+    return {
+        "base_model": str(base),
+        "base_model_sha256": sha256,
+        "target_modules": ["q_proj"],
+        "rank": 2,
+        "alpha": 4.0,
+        "seq_len": 16,
+        "steps_per_round": 1,
+        "frozen": [],
+    }
+
+
+def test_a_lora_site_whose_base_model_matches_trains_and_sees_its_block(
+    trainer, global_model, output, lines, tmp_path
+) -> None:
+    base = tmp_path / "base.gguf"
+    base.write_bytes(b"weights of the base model")
+    lora = lora_block(base, hashlib.sha256(base.read_bytes()).hexdigest())
+    rc, summary = run(trainer, global_model, output, lines, "ok", lora=lora)
+    assert rc is RC.SUCCESS, summary
+    assert make_run(trainer, global_model, output, lora=lora).site_job().env["FLARE_LORA"] == json.dumps(lora)
+
+
+@pytest.mark.parametrize("damage", ["other", "missing"])
+def test_a_lora_site_with_another_base_model_is_refused_before_training(
+    trainer, global_model, output, lines, tmp_path, damage
+) -> None:
+    base = tmp_path / "base.gguf"
+    if damage == "other":
+        base.write_bytes(b"a different base model")
+    rc, reason = run(trainer, global_model, output, lines, "ok", lora=lora_block(base, "ab" * 32))
+    assert rc is RC.CONFIG_ERROR
+    fragment = "but the job pins abababababababab" if damage == "other" else "cannot be read"
+    assert fragment in reason and "the trainer was not started" in reason and str(base) in reason
+    assert not any("hparams" in line for line in lines.lines)  # the trainer never ran
+    assert failure(output)["reason"] == reason and not output.exists()
