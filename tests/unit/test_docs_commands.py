@@ -62,7 +62,9 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
             "components and is tested (tests/integration/test_make_airflow.py)"
         ),
     ),
-    (r"^airflow edge worker\b", RunBy("flare_airflow_testing/deploy_guide.py", "(airflow edge worker [^`]+)")),
+    # `flare-airflow site worker` runs it in-process with the site's registry queues and name
+    (r"^airflow edge worker\b", RunBy("flare_airflow_testing/edge_sites.py", "guide.worker_argv(self.site)")),
+    (r"^flare-airflow site worker\b", RunBy("flare_airflow_testing/deploy_guide.py", "(flare-airflow site worker [^`]+)")),
     (
         r"^mlflow ui\b",
         NotRun(
@@ -130,7 +132,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^airflow plugins$", WALKTHROUGH),
     # a site worker's settings: the Edge tier's workers are started with exactly these variables
     (
-        r"^(AIRFLOW\w*|FLARE_SITE_CONFIG)=",
+        r"^(AIRFLOW\w*|FLARE_SITE_CONFIG|FLARE_KEY_DIR|FLARE_SITE_KEYS)=",
         RunBy("flare_airflow_testing/deploy_guide.py", 'block("A site\'s worker", "bash")'),
     ),
     (r"^python -m tests\.bad_inputs\.table$", RunBy("tests/bad_inputs/test_table.py", "render(all_cases())")),
