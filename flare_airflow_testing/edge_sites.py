@@ -256,10 +256,12 @@ class EdgeDeployment:
         *,
         isolated: bool = False,
         container_sites: Mapping[str, str] | None = None,
+        extra_dags: Mapping[str, str] | None = None,
     ) -> None:
         """``isolated``: the central side in a network namespace, each site's worker in one of its
         own that reaches only the central side's API and S3 endpoint (flare_airflow_testing/netns.py).
-        ``container_sites``: site -> trainer image, the sites whose jobs run as containers."""
+        ``container_sites``: site -> trainer image, the sites whose jobs run as containers.
+        ``extra_dags``: file name -> source of more DAG files, on the central side and every worker."""
         container_sites = dict(container_sites or {})
         self.ns = Namespaces(sites) if isolated else None
         central = Namespaces.prefix(self.ns.central) if self.ns else None
@@ -279,6 +281,8 @@ class EdgeDeployment:
         # The central tasks reach the store on their own loopback.
         self.stack.env["AIRFLOW_CONN_" + CENTRAL_CONN.upper()] = self.s3.connection(host="127.0.0.1")
         self.job = edge_job(self.stack.dags, rounds=rounds, container_sites=container_sites)
+        for name, source in (extra_dags or {}).items():
+            (self.stack.dags / name).write_text(source)
         self.workers = {
             site: EdgeWorker(
                 root,
@@ -315,6 +319,12 @@ class EdgeDeployment:
                 return
             time.sleep(1)
         raise RuntimeError(f"edge workers {sorted(names)} did not come up; see {self.stack.root}/*/worker.log")
+
+    def site_key(self, site: str) -> tuple[str, Any]:
+        """(key id, signing key) of ``site``: what its worker holds, for tests that act as that site."""
+        from flare_airflow.core.trust.keys import load_signing_key, party_dir
+
+        return load_signing_key(party_dir(self.workers[site].root / "keys", site), site)
 
     def edge_workers(self) -> list[dict[str, Any]]:
         import httpx

@@ -83,10 +83,16 @@ def _job_owner(key: tuple[str, str, str, int, int]) -> str | None:
 
 def _task_queue(ti_id: str) -> tuple[str, str] | None:
     """(queue, executor) of the task instance ``ti_id``, or None when there is none."""
+    import uuid
+
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
+    try:
+        uuid.UUID(ti_id)
+    except ValueError:
+        return None
     with create_session() as session:
         row = session.execute(select(TaskInstance.queue, TaskInstance.executor).where(TaskInstance.id == ti_id)).first()
     return (str(row[0] or ""), str(row[1] or "")) if row else None
