@@ -66,9 +66,8 @@ def guard_verdict(secret: CentralSecret, registry_path: str) -> str | None:
     granted = sorted(g.site for g in grants.sites.values() if g.may_resolve(secret.kind, secret.name))
     if granted:
         field = f"{secret.kind}s"
-        return (
-            f"the registry {registry_path} grants it to site(s) {granted}; remove it from "
-            + ", ".join(f"flare_sites[{site!r}].{field}" for site in granted)
+        return f"the registry {registry_path} grants it to site(s) {granted}; remove it from " + ", ".join(
+            f"flare_sites[{site!r}].{field}" for site in granted
         )
     return None
 

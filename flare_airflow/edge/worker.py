@@ -88,8 +88,13 @@ def edge_worker_argv(grant: SiteGrant, name: str, extra: list[str]) -> list[str]
     """The ``airflow edge worker`` arguments for ``grant``: its queues, its worker name."""
     if name not in grant.workers:
         raise TrustError(f"site worker {grant.site}: {name!r} is not one of its worker names {list(grant.workers)}")
-    if any(a in ("-q", "--queues", "-H", "--edge-hostname") or a.startswith(("--queues=", "--edge-hostname=")) for a in extra):
-        raise TrustError("site worker: the queues and the worker name come from the registry; drop --queues/--edge-hostname")
+    if any(
+        a in ("-q", "--queues", "-H", "--edge-hostname") or a.startswith(("--queues=", "--edge-hostname="))
+        for a in extra
+    ):
+        raise TrustError(
+            "site worker: the queues and the worker name come from the registry; drop --queues/--edge-hostname"
+        )
     return ["edge", "worker", "--queues", ",".join(grant.queues), "--edge-hostname", name, *extra]
 
 

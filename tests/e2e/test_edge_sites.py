@@ -287,7 +287,9 @@ def test_each_site_reaches_only_the_central_api_and_store(deployment: EdgeDeploy
     assert not _reaches(site1, ns.central_addr.rsplit(".", 1)[0] + ".1", 22)
 
 
-def _as_site(dep: EdgeDeployment, site: str, verb: str, method: str, body: Any = None, *, worker: str | None = None) -> Any:
+def _as_site(
+    dep: EdgeDeployment, site: str, verb: str, method: str, body: Any = None, *, worker: str | None = None
+) -> Any:
     """A worker API call signed with ``site``'s own key (what its worker holds), as ``worker``."""
     import httpx
 

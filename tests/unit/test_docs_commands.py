@@ -64,7 +64,10 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     ),
     # `flare-airflow site worker` runs it in-process with the site's registry queues and name
     (r"^airflow edge worker\b", RunBy("flare_airflow_testing/edge_sites.py", "guide.worker_argv(self.site)")),
-    (r"^flare-airflow site worker\b", RunBy("flare_airflow_testing/deploy_guide.py", "(flare-airflow site worker [^`]+)")),
+    (
+        r"^flare-airflow site worker\b",
+        RunBy("flare_airflow_testing/deploy_guide.py", "(flare-airflow site worker [^`]+)"),
+    ),
     (
         r"^mlflow ui\b",
         NotRun(

@@ -54,7 +54,12 @@ def _own_queues(site: str, grants: Grants, queues: Any, what: str) -> None:
 
 
 def check_worker_call(
-    verb: str, method: str, body: Mapping[str, Any] | None, claims: Mapping[str, Any], grants: Grants, job_owner: JobOwner
+    verb: str,
+    method: str,
+    body: Mapping[str, Any] | None,
+    claims: Mapping[str, Any],
+    grants: Grants,
+    job_owner: JobOwner,
 ) -> None:
     """Refuse (:class:`Refused`) a worker API call (``verb``; ``method``: the path after
     ``/edge_worker/v1/``) the site whose proven ``claims`` these are may not make."""
@@ -78,8 +83,8 @@ def check_worker_call(
         site = _own_worker(claims, grants, parts[2])
         _own_queues(site, grants, body.get("queues"), "fetch jobs of")
         return
-    job_paths = {("jobs", "state"): 8, ("logs", "push"): 7, ("logs", "logfile_path"): 7}
-    if len(parts) == job_paths.get(tuple(parts[:2]), -1):
+    job_paths = {"jobs/state": 8, "logs/push": 7, "logs/logfile_path": 7}
+    if len(parts) == job_paths.get("/".join(parts[:2]), -1):
         dag_id, task_id, run_id, try_number, map_index = parts[2:7]
         try:
             key = (dag_id, task_id, run_id, int(try_number), int(map_index))

@@ -67,7 +67,9 @@ def _part(obj: dict[str, Any]) -> str:
     return b64url(json.dumps(obj, separators=(",", ":"), sort_keys=True).encode())
 
 
-def verify_worker_token(token: str, registry: Registry, *, leeway: float = 30, now: float | None = None) -> dict[str, Any]:
+def verify_worker_token(
+    token: str, registry: Registry, *, leeway: float = 30, now: float | None = None
+) -> dict[str, Any]:
     """The claims of ``token`` once proven: EdDSA, signed by an enrolled key of the site its
     ``flare_site`` claim names, issued by a site worker, within its validity. Else :class:`TokenRefused`."""
     token = token.removeprefix("Bearer ").strip()

@@ -71,7 +71,11 @@ def test_ambiguous_or_unknown_grants_are_refused(keys: dict[str, Any], sites: di
 def test_a_site_token_verifies_and_names_its_site(keys: dict[str, Any]) -> None:
     registry, _, _ = _registry(keys)
     claims = verify_worker_token(_token(keys, "site-1", method="jobs/fetch/site-1-worker"), registry, now=NOW)
-    assert (claims["flare_site"], claims["sub"], claims["method"]) == ("site-1", "site-1-worker", "jobs/fetch/site-1-worker")
+    assert (claims["flare_site"], claims["sub"], claims["method"]) == (
+        "site-1",
+        "site-1-worker",
+        "jobs/fetch/site-1-worker",
+    )
 
 
 def _forged_hs512(claims: dict[str, Any], secret: bytes) -> str:
@@ -86,7 +90,7 @@ def _forged_hs512(claims: dict[str, Any], secret: bytes) -> str:
 def test_a_token_is_refused_unless_its_own_sites_key_signed_it_in_time(keys: dict[str, Any]) -> None:
     registry, _, _ = _registry(keys)
     # site-2's key speaking for site-1
-    with pytest.raises(TokenRefused, match="signed by 'site-2'.s key speaks for 'site-1'"):
+    with pytest.raises(TokenRefused, match=r"signed by 'site-2'.s key speaks for 'site-1'"):
         verify_worker_token(_token(keys, "site-2", site="site-1"), registry, now=NOW)
     # the central key (in the registry for global records) is no site's
     with pytest.raises(TokenRefused, match="speaks for"):
@@ -159,7 +163,13 @@ def test_a_site_may_do_what_its_worker_does(keys: dict[str, Any]) -> None:
     _, grants, _ = _registry(keys, {"site-2": {"queues": ["hospital-b", "site-2"]}})
     c = _claims
     _call(grants, "POST", "worker/site-2-worker", {"queues": ["hospital-b"]}, c("site-2", "worker/site-2-worker"))
-    _call(grants, "PATCH", "worker/site-2-worker", {"queues": ["hospital-b", "site-2"]}, c("site-2", "worker/site-2-worker"))
+    _call(
+        grants,
+        "PATCH",
+        "worker/site-2-worker",
+        {"queues": ["hospital-b", "site-2"]},
+        c("site-2", "worker/site-2-worker"),
+    )
     _call(grants, "POST", "jobs/fetch/site-2-worker", {"queues": ["site-2"]}, c("site-2", "jobs/fetch/site-2-worker"))
     m = "jobs/state/d/round_1.site-2/manual__2026/1/-1/running"
     _call(grants, "PATCH", m, None, c("site-2", m), owner="site-2-worker")

@@ -187,4 +187,8 @@ def test_the_site_worker_serves_its_registry_queues_under_its_name(keys: dict[st
     kid, key = load_signing_key(party_dir(keys["root"], "site-1"), "site-1")
     token = SiteSigner("site-1", "site-1-worker", kid, key).generate({"method": "worker/site-1-worker"})
     claims = verify_worker_token(token, Registry.from_file(Path(keys["registry"])))
-    assert (claims["flare_site"], claims["sub"], claims["method"]) == ("site-1", "site-1-worker", "worker/site-1-worker")
+    assert (claims["flare_site"], claims["sub"], claims["method"]) == (
+        "site-1",
+        "site-1-worker",
+        "worker/site-1-worker",
+    )
