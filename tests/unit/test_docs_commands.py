@@ -141,9 +141,10 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^python -m tests\.bad_inputs\.table$", RunBy("tests/bad_inputs/test_table.py", "render(all_cases())")),
     (r"^export FLARE_K8S_ALLOWED_HOST_PATHS=", RunBy("tests/bad_inputs/test_kubernetes.py", "ALLOWED_HOST_PATHS_ENV")),
     (r"^export NAME='value'$", NotRun("the shape of a variable a site admin sets, not a command")),
-    # docs/privacy.md: a site's noise secret; the e2e run gives the sites the same variable via the environment
+    # docs/privacy.md: a site's noise secret in its worker's environment; the e2e run gives the sites
+    # the same variable via the environment
     (
-        r"^airflow variables set flare_noise_secret ",
+        r"^echo \"AIRFLOW_VAR_FLARE_NOISE_SECRET=",
         RunBy("tests/e2e/test_privacy.py", "AIRFLOW_VAR_FLARE_NOISE_SECRET"),
     ),
     # docs/privacy.md: the server's central-DP noise secret; the aggregation's tests set the same variable
