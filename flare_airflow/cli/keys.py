@@ -89,6 +89,26 @@ def cmd_registry_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_registry_grant(args: argparse.Namespace) -> int:
+    """Set what an enrolled site may ask of the central side: its queues, worker names, and the
+    central Variables/Connections its tasks may resolve (each a comma-separated list; "" for none)."""
+    from flare_airflow.core.trust.grants import SECTION, Grants
+
+    registry = Path(args.registry)
+    data = _read(registry, missing_ok=False)
+    section = data.setdefault(SECTION, {})
+    entry = dict(section.get(args.site) or {})
+    for field in ("queues", "workers", "variables", "connections"):
+        value = getattr(args, field)
+        if value is not None:
+            entry[field] = [v.strip() for v in value.split(",") if v.strip()]
+    section[args.site] = entry
+    Grants.from_registry(data, Registry.from_jwks(data, str(registry)))  # refuses an invalid grant unwritten
+    _write(registry, data)
+    print(f"{registry}: {args.site} may {json.dumps(entry, sort_keys=True)}")
+    return 0
+
+
 def cmd_site_worker(args: argparse.Namespace) -> int:
     """Start the site's Edge worker, signing with its own key (docs/deploy-across-sites.md)."""
     from flare_airflow.edge.worker import run_site_worker
@@ -132,3 +152,11 @@ def add_parsers(sub: Any, site_sub: Any) -> None:
     p.add_argument("registry")
     p.add_argument("kid")
     p.set_defaults(func=cmd_registry_revoke)
+    p = group.add_parser(
+        "grant", help="what an enrolled site may ask: its queues, worker names, central Variables/Connections"
+    )
+    p.add_argument("registry")
+    p.add_argument("site")
+    for field, default in (("queues", "<site>"), ("workers", "<site>-worker"), ("variables", ""), ("connections", "")):
+        p.add_argument(f"--{field}", help=f"comma-separated (default: {default!r}; '' for none)")
+    p.set_defaults(func=cmd_registry_grant)

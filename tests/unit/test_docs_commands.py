@@ -49,7 +49,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^flare-airflow pools sync\b", RunBy("tests/integration/test_gpu_pools.py", '"pools", "sync"')),
     (r"^flare-airflow doctor\b", RunBy("tests/unit/test_cli_doctor.py", '"doctor"')),
     (
-        r"^flare-airflow (site keygen|central keygen|registry (add|revoke))\b",
+        r"^flare-airflow (site keygen|central keygen|registry (add|revoke|grant))\b",
         RunBy("tests/unit/test_cli_keys.py", '"registry", "revoke"'),
     ),
     (r"^airflow (db migrate|dags (trigger|unpause|reserialize))\b", WALKTHROUGH),
