@@ -124,10 +124,16 @@ class SiteGuard:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope.get("type") == "http" else ""
-        kind = next((k for prefix, k in SECRET_PREFIXES.items() if path.startswith(prefix)), None)
-        if not (path.startswith(WORKER_PREFIX) or kind):
+        full = scope.get("path", "") if scope.get("type") == "http" else ""
+        # Behind a base path (``[api] base_url`` with a path) the prefixes come later; edge3 itself
+        # finds its prefix anywhere in the path, so must the guard, or it would fail open.
+        at = {prefix: full.find(prefix) for prefix in (WORKER_PREFIX, *SECRET_PREFIXES)}
+        found = [(i, prefix) for prefix, i in at.items() if i >= 0]
+        if not found:
             return await self.app(scope, receive, send)
+        start, prefix = min(found)
+        path = full[start:]
+        kind = SECRET_PREFIXES.get(prefix)
         registry_path = _registry_path()
         if registry_path is None:
             return await self.app(scope, receive, send)

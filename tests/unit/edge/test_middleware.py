@@ -192,3 +192,14 @@ def test_the_site_worker_serves_its_registry_queues_under_its_name(keys: dict[st
         "site-1-worker",
         "worker/site-1-worker",
     )
+
+
+def test_behind_a_base_path_the_guard_still_checks(keys: dict[str, Any], guard: dict[str, Any]) -> None:
+    m = "jobs/fetch/site-2-worker"
+    status, out = _request(
+        guard, "POST", f"/airflow/edge_worker/v1/{m}", _token(keys, "site-2", m), {"queues": ["site-1"]}
+    )
+    assert status == 403 and "may not fetch jobs of queue(s) ['site-1']" in out["detail"]
+    guard["ti"] = ("site-2", "EdgeExecutor")
+    assert _request(guard, "GET", "/airflow/execution/variables/flare_central_noise_secret", _ti_token("01"))[0] == 403
+    assert guard["seen"] == []
