@@ -69,7 +69,7 @@ def _timed(stack: Any, dag_id: str, rounds: int) -> float:
 
 
 def rounds_table(reps: int, root: Path) -> Table:
-    from flare_airflow_testing.edge_sites import EdgeWorker, central_env
+    from flare_airflow_testing.edge_sites import EdgeWorker, central_env, enrol
     from flare_airflow_testing.ports import free_port
     from flare_airflow_testing.s3_server import S3Server
     from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
@@ -82,12 +82,15 @@ def rounds_table(reps: int, root: Path) -> Table:
     try:
         pg = Postgres()
         port = free_port()
-        stack = AirflowStack(root / "stack", pg.url, extra_env=central_env(f"http://127.0.0.1:{port}"), port=port)
+        env = central_env(f"http://127.0.0.1:{port}", root / "central")
+        stack = AirflowStack(root / "stack", pg.url, extra_env=env, port=port)
+        stack.env.pop("AIRFLOW__API_AUTH__JWT_SECRET", None)  # the guide's deployment: no shared secret
         for dag_id, edge in (("local_sites", False), ("edge_sites", True)):
             _write_job(stack.dags, dag_id, init, root / "store", edge=edge)
         stack.start()
         start_triggerer(stack)
         workers = [EdgeWorker(root / "workers", site, stack, s3, queue=site) for site in SITES]
+        enrol(root / "central", workers)
         for w in workers:
             # The same launcher and store as the central DAG's sites (no connection of its own).
             w.policy.write_text(json.dumps({"sites": {w.site: {"launcher": "process"}}}))

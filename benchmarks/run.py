@@ -25,7 +25,9 @@
    ``nvflare job submit`` + ``wait`` + ``download``, ~4 min, into ``benchmarks/results/nvflare_native.md``).
 7. **edge** -- sites on Edge workers vs the central LocalExecutor (per-round cost), and model
    exchange through an S3 endpoint (moto, an emulator) vs the local store (~4 min;
-   ``benchmarks/results/edge.md``).
+   ``benchmarks/results/edge.md``); ``--only edge-trust``: an Edge round with site-key worker
+   auth and the site guard next to the shared-secret setup, both deployments up at once (~6 min;
+   ``benchmarks/results/edge_trust.md``).
 6. **rounds** -- a run of R of a job's M rounds next to a job of exactly R rounds under the real
    scheduler (PostgreSQL, LocalExecutor): what the rounds a run does not ask for cost (~4 min;
    ``benchmarks/results/skipped_rounds.md``).
@@ -56,6 +58,7 @@ import bench_containers
 import bench_data_trigger
 import bench_e2e
 import bench_edge
+import bench_edge_trust
 import bench_fedavg
 import bench_k8s_api
 import bench_links
@@ -88,6 +91,7 @@ OWN_OUTPUTS = {
     "nvflare-shim": BENCH_DIR / "results" / "nvflare_shim.md",
     "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
     "edge": BENCH_DIR / "results" / "edge.md",
+    "edge-trust": BENCH_DIR / "results" / "edge_trust.md",
     "privacy": BENCH_DIR / "results" / "privacy.md",
     "privacy-keying": BENCH_DIR / "results" / "privacy_keying.md",
     "confinement": BENCH_DIR / "results" / "confinement.md",
@@ -119,6 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "nvflare-shim",
             "rounds",
             "edge",
+            "edge-trust",
             "privacy",
             "privacy-keying",
             "confinement",
@@ -189,6 +194,10 @@ def main(argv: list[str]) -> int:
             log("[edge] Edge workers vs the central executor; S3 (moto) vs the local store ...")
             tables = bench_edge.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
             sections.append(("7. Sites at the sites: Edge workers and an object store", tables))
+        if args.only == "edge-trust":
+            log("[edge-trust] an Edge round with site-key worker auth + the site guard vs the shared secret ...")
+            tables = bench_edge_trust.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
+            sections.append(("The control plane without a shared secret (issue 36)", tables))
         if args.only in (None, "privacy"):
             log("[privacy] the site's filters per update; digits accuracy under local DP ...")
             tables = bench_privacy.run(reps=args.reps, quick=args.quick)

@@ -79,22 +79,25 @@ def job_keys() -> dict[str, Any]:
     return keys
 
 
-def central_config(*, base: str, jwt_secret: str) -> dict[str, str]:
-    """'Central side': the ``airflow.cfg`` lines as ``AIRFLOW__SECTION__KEY`` variables."""
+def central_config(*, base: str, root: pathlib.Path) -> dict[str, str]:
+    """'Central side': the ``airflow.cfg`` lines as ``AIRFLOW__SECTION__KEY`` variables, for the API
+    at ``base`` and the central side's files under ``root`` (the guide's ``/srv/flare``)."""
     parser = configparser.ConfigParser(interpolation=None)
     parser.optionxform = str  # type: ignore[assignment,method-assign]
     parser.read_string(block("Central side", "ini"))
     env = {
-        f"AIRFLOW__{section.upper()}__{key.upper()}": value
+        f"AIRFLOW__{section.upper()}__{key.upper()}": value.replace("/srv/flare", str(root))
         for section in parser.sections()
         for key, value in parser[section].items()
     }
     url = "AIRFLOW__EDGE__API_URL"
     env[url] = _put(env.get(url, ""), CENTRAL_URL, base, "[edge] api_url")
-    return _filled(env, {"AIRFLOW__API_AUTH__JWT_SECRET": jwt_secret}, "the central side's airflow.cfg")
+    if "AIRFLOW__API_AUTH__JWT_SECRET" in env:
+        raise GuideError(f"{GUIDE.name}: the central side's airflow.cfg sets a jwt_secret: no shared secret")
+    return _filled(env, {}, "the central side's airflow.cfg")
 
 
-def worker_env(*, base: str, root: pathlib.Path, jwt_secret: str, store_connection: str) -> dict[str, str]:
+def worker_env(*, base: str, root: pathlib.Path, store_connection: str) -> dict[str, str]:
     """'A site's worker': its environment, with this worker's directories and the central address."""
     env: dict[str, str] = {}
     for line in block("A site's worker", "bash").splitlines():
@@ -106,7 +109,10 @@ def worker_env(*, base: str, root: pathlib.Path, jwt_secret: str, store_connecti
         name, value = words[0].split("=", 1)
         value = value.replace(CENTRAL_URL, base).replace("/srv/flare", str(root)).replace("/etc/flare", str(root))
         env[name] = value
-    given = {"AIRFLOW__API_AUTH__JWT_SECRET": jwt_secret}
+    secret = [name for name in env if "JWT" in name or name.endswith("__SECRET_KEY")]
+    if secret:
+        raise GuideError(f"{GUIDE.name}: the worker's environment holds {secret}: a site holds no shared secret")
+    given: dict[str, str] = {}
     conns = [name for name in env if name.startswith("AIRFLOW_CONN_")]
     if len(conns) != 1:
         raise GuideError(f"{GUIDE.name}: the worker's environment should define one store connection, has {conns}")
@@ -142,14 +148,12 @@ def container_site_policy(site: str, root: pathlib.Path, image: str) -> dict[str
     return copy.deepcopy(policy)
 
 
-def worker_argv(queue: str, hostname: str) -> list[str]:
-    """'A site's worker': the command that starts it, for this site's queue and worker name."""
-    found = re.findall(r"`(airflow edge worker [^`]+)`", _section("A site's worker"))
+def worker_argv(site: str) -> list[str]:
+    """'A site's worker': the command that starts it, for ``site``."""
+    found = re.findall(r"`(flare-airflow site worker [^`]+)`", _section("A site's worker"))
     if len(found) != 1:
-        raise GuideError(f"{GUIDE.name}: expected one `airflow edge worker ...` command, found {found}")
+        raise GuideError(f"{GUIDE.name}: expected one `flare-airflow site worker SITE` command, found {found}")
     argv = shlex.split(found[0])
-    for flag, value in (("--queues", queue), ("--edge-hostname", hostname)):
-        if flag not in argv[:-1]:
-            raise GuideError(f"{GUIDE.name}: the worker command {found[0]!r} has no {flag}")
-        argv[argv.index(flag) + 1] = value
-    return argv
+    if argv[3:] != [EXAMPLE_SITE]:
+        raise GuideError(f"{GUIDE.name}: the worker command {found[0]!r} should name the example site only")
+    return [*argv[:3], site]

@@ -4,16 +4,19 @@ site, and an S3 store (flare_airflow_testing/s3_server.py), set up as docs/deplo
 Central: api-server (with the Edge worker API), scheduler (``LocalExecutor,EdgeExecutor``: the
 central tasks on the first, the site tasks on the Edge workers), dag-processor and triggerer on
 PostgreSQL (flare_airflow_testing/stack.py). A site: ``airflow edge worker --queues <site>`` with an Airflow home,
-DAGs folder and site policy of its own, and no database: it reaches the central side only through
-the API server's URL and the shared JWT secret, and the store only through its own connection.
+DAGs folder, site policy and site key of its own, and no database: it reaches the central side only
+through the API server's URL, signing its calls with its site's key (``flare-airflow site worker``),
+and the store only through its own connection. No party holds a shared secret: the central side
+signs its tokens with its own Ed25519 key, and the consortium registry (every party's public key
+and each site's grant) is the one file every side has.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
-import secrets
 import shutil
 import signal
 import subprocess
@@ -71,10 +74,45 @@ def site_queue(job: pathlib.Path, site: str) -> str:
     return str(entry.get("queue") or site)
 
 
-def central_env(base: str) -> dict[str, str]:
-    """The central side's environment: the guide's airflow.cfg for the API at ``base`` with a fresh
-    JWT secret, and this module's shorter timings."""
-    return {**guide.central_config(base=base, jwt_secret=secrets.token_urlsafe(64)), **FASTER_CENTRAL}
+def central_env(base: str, root: pathlib.Path) -> dict[str, str]:
+    """The central side's environment: the guide's airflow.cfg for the API at ``base`` with its
+    files under ``root`` (the token key, its key directory, the registry: :func:`enrol`), and this
+    module's shorter timings."""
+    return {**guide.central_config(base=base, root=root), **FASTER_CENTRAL}
+
+
+def make_token_key(path: pathlib.Path) -> None:
+    """The central side's token key (the guide's ``openssl genpkey -algorithm ed25519``), 0600."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    path.touch(mode=0o600)
+    path.write_bytes(pem)
+
+
+def enrol(central_root: pathlib.Path, workers: list[EdgeWorker]) -> pathlib.Path:
+    """The guide's 'Keys, the registry and what a site may ask' for this deployment: each site's
+    keys made at its worker, the central keys and token key at the central side, every public key
+    enrolled in one registry with each site's grant (its queue, its worker's name), and the
+    registry copied to every worker. Returns the central registry's path."""
+    from flare_airflow.core.trust import CENTRAL, generate_keys
+    from flare_airflow.core.trust.keys import party_dir
+
+    make_token_key(central_root / "central" / "jwt.pem")
+    keys = generate_keys(CENTRAL, party_dir(central_root / "keys", CENTRAL), box=False).jwks["keys"]
+    grants = {}
+    for w in workers:
+        keys += generate_keys(w.site, party_dir(w.root / "keys", w.site)).jwks["keys"]
+        grants[w.site] = {"queues": [w.queue], "workers": [w.name]}
+    registry = central_root / "registry.json"
+    registry.write_text(json.dumps({"keys": keys, "flare_sites": grants}, indent=1))
+    for w in workers:
+        shutil.copy(registry, w.root / "registry.json")
+    return registry
 
 
 class EdgeWorker:
@@ -135,12 +173,7 @@ class EdgeWorker:
         env = {k: v for k, v in os.environ.items() if k in keep}
         base = f"http://{self.central}:{self.stack.port}" if self.central else self.stack.base
         env.update(
-            guide.worker_env(
-                base=base,
-                root=self.root,
-                jwt_secret=self.stack.env["AIRFLOW__API_AUTH__JWT_SECRET"],
-                store_connection=self.s3.connection(secret, self.central),
-            )
+            guide.worker_env(base=base, root=self.root, store_connection=self.s3.connection(secret, self.central))
         )
         if not connection:  # the site admin forgot to define it
             del env["AIRFLOW_CONN_" + SITE_CONN.upper()]
@@ -151,8 +184,8 @@ class EdgeWorker:
 
     def start(self, secret: str | None = None, *, connection: bool = True) -> None:
         log = open(self.root / "worker.log", "ab")  # noqa: SIM115 - lives as long as the process
-        command, *args = guide.worker_argv(self.queue, self.name)
-        cmd = [str(BIN / command), *args, "--concurrency", "2"]
+        command, *args = guide.worker_argv(self.site)
+        cmd = [str(BIN / command), *args, "--", "--concurrency", "2"]
         if self.private_data:
             job = yaml.safe_load((self.root / "dags" / "digits.yaml").read_text())
             trainer = [str(self.root / "examples" / "digits" / "trainer.py"), *job["trainer"]["args"]]
@@ -223,26 +256,33 @@ class EdgeDeployment:
         *,
         isolated: bool = False,
         container_sites: Mapping[str, str] | None = None,
+        extra_dags: Mapping[str, str] | None = None,
     ) -> None:
         """``isolated``: the central side in a network namespace, each site's worker in one of its
         own that reaches only the central side's API and S3 endpoint (flare_airflow_testing/netns.py).
-        ``container_sites``: site -> trainer image, the sites whose jobs run as containers."""
+        ``container_sites``: site -> trainer image, the sites whose jobs run as containers.
+        ``extra_dags``: file name -> source of more DAG files, on the central side and every worker."""
         container_sites = dict(container_sites or {})
         self.ns = Namespaces(sites) if isolated else None
         central = Namespaces.prefix(self.ns.central) if self.ns else None
         host = self.ns.central_addr if self.ns else "127.0.0.1"
         port = free_port()
+        self.central_root = root / "central"
         try:
             self.s3 = S3Server(host, prefix=central)
             self.pg = Postgres(prefix=central)
-            extra = central_env(f"http://{host}:{port}")
+            extra = central_env(f"http://{host}:{port}", self.central_root)
             self.stack = AirflowStack(root, self.pg.url, extra_env=extra, prefix=central, host=host, port=port)
         except BaseException:
             self._remove_namespaces()
             raise
+        # No shared secret anywhere: the central side signs with its token key only.
+        self.stack.env.pop("AIRFLOW__API_AUTH__JWT_SECRET", None)
         # The central tasks reach the store on their own loopback.
         self.stack.env["AIRFLOW_CONN_" + CENTRAL_CONN.upper()] = self.s3.connection(host="127.0.0.1")
         self.job = edge_job(self.stack.dags, rounds=rounds, container_sites=container_sites)
+        for name, source in (extra_dags or {}).items():
+            (self.stack.dags / name).write_text(source)
         self.workers = {
             site: EdgeWorker(
                 root,
@@ -256,6 +296,7 @@ class EdgeDeployment:
             )
             for site in sites
         }
+        self.registry = enrol(self.central_root, list(self.workers.values()))
 
     def _remove_namespaces(self) -> None:
         if self.ns is not None:
@@ -278,6 +319,12 @@ class EdgeDeployment:
                 return
             time.sleep(1)
         raise RuntimeError(f"edge workers {sorted(names)} did not come up; see {self.stack.root}/*/worker.log")
+
+    def site_key(self, site: str) -> tuple[str, Any]:
+        """(key id, signing key) of ``site``: what its worker holds, for tests that act as that site."""
+        from flare_airflow.core.trust.keys import load_signing_key, party_dir
+
+        return load_signing_key(party_dir(self.workers[site].root / "keys", site), site)
 
     def edge_workers(self) -> list[dict[str, Any]]:
         import httpx

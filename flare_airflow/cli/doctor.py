@@ -3,10 +3,18 @@
 Airflow's Execution API serves any Variable or Connection the api-server can resolve (its own
 environment, the metadata database, its secrets backend) to *every* task that asks, site tasks on
 Edge workers included (docs/threat-model.md). A central-only secret -- the central DP noise secret,
-the central store connection -- must therefore live only where the central tasks run (the
-environment of the scheduler that runs them), never where the api-server finds it. Run this
-with the api-server's environment and configuration; it exits 1 naming each secret it would
-serve, where it found it, and how to move it.
+the central store connection, the tracking server's connection -- is kept from site tasks in one of
+two ways:
+
+- the site guard (``flare_airflow/edge/middleware.py``, active when ``[flare] site_keys`` names the
+  consortium registry) refuses every Variable and Connection to a site's task unless the registry's
+  grant for that site lists it: the secret may then live where the api-server finds it, as long as
+  no grant lists it;
+- without a registry, the secret must live only where the central tasks run (the environment of
+  the scheduler that runs them), never where the api-server finds it.
+
+Run this with the api-server's environment and configuration; it exits 1 naming each secret a site
+task could resolve, where it is found or which grant lists it, and how to move it.
 """
 
 from __future__ import annotations
@@ -37,7 +45,38 @@ def central_secrets(jobs: list[JobConfig]) -> list[CentralSecret]:
     found = [CentralSecret("variable", CENTRAL_NOISE_SECRET_VARIABLE, "keys the central DP noise of every run")]
     for conn_id in sorted({job.store_conn_id for job in jobs if job.store_conn_id}):
         found.append(CentralSecret("connection", conn_id, "the central side's credential to the whole model store"))
+    for conn_id in sorted({job.tracking.conn_id for job in jobs if job.tracking and job.tracking.conn_id}):
+        found.append(CentralSecret("connection", conn_id, "the tracking server's credentials (written centrally)"))
     return found
+
+
+def guard_verdict(secret: CentralSecret, registry_path: str) -> str | None:
+    """With the site guard on: None when no site's grant lets its tasks resolve ``secret``, else
+    why one does (a grant lists it, or the registry cannot be read: the guard then refuses all, but
+    the deployment is broken)."""
+    from pathlib import Path
+
+    from flare_airflow.core.trust import TrustError
+    from flare_airflow.core.trust.grants import Grants
+
+    try:
+        grants = Grants.from_file(Path(registry_path))
+    except TrustError as exc:
+        return f"the registry cannot be read ({exc})"
+    granted = sorted(g.site for g in grants.sites.values() if g.may_resolve(secret.kind, secret.name))
+    if granted:
+        field = f"{secret.kind}s"
+        return f"the registry {registry_path} grants it to site(s) {granted}; remove it from " + ", ".join(
+            f"flare_sites[{site!r}].{field}" for site in granted
+        )
+    return None
+
+
+def site_guard_installed() -> bool:
+    """Whether the Airflow plugin that installs the site guard is registered in this environment."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value.startswith("flare_airflow.edge.plugin") for ep in entry_points(group="airflow.plugins"))
 
 
 def where_served(secret: CentralSecret, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -71,9 +110,22 @@ def how_to_move(secret: CentralSecret, source: str) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from flare_airflow.operators.trust import trust_settings
+
     jobs = [load_job(path) for path in args.jobs]
+    registry = trust_settings().registry_path
+    guarded = registry is not None and site_guard_installed()
     problems = 0
     for secret in central_secrets(jobs):
+        if guarded:
+            assert registry is not None
+            verdict = guard_verdict(secret, registry)
+            if verdict is None:
+                print(f"ok: {secret.kind} {secret.name!r}: the site guard refuses it to every site's task")
+                continue
+            problems += 1
+            print(f"REFUSED: {secret.kind} {secret.name!r} ({secret.why}) could reach site tasks: {verdict}")
+            continue
         source = where_served(secret)
         if source is None:
             print(f"ok: {secret.kind} {secret.name!r} is not served to tasks by the Execution API")

@@ -107,6 +107,34 @@ def cmd_site_store_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_registry_grant(args: argparse.Namespace) -> int:
+    """Set what an enrolled site may ask of the central side: its queues, worker names, and the
+    central Variables/Connections its tasks may resolve (each a comma-separated list; "" for none)."""
+    from flare_airflow.core.trust.grants import SECTION, Grants
+
+    registry = Path(args.registry)
+    data = _read(registry, missing_ok=False)
+    section = data.setdefault(SECTION, {})
+    entry = dict(section.get(args.site) or {})
+    for field in ("queues", "workers", "variables", "connections"):
+        value = getattr(args, field)
+        if value is not None:
+            entry[field] = [v.strip() for v in value.split(",") if v.strip()]
+    section[args.site] = entry
+    Grants.from_registry(data, Registry.from_jwks(data, str(registry)))  # refuses an invalid grant unwritten
+    _write(registry, data)
+    print(f"{registry}: {args.site} may {json.dumps(entry, sort_keys=True)}")
+    return 0
+
+
+def cmd_site_worker(args: argparse.Namespace) -> int:
+    """Start the site's Edge worker, signing with its own key (docs/deploy-across-sites.md)."""
+    from flare_airflow.edge.worker import run_site_worker
+
+    extra = list(args.edge_args)
+    return run_site_worker(args.site, args.name, extra[1:] if extra[:1] == ["--"] else extra)
+
+
 def add_parsers(sub: Any, site_sub: Any) -> None:
     """The trust commands, under the CLI's sub-parsers (``site_sub``: the ``site`` command's own,
     which holds a site's other commands too)."""
@@ -124,6 +152,13 @@ def add_parsers(sub: Any, site_sub: Any) -> None:
         p.add_argument("--out", help="the worker's key directory (default: [flare] key_dir, $AIRFLOW_HOME/flare-keys)")
         p.add_argument("--rotate", action="store_true", help="replace existing keys with new ones (new key ids)")
         p.set_defaults(func=func)
+    p = site_sub.add_parser(
+        "worker", help="start the site's Airflow Edge worker on its registry queues, signing with the site's key"
+    )
+    p.add_argument("site", help="the site's name, as in the job and the registry")
+    p.add_argument("--name", help="the worker's name (default: the first the registry grants, <site>-worker)")
+    p.add_argument("edge_args", nargs=argparse.REMAINDER, help="after --: more `airflow edge worker` options")
+    p.set_defaults(func=cmd_site_worker)
     group = sub.add_parser("registry", help="the consortium registry of public keys").add_subparsers(
         dest="registry_command", required=True
     )
@@ -143,3 +178,11 @@ def add_parsers(sub: Any, site_sub: Any) -> None:
     p.add_argument("registry")
     p.add_argument("kid")
     p.set_defaults(func=cmd_registry_revoke)
+    p = group.add_parser(
+        "grant", help="what an enrolled site may ask: its queues, worker names, central Variables/Connections"
+    )
+    p.add_argument("registry")
+    p.add_argument("site")
+    for field, default in (("queues", "<site>"), ("workers", "<site>-worker"), ("variables", ""), ("connections", "")):
+        p.add_argument(f"--{field}", help=f"comma-separated (default: {default!r}; '' for none)")
+    p.set_defaults(func=cmd_registry_grant)

@@ -363,6 +363,36 @@ case(
     {"registry.json": _JWKS},
 )
 
+_SITE_2 = public_jwk("site-2", Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33))).public_key())
+_TWO_SITES = {"keys": [_SITE_1, _SITE_2]}
+case(
+    "registry-grant-queue-of-another-site",
+    "flare-airflow registry grant of a queue another site is granted",
+    "queue 'hospital-b' is granted to both 'site-1' and 'site-2'; a queue or worker name belongs to one site",
+    ["registry", "grant", "{dir}/registry.json", "site-1", "--queues", "hospital-b"],
+    {"registry.json": json.dumps({**_TWO_SITES, "flare_sites": {"site-2": {"queues": ["hospital-b"]}}})},
+)
+case(
+    "registry-grant-no-queue",
+    "flare-airflow registry grant of no queue at all",
+    "flare_sites['site-1'].queues is empty: a site's worker serves its queues",
+    ["registry", "grant", "{dir}/registry.json", "site-1", "--queues", ""],
+    {"registry.json": json.dumps(_TWO_SITES)},
+)
+case(
+    "registry-grant-unenrolled-site",
+    "flare-airflow registry grant for a site with no enrolled key",
+    "names ['site-9'], which have no enrolled signing key; enrol them first",
+    ["registry", "grant", "{dir}/registry.json", "site-9", "--queues", "site-9"],
+    {"registry.json": json.dumps(_TWO_SITES)},
+)
+case(
+    "site-worker-no-registry",
+    "flare-airflow site worker on a worker with no consortium registry configured",
+    "site worker site-1: no consortium registry is configured ([flare] site_keys or FLARE_SITE_KEYS)",
+    ["site", "worker", "site-1"],
+)
+
 
 def _nan_model() -> bytes:
     import numpy as np

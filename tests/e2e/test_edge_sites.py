@@ -36,6 +36,38 @@ JOB_LABEL = "flare-airflow.job=digits"  # every container of the demo job carrie
 CENTRAL_TASKS = {"prepare", "publish", "verdict"} | {f"round_{r}.global_model" for r in range(1, ROUNDS + 1)}
 
 
+# A site task (site-1's queue, its Edge worker) and a central task that each try to resolve the
+# central store connection and a central Variable through the Execution API.
+PROBE_DAG = "flare_site_probe"
+PROBE_SOURCE = f"""
+from airflow.sdk import dag, task
+
+CENTRAL = (("connection", "flare_store"), ("variable", "flare_central_noise_secret"))
+
+
+def _resolve():
+    from airflow.sdk import Connection, Variable
+
+    out = {{}}
+    for kind, name in CENTRAL:
+        try:
+            (Connection.get if kind == "connection" else Variable.get)(name)
+            out[name] = "resolved"
+        except Exception as exc:
+            out[name] = f"{{type(exc).__name__}}: {{exc}}"
+    return out
+
+
+@dag(dag_id="{PROBE_DAG}", schedule=None, catchup=False)
+def probe():
+    task(queue="site-1", executor="EdgeExecutor", task_id="at_site_1")(_resolve)()
+    task(task_id="central")(_resolve)()
+
+
+probe()
+"""
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory, trainer_image: str) -> Any:
     dep = EdgeDeployment(
@@ -44,6 +76,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, trainer_image: str) -> 
         rounds=ROUNDS,
         isolated=True,
         container_sites={CONTAINER_SITE: trainer_image},
+        extra_dags={"site_probe_dag.py": PROBE_SOURCE},
     )
     try:
         dep.start()
@@ -70,16 +103,18 @@ def one_machine_sha256(airflow_home: AirflowHome) -> str:
     return str(result.state["published"]["sha256"])
 
 
-def _run(dep: EdgeDeployment, conf: dict[str, Any] | None = None, timeout: float = 240) -> tuple[str, dict]:
-    run_id = dep.stack.trigger(DAG, conf)
-    dep.stack.wait_for_run(DAG, run_id, timeout=timeout)
-    return run_id, dep.stack.task_instances(DAG, run_id)
+def _run(
+    dep: EdgeDeployment, conf: dict[str, Any] | None = None, timeout: float = 240, *, dag: str = DAG
+) -> tuple[str, dict]:
+    run_id = dep.stack.trigger(dag, conf)
+    dep.stack.wait_for_run(dag, run_id, timeout=timeout)
+    return run_id, dep.stack.task_instances(dag, run_id)
 
 
-def _xcom(dep: EdgeDeployment, run_id: str, task_id: str, key: str) -> Any:
+def _xcom(dep: EdgeDeployment, run_id: str, task_id: str, key: str, *, dag: str = DAG) -> Any:
     from urllib.parse import quote
 
-    path = f"/dags/{DAG}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/xcomEntries/{key}"
+    path = f"/dags/{dag}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/xcomEntries/{key}"
     return dep.stack.api("GET", path)["value"]
 
 
@@ -250,3 +285,96 @@ def test_each_site_reaches_only_the_central_api_and_store(deployment: EdgeDeploy
     assert not _reaches(site2, "127.0.0.1", deployment.stack.port)  # its own loopback: nothing central
     # The root namespace (this test process) reaches only the central side's address.
     assert not _reaches(site1, ns.central_addr.rsplit(".", 1)[0] + ".1", 22)
+
+
+def _as_site(
+    dep: EdgeDeployment, site: str, verb: str, method: str, body: Any = None, *, worker: str | None = None
+) -> Any:
+    """A worker API call signed with ``site``'s own key (what its worker holds), as ``worker``."""
+    import httpx
+
+    from flare_airflow.core.trust.tokens import sign_worker_token
+
+    kid, key = dep.site_key(site)
+    token = sign_worker_token(key, kid, site=site, worker=worker or f"{site}-worker", method=method)
+    return httpx.request(
+        verb, f"{dep.stack.base}/edge_worker/v1/{method}", json=body, headers={"Authorization": token}, timeout=30
+    )
+
+
+def _refused(response: Any, reason: str) -> None:
+    assert response.status_code == 403, (response.status_code, response.text)
+    assert reason in response.json()["detail"], response.json()
+
+
+def test_a_site_acting_beyond_its_grant_is_refused_and_the_federation_finishes(deployment: EdgeDeployment) -> None:
+    """Site-2, with everything its worker holds, tries to take site-1's work, act under its worker's
+    name, fail site-1's running job, forge its log and mint REST and Execution tokens."""
+    import httpx
+    import jwt
+
+    site1_queue = deployment.workers["site-1"].queue
+    run_id = deployment.stack.trigger(DAG, {"rounds": 1})
+    deadline = time.monotonic() + 180
+    while (ti := deployment.stack.task_instances(DAG, run_id).get("round_1.site-1", {})).get("state") != "running":
+        assert time.monotonic() < deadline and ti.get("state") in (None, "scheduled", "queued"), ti
+        time.sleep(0.2)
+    fetch = {"queues": [site1_queue], "free_concurrency": 1}
+    _refused(
+        _as_site(deployment, "site-2", "POST", "jobs/fetch/site-2-worker", fetch),
+        f"site 'site-2' may not fetch jobs of queue(s) ['{site1_queue}']",
+    )
+    _refused(
+        _as_site(deployment, "site-2", "POST", "jobs/fetch/site-2-worker", {"queues": None, "free_concurrency": 1}),
+        "site 'site-2' must name its queues to fetch jobs of",
+    )
+    state = {"state": "idle", "jobs_active": 0, "queues": [site1_queue], "sysinfo": {}}
+    for as_worker in ("site-1-worker", "site-2-worker"):  # its token under site-1's worker's name
+        _refused(
+            _as_site(deployment, "site-2", "PATCH", "worker/site-1-worker", state, worker=as_worker),
+            "may not act as worker 'site-1-worker': site 'site-1''s worker",
+        )
+    job = f"{DAG}/round_1.site-1/{run_id}/{ti['try_number']}/-1"
+    _refused(
+        _as_site(deployment, "site-2", "PATCH", f"jobs/state/{job}/failed"),
+        "worker 'site-1-worker' took it",
+    )
+    log = {"log_chunk_time": "2026-12-06T00:00:00Z", "log_chunk_data": "forged by site-2"}
+    _refused(_as_site(deployment, "site-2", "POST", f"logs/push/{job}", log), "worker 'site-1-worker' took it")
+    # A REST or Execution token forged with the site's key (nothing else it holds signs anything).
+    kid, key = deployment.site_key("site-2")
+    now = int(time.time())
+    claims = {"sub": "admin", "aud": "apache-airflow", "iat": now, "nbf": now, "exp": now + 300, "role": "admin"}
+    xcom = f"/execution/xcoms/{DAG}/{run_id}/round_1.site-1/return_value"
+    for path, sub in (("/api/v2/variables", "admin"), (xcom, ti["id"])):
+        forged = jwt.encode({**claims, "sub": sub}, key, algorithm="EdDSA", headers={"kid": kid})
+        r = httpx.get(f"{deployment.stack.base}{path}", headers={"Authorization": f"Bearer {forged}"}, timeout=30)
+        assert r.status_code in (401, 403), (path, r.status_code, r.text)
+    deployment.stack.wait_for_run(DAG, run_id, timeout=240)
+    tis = deployment.stack.task_instances(DAG, run_id)
+    assert {s: (tis[f"round_1.{s}"]["state"], tis[f"round_1.{s}"]["hostname"]) for s in SITES} == {
+        s: ("success", f"{s}-worker") for s in SITES
+    }
+    assert _xcom(deployment, run_id, "round_1.global_model", "return_value")["accepted"] == SITES
+    assert tis["publish"]["state"] == "success"
+    logs = (deployment.stack.root / "api-server.log").read_text()
+    assert "flare-airflow refused PATCH /edge_worker/v1/jobs/state/" in logs
+
+
+def test_a_site_task_cannot_resolve_central_secrets_a_central_task_can(deployment: EdgeDeployment) -> None:
+    secret = "5e" * 32
+    deployment.stack.api("POST", "/variables", json={"key": "flare_central_noise_secret", "value": secret})
+    try:
+        run_id, tis = _run(deployment, dag=PROBE_DAG)
+    finally:
+        deployment.stack.api("DELETE", "/variables/flare_central_noise_secret")
+    assert {t: (ti["state"], ti["hostname"] == "site-1-worker") for t, ti in tis.items()} == {
+        "at_site_1": ("success", True),
+        "central": ("success", False),
+    }
+    at_site = _xcom(deployment, run_id, "at_site_1", "return_value", dag=PROBE_DAG)
+    assert all(v.startswith("AirflowSecretsBackendAccessDenied: Access denied") for v in at_site.values()), at_site
+    assert _xcom(deployment, run_id, "central", "return_value", dag=PROBE_DAG) == dict.fromkeys(at_site, "resolved")
+    logs = (deployment.stack.root / "api-server.log").read_text()
+    for kind, name in (("variable", "flare_central_noise_secret"), ("connection", "flare_store")):
+        assert f"a task of site 'site-1' may not resolve the central {kind} '{name}'" in logs

@@ -59,3 +59,19 @@ def test_site_store_policy_prints_the_sites_own_slots_and_the_global_models(tmp_
     assert not [r for r in resources if "site-2" in r or r.endswith("/*")]
     assert not [a for s in policy["Statement"] for a in s["Action"] if "List" in a]
     assert main(["site", "store-policy", str(job), "site-9"]) == 2
+
+
+def test_registry_grant_sets_a_sites_queues_and_refuses_a_shared_queue(tmp_path, capsys) -> None:
+    import json
+
+    keys, registry = tmp_path / "keys", tmp_path / "registry.json"
+    for site in ("site-1", "site-2"):
+        assert main(["site", "keygen", site, "--out", str(keys)]) == 0
+        assert main(["registry", "add", str(registry), str(keys / "sites" / site / "public.jwks.json")]) == 0
+    assert main(["registry", "grant", str(registry), "site-2", "--queues", "hospital-b,site-2"]) == 0
+    assert json.loads(registry.read_text())["flare_sites"] == {"site-2": {"queues": ["hospital-b", "site-2"]}}
+    capsys.readouterr()
+    assert main(["registry", "grant", str(registry), "site-1", "--queues", "hospital-b"]) == 2
+    assert "queue 'hospital-b' is granted to both 'site-1' and 'site-2'" in capsys.readouterr().err
+    assert "site-1" not in json.loads(registry.read_text())["flare_sites"]  # refused before writing
+    assert main(["registry", "grant", str(registry), "site-9", "--queues", "x"]) == 2

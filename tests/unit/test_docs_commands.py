@@ -49,7 +49,7 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^flare-airflow pools sync\b", RunBy("tests/integration/test_gpu_pools.py", '"pools", "sync"')),
     (r"^flare-airflow doctor\b", RunBy("tests/unit/test_cli_doctor.py", '"doctor"')),
     (
-        r"^flare-airflow (site keygen|central keygen|registry (add|revoke))\b",
+        r"^flare-airflow (site keygen|central keygen|registry (add|revoke|grant))\b",
         RunBy("tests/unit/test_cli_keys.py", '"registry", "revoke"'),
     ),
     (r"^flare-airflow site store-policy\b", RunBy("tests/unit/test_cli_keys.py", '"site", "store-policy"')),
@@ -63,7 +63,12 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
             "components and is tested (tests/integration/test_make_airflow.py)"
         ),
     ),
-    (r"^airflow edge worker\b", RunBy("flare_airflow_testing/deploy_guide.py", "(airflow edge worker [^`]+)")),
+    # `flare-airflow site worker` runs it in-process with the site's registry queues and name
+    (r"^airflow edge worker\b", RunBy("flare_airflow_testing/edge_sites.py", "guide.worker_argv(self.site)")),
+    (
+        r"^flare-airflow site worker\b",
+        RunBy("flare_airflow_testing/deploy_guide.py", "(flare-airflow site worker [^`]+)"),
+    ),
     (
         r"^mlflow ui\b",
         NotRun(
@@ -140,15 +145,16 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^airflow plugins$", WALKTHROUGH),
     # a site worker's settings: the Edge tier's workers are started with exactly these variables
     (
-        r"^(AIRFLOW\w*|FLARE_SITE_CONFIG)=",
+        r"^(AIRFLOW\w*|FLARE_SITE_CONFIG|FLARE_KEY_DIR|FLARE_SITE_KEYS)=",
         RunBy("flare_airflow_testing/deploy_guide.py", 'block("A site\'s worker", "bash")'),
     ),
     (r"^python -m tests\.bad_inputs\.table$", RunBy("tests/bad_inputs/test_table.py", "render(all_cases())")),
     (r"^export FLARE_K8S_ALLOWED_HOST_PATHS=", RunBy("tests/bad_inputs/test_kubernetes.py", "ALLOWED_HOST_PATHS_ENV")),
     (r"^export NAME='value'$", NotRun("the shape of a variable a site admin sets, not a command")),
-    # docs/privacy.md: a site's noise secret; the e2e run gives the sites the same variable via the environment
+    # docs/privacy.md: a site's noise secret in its worker's environment; the e2e run gives the sites
+    # the same variable via the environment
     (
-        r"^airflow variables set flare_noise_secret ",
+        r"^echo \"AIRFLOW_VAR_FLARE_NOISE_SECRET=",
         RunBy("tests/e2e/test_privacy.py", "AIRFLOW_VAR_FLARE_NOISE_SECRET"),
     ),
     # docs/privacy.md: the server's central-DP noise secret; the aggregation's tests set the same variable
