@@ -28,6 +28,7 @@ from flare_airflow.core.model import (
 )
 from flare_airflow.core.store import WritablePath
 from flare_airflow.core.tally import RoundOutcome, RoundTally
+from flare_airflow.core.tensors import is_inexact
 from flare_airflow.core.update_reader import (
     GROUP,
     THREADS,
@@ -36,7 +37,6 @@ from flare_airflow.core.update_reader import (
     update_weight,
     validate_update,
 )
-from flare_airflow.core.tensors import is_inexact
 
 _PARALLEL_ELEMENTS = 1 << 20  # from this much multiply-add work (elements x updates) the pass is split over the threads
 

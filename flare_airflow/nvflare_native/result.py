@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from flare_airflow.core.errors import ModelFormatError
-from flare_airflow.core.tensors import Params, all_finite, parse_safetensors
+from flare_airflow.core.tensors import Params, all_finite, is_float, parse_safetensors
 from flare_airflow.nvflare_native.errors import FlareResultError
 
 NUMPY_KEY = "numpy_key"  # NVFlare's NPConstants.NUMPY_KEY: NPModelPersistor's one array
@@ -56,7 +56,7 @@ def read_global_model(result_dir: Path, model_file: str = DEFAULT_MODEL_FILE, ke
             ) from None
         if array.dtype.kind not in "fiub":
             raise FlareResultError(f"{path} holds a {array.dtype} array, not numbers")
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
+        if is_float(array.dtype) and not np.isfinite(array).all():
             raise FlareResultError(f"{path} holds NaN or infinite values: the global model is not published")
         return {key: np.ascontiguousarray(array)}
     raise FlareResultError(

@@ -27,8 +27,8 @@ from flare_airflow.core.model import ParamsType, tensor_spec
 from flare_airflow.core.privacy.central import CentralDP
 from flare_airflow.core.strategies.base import RuleKind, Strategy
 from flare_airflow.core.tally import RoundOutcome, RoundTally
-from flare_airflow.core.update_reader import update_weight
 from flare_airflow.core.tensors import is_float
+from flare_airflow.core.update_reader import update_weight
 
 if TYPE_CHECKING:
     from flare_airflow.core.errors import UpdateRejected
