@@ -3,8 +3,9 @@ tier's budget).
 
 A tier is the first folder under ``tests/`` (unit, bad_inputs, integration, e2e). Setup and
 teardown count with the test that paid them, so a session-scoped control plane is charged to the
-tier of the first test that asked for it. Wall time is the whole session's; the tiers' sum is a
-little less (collection, the gaps between tests).
+tier of the first test that asked for it. Wall time is the whole session's. Serially the tiers'
+sum is a little less (collection, the gaps between tests); with pytest-xdist workers (``make test``
+runs two) the minutes are test time summed over the workers, and the wall time is what it cost.
 """
 
 from __future__ import annotations

@@ -221,8 +221,13 @@ def test_terminate_gives_the_confined_trainer_its_grace_and_leaves_nothing(site,
 
 def test_kill_9_of_the_site_runner_leaves_nothing_running(site, wait, kill_on_exit) -> None:
     run = site(GRACEFUL)
+    # A temporary directory of the runner's own (a sticky, world-writable one, as /tmp is): any other
+    # launch on this host (another test, another pytest worker) sweeps dead runners' scratch in /tmp.
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="flare-kill9-tmp-"))
+    scratch.chmod(0o1777)
     env = {k: v for k, v in os.environ.items() if k != SPEC_ENV}
     env[SPEC_ENV] = run.to_json()
+    env["TMPDIR"] = str(scratch)
     proc = subprocess.Popen([PY, "-m", "flare_airflow.site_task"], env=env, stdout=subprocess.DEVNULL)
     kill_on_exit(proc.pid)
     staging = pathlib.Path(run.staging).parent
@@ -236,11 +241,11 @@ def test_kill_9_of_the_site_runner_leaves_nothing_running(site, wait, kill_on_ex
     assert wait(lambda: not _marked(site.mark), 5), f"left running after kill -9: {_marked(site.mark)}"
     assert not (staging / "graceful").exists(), "kill -9 gives no grace: the namespace is SIGKILLed"
     # The killed runner cleaned up nothing; the next launch on this host removes its scratch.
-    scratch = pathlib.Path(tempfile.gettempdir())
     left = list(scratch.glob(f"flare-sandbox-{proc.pid}-*"))
     assert len(left) == 1, left
-    assert left[0] in sweep_scratch()
+    assert left[0] in sweep_scratch(str(scratch))
     assert not left[0].exists()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_the_digits_update_is_bitwise_identical_confined_or_not(site, tmp_path) -> None:
