@@ -116,7 +116,7 @@ def _worker_fedavg(args: dict[str, Any]) -> dict[str, Any]:
 
     import numpy as np
 
-    from flare_airflow.core.aggregation import fedavg_from_store
+    from flare_airflow.core.aggregation.streaming import fedavg_from_store
     from flare_airflow.core.model import read_artifact
 
     store, n = Path(args["store"]), int(args["n"])
@@ -320,8 +320,9 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
     import blake3
     import numpy as np
 
-    from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
-    from flare_airflow.core.aggregation import FedAvg
+    from flare_airflow.core.aggregation.accumulate import ACC_CHUNK, accumulate
+    from flare_airflow.core.aggregation.streaming import FedAvg
+    from flare_airflow.core.aggregation.update_reader import check_spec
     from flare_airflow.core.model import (
         FiniteScan,
         all_finite,
@@ -331,7 +332,6 @@ def _worker_breakdown(args: dict[str, Any]) -> dict[str, Any]:
         read_record,
         read_verified,
     )
-    from flare_airflow.core.update_reader import check_spec
 
     store, reps = Path(args["store"]), int(args["reps"])
     path = _update_path(store, 0)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from bench_common import MIB, Table, gbps, log, median, rotate, spread
 
-from flare_airflow.core.aggregation import FedAvg
+from flare_airflow.core.aggregation.streaming import FedAvg
 from flare_airflow.core.model import ArtifactRecord, ParamsType
 from flare_airflow.core.privacy.accountant import epsilon_after
 from flare_airflow.core.privacy.filters import (

@@ -116,9 +116,10 @@ def worker_state_io(folder: Path, rule: str) -> dict[str, Any]:
 
 
 def worker_ours(folder: Path, rule: str, sites: int) -> dict[str, Any]:
+    from flare_airflow.core.aggregation.engine import aggregate_from_store
+    from flare_airflow.core.aggregation.strategies import StepContext
     from flare_airflow.core.config.aggregator import aggregator_spec
     from flare_airflow.core.model import FLModel, read_artifact, write_artifact
-    from flare_airflow.core.strategies import StepContext, aggregate_from_store
 
     if rule.startswith("io:"):
         return worker_state_io(folder, rule.removeprefix("io:"))

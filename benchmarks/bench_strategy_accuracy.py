@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from flare_airflow.core.aggregation.engine import aggregate_from_store
+from flare_airflow.core.aggregation.strategies import StepContext
 from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.model import FLModel, write_artifact
-from flare_airflow.core.strategies import StepContext, aggregate_from_store
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BENCH_DIR = pathlib.Path(__file__).resolve().parent

@@ -36,6 +36,7 @@ import json
 import os
 from typing import Any
 
+from flare_airflow.core.aggregation.strategies.fedprox import FEDPROX_MU_HPARAM, proximal_gradient, proximal_term
 from flare_airflow.core.envvars import (
     CLIENT_API_VARS,
     FLARE_GLOBAL_MODEL,
@@ -54,7 +55,6 @@ from flare_airflow.core.envvars import (
 from flare_airflow.core.errors import ClientAPIError, FlareAirflowError
 from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
 from flare_airflow.core.store import path_from_uri
-from flare_airflow.core.strategies.fedprox import FEDPROX_MU_HPARAM, proximal_gradient, proximal_term
 from flare_airflow.core.tracking import (
     MAX_STEP,
     MAX_TRACKED_POINTS,

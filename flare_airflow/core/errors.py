@@ -42,3 +42,8 @@ class ClientAPIError(FlareAirflowError):
 
 class ReportError(FlareAirflowError):
     """A run's report (``metrics.json``) cannot be read or is not one."""
+
+
+class RoundInputError(FlareAirflowError):
+    """A round's stored input (the previous round's server state, the central-DP release record) is
+    missing, unusable, replaced or cannot be written; the message names the file, the round and how to resume."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -10,25 +9,23 @@ from typing import Any
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from flare_airflow.core.aggregation.engine import aggregate_from_store
+from flare_airflow.core.aggregation.round import previous_server_state, record_central_release
+from flare_airflow.core.aggregation.strategies import StepContext
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.config.privacy import CENTRAL_NOISE_SECRET_VARIABLE
-from flare_airflow.core.digests import BLAKE3, available
-from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
+from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, RoundInputError
 from flare_airflow.core.model import (
     MAX_METRICS,
     FLModel,
     WritablePath,
-    atomic_write,
     read_artifact,
-    read_record,
-    read_verified,
     write_artifact,
 )
-from flare_airflow.core.privacy.central import CENTRAL_RELEASES_FILE, central_noise_key, central_release_id
+from flare_airflow.core.privacy.central import central_noise_key
 from flare_airflow.core.privacy.secret import weak_secret_problem
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, record_path
-from flare_airflow.core.strategies import StepContext, aggregate_from_store
 from flare_airflow.core.trust import TrustError
 from flare_airflow.launchers.process import ProcessJobHandle, ProcessLauncher
 from flare_airflow.operators.common import (
@@ -50,15 +47,6 @@ from flare_airflow.operators.tracking import track_round
 from flare_airflow.operators.trust import open_reports, sign_global, verify_updates
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
-
-
-def _read_ids(path: WritablePath) -> list[str]:
-    """The release names recorded at ``path`` ([] when there is none yet)."""
-    if not path.exists():
-        return []
-    with path.open("rb") as fh:
-        data = json.loads(fh.read(1 << 20))
-    return [str(x) for x in data] if isinstance(data, list) else []
 
 
 def central_noise_secret(round_num: int) -> bytes:
@@ -224,11 +212,14 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 r, len(outcome.metrics) + len(outcome.metrics_dropped), MAX_METRICS, outcome.metrics_dropped[:20],
             )  # fmt: skip
         # Central DP: the release is recorded before it is written (a distinct sum is charged once).
-        central_releases = (
-            self._central_releases(store, run_id, {s: (accepted or {}).get(s) for s in outcome.accepted})
-            if job.privacy.central is not None
-            else None
-        )
+        central_releases = None
+        if job.privacy.central is not None:
+            try:
+                central_releases = record_central_release(
+                    store, job.job, run_id, r, {s: (accepted or {}).get(s) for s in outcome.accepted}
+                )
+            except RoundInputError as exc:
+                raise AirflowFailException(str(exc)) from None
         global_out = store.global_model(job.job, run_id, r)
         try:
             record = write_artifact(
@@ -291,50 +282,24 @@ class AggregateOperator(LineageMixin, BaseOperator):
         )
         return summary
 
-    def _server_state(self, context: Context, store: Any, run_id: str) -> tuple[dict[str, Any], WritablePath]:
-        """The previous round's server state (empty before round 1), its record checked against the
-        digests the previous aggregation published, the file verified against its record; and where
-        this round's goes."""
-        job, r = self.job, self.round_num
-        out = store.server_state(job.job, run_id, r)
-        if r == 1:
-            return {}, out
-        previous = store.server_state(job.job, run_id, r - 1)
-        if not record_path(previous).exists():
-            raise AirflowFailException(
-                f"round {r}: the server state of round {r - 1} ({job.aggregator.name}'s moments) is missing at "
-                f"{previous}; resume the run from round {r - 1} to rebuild it"
-            )
-        try:
-            record = read_record(previous)
-        except FlareAirflowError as exc:
-            raise AirflowFailException(f"round {r}: the server state of round {r - 1} is unusable: {exc}") from None
-        summary = context["ti"].xcom_pull(task_ids=self.global_task_id) if self.global_task_id else None
+    def _server_state(self, context: Context, store: ModelStore, run_id: str) -> tuple[dict[str, Any], WritablePath]:
+        """The previous round's server state, checked against the digests the previous aggregation
+        published (its XCom), and where this round's goes."""
+        r = self.round_num
+        summary = context["ti"].xcom_pull(task_ids=self.global_task_id) if self.global_task_id and r > 1 else None
         published = summary if isinstance(summary, dict) else {}
-        expected, expected_blake3 = published.get("state_sha256"), published.get("state_blake3")
-        for algorithm, recorded, pinned in (
-            ("sha256", record.sha256, expected),
-            ("blake3", record.blake3, expected_blake3),
-        ):
-            if pinned and recorded != pinned:
-                raise AirflowFailException(
-                    f"round {r}: the server state {previous} was replaced after round {r - 1} published it "
-                    f"({algorithm} {(recorded or 'none')[:12]}…, published {str(pinned)[:12]}…); clear round {r - 1} "
-                    "to rebuild it"
-                )
-        # The record is pinned by both digests: verifying the file by the faster one (BLAKE3) is
-        # verifying it by both, as for the sites' updates; without a BLAKE3 pin, every digest.
-        algorithms = (BLAKE3,) if expected_blake3 and BLAKE3 in available() else None
         try:
-            state = read_verified(previous, record, algorithms=algorithms)
-        except FlareAirflowError as exc:
-            raise AirflowFailException(f"round {r}: the server state of round {r - 1} is unusable: {exc}") from None
-        except OSError as exc:
-            raise AirflowFailException(
-                f"round {r}: cannot read the server state of round {r - 1} ({exc.strerror or exc}); resume the run "
-                f"from round {r - 1} to rebuild it"
-            ) from None
-        return state, out
+            return previous_server_state(
+                store,
+                self.job.job,
+                run_id,
+                r,
+                strategy=self.job.aggregator.name,
+                published_sha256=published.get("state_sha256"),
+                published_blake3=published.get("state_blake3"),
+            )
+        except RoundInputError as exc:
+            raise AirflowFailException(str(exc)) from None
 
     def _check_sites_done(self, context: Context, rounds: int, sat_out: Mapping[str, str]) -> None:
         """Refuse to aggregate fewer sites than the round could count.
@@ -386,25 +351,6 @@ class AggregateOperator(LineageMixin, BaseOperator):
         refused.update(unopened)
         vouched = {s: str(v["sha256"]) for s, v in sealed.items() if isinstance(v, dict) and v.get("sha256")}
         return accepted, {site: digest for site, digest in blake3.items() if digest}, refused, vouched
-
-    def _central_releases(self, store: ModelStore, run_id: str, accepted: dict[str, str | None]) -> int:
-        """Record this round's central release (its accepted set) in the round's folder; the run's
-        distinct central releases so far, over rounds 1..this one (docs/privacy.md)."""
-        r, job = self.round_num, self.job.job
-        ids = _read_ids(store.round_dir(job, run_id, r) / CENTRAL_RELEASES_FILE)
-        release = central_release_id(r, accepted)
-        if release not in ids:
-            ids.append(release)
-            try:
-                atomic_write(store.round_dir(job, run_id, r) / CENTRAL_RELEASES_FILE, json.dumps(ids).encode())
-            except OSError as exc:
-                raise AirflowFailException(
-                    f"round {r}: cannot record the central-DP release in the model store: {exc.strerror or exc}; "
-                    "nothing was released. Fix the store, then clear this task"
-                ) from None
-        return len(ids) + sum(
-            len(_read_ids(store.round_dir(job, run_id, k) / CENTRAL_RELEASES_FILE)) for k in range(1, r)
-        )
 
     def _site_releases(self, context: Context) -> dict[str, int]:
         """Site -> the distinct noised releases its ledger charged in this run (its task's report)."""

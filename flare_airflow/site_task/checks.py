@@ -190,8 +190,8 @@ def check_result(run: SiteRun, output: WritablePath, noise_secret: str | None = 
     Client API or the file directly), the plan's filters run here, after the trainer ended.
     ``noise_secret``: the site's secret that keys the noise of the plan's gaussian filters.
     """
+    from flare_airflow.core.aggregation.update_reader import validate_update
     from flare_airflow.core.model import read_artifact, read_record
-    from flare_airflow.core.update_reader import validate_update
 
     sent = path_from_uri(run.staging) if run.staging else output
     if not record_path(sent).exists():
@@ -348,10 +348,10 @@ def apply_privacy(
     Returns the release's record and the privacy report (filters applied, the site's ε). Raises
     ``PrivacyRefused`` (fail closed) when something may not leave, or the update turned non-finite.
     """
+    from flare_airflow.core.aggregation.update_reader import validate_update
     from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
     from flare_airflow.core.privacy.filters import PrivacyRefused, noise_key
     from flare_airflow.core.privacy.plan import PrivacyPlan, charge_release, release
-    from flare_airflow.core.update_reader import validate_update
 
     assert run.privacy is not None
     plan = PrivacyPlan.from_dict(run.privacy)

@@ -176,7 +176,7 @@ def run_site(
         # not before the launch (the two start-ups would add up: ~50 ms per site job).
         deferred["active"] = 1
         try:
-            importlib.import_module("flare_airflow.core.aggregation")
+            importlib.import_module("flare_airflow.core.aggregation.update_reader")
             if run.trust is not None:  # signing needs cryptography (40-140 ms to import)
                 importlib.import_module("flare_airflow.core.trust")
         finally:

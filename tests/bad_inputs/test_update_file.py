@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flare_airflow.core.aggregation import fedavg_from_store
+from flare_airflow.core.aggregation.streaming import fedavg_from_store
 from flare_airflow.core.errors import AggregateNotFinite, ModelFormatError
 from flare_airflow.core.model import FLModel, ParamsType, all_finite, read_record, record_path, write_artifact
 from tests.bad_inputs.cases import Case, assert_clear

@@ -21,11 +21,11 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from flare_airflow.core.aggregation.engine import aggregate_from_store
 from flare_airflow.core.config import job_from_dict
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore
-from flare_airflow.core.strategies import aggregate_from_store
 from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.site_task.build import train_run
 from flare_airflow.site_task.runner import run_site

@@ -3,7 +3,7 @@ memory measured by the kernel (VmHWM) in a process of its own.
 
 What the aggregation holds is fixed by design: the float64 accumulator (2 x one float32 update) and
 two reused read buffers (2 x one update, verified side by side), whatever the number of sites
-(tests/unit/core/test_aggregation.py::test_peak_memory_does_not_grow_with_the_number_of_updates
+(tests/unit/core/aggregation/test_streaming.py::test_peak_memory_does_not_grow_with_the_number_of_updates
 shows the independence from N at small sizes). This test checks the bound at the size that matters.
 """
 
@@ -22,7 +22,7 @@ GIB = 1 << 30
 CHILD = """
 import json, sys
 from pathlib import Path
-from flare_airflow.core.aggregation import fedavg_from_store
+from flare_airflow.core.aggregation.streaming import fedavg_from_store
 from flare_airflow.core.model import read_artifact
 
 def status(key):

@@ -4,7 +4,7 @@ flare_airflow.operators.bindings) is the only place that knows backend names.
 A backend is one package, one config block, one core entry and one binding: these tests fail when
 code elsewhere compares a backend name (a new backend would have to be added there too, and no type
 checker would say where), or when an entry and its binding disagree. The scan is shared with the
-strategy and filter registries' tests (tests/unit/core/test_strategy_registry.py,
+strategy and filter registries' tests (tests/unit/core/aggregation/test_strategy_registry.py,
 tests/unit/core/test_filter_registry.py): none of the three is chosen by name outside its registry.
 """
 

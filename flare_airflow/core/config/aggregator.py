@@ -2,7 +2,7 @@
 
 One class per strategy, told apart by ``name`` (a discriminated union, as the privacy filters are):
 each class holds only its own parameters and builds its own :class:`Strategy`, so adding a strategy
-is its module in ``core/strategies/``, its class here (added to :data:`AggregatorSpec`), its docs
+is its module in ``core/aggregation/strategies/``, its class here (added to :data:`AggregatorSpec`), its docs
 and its tests -- nothing chooses a strategy by comparing names. ``norm_bound`` applies to every
 strategy. The quorum a strategy needs is checked against ``min_clients`` when the job is loaded
 (:meth:`StrategySpec.quorum_problem`) and again at aggregation.
@@ -16,9 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, TypeAdapter, field_validator, model_validator
 
-from flare_airflow.core.config.describe import short_repr
-from flare_airflow.core.config.validators import Strict, no_nul
-from flare_airflow.core.strategies import (
+from flare_airflow.core.aggregation.strategies import (
     FEDPROX_MU_HPARAM,
     FedAdagrad,
     FedAdam,
@@ -33,6 +31,8 @@ from flare_airflow.core.strategies import (
     Strategy,
     TrimmedMean,
 )
+from flare_airflow.core.config.describe import short_repr
+from flare_airflow.core.config.validators import Strict, no_nul
 
 
 class StrategySpec(Strict):

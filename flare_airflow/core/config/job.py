@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from flare_airflow.core.aggregation.central_dp import central_dp_problem, with_central_dp
+from flare_airflow.core.aggregation.strategies import Strategy
 from flare_airflow.core.config.aggregator import AggregatorSpec, FedAvgSpec, strategy_hparams_to_trainer
 from flare_airflow.core.config.describe import cap, clip, describe, field_in_message, located, short_repr
 from flare_airflow.core.config.lora import LoraSpec
@@ -34,8 +36,6 @@ from flare_airflow.core.config.validators import (
 from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.privacy.plan import PrivacyPlan
-from flare_airflow.core.strategies import Strategy
-from flare_airflow.core.strategies.central_dp import central_dp_problem, with_central_dp
 
 _JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?\Z")
 _HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}\Z")

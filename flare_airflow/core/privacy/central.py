@@ -10,7 +10,7 @@ that arrived would depend on the data as well: both break the calibration.
 
 A robust rule (median, trimmed mean, Krum) selects or discards updates by their values, so the
 sum that the noise was calibrated for is not what it releases: central DP and the robust rules are
-refused together (:func:`flare_airflow.core.strategies.central_dp.central_dp_problem`).
+refused together (:func:`flare_airflow.core.aggregation.central_dp.central_dp_problem`).
 
 The noise is keyed by the round *and what is summed*: the accepted set with each update's clipped
 digest (:func:`accepted_set_digest`). A round aggregated again after a cleared site (the normal

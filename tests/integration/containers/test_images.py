@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flare_airflow.core.aggregation.update_reader import validate_update
 from flare_airflow.core.model import FLModel, read_artifact, tensor_spec, write_artifact
-from flare_airflow.core.update_reader import validate_update
 from flare_airflow_testing.containers import engine, openblas_env
 
 ROOT = Path(__file__).resolve().parents[3]

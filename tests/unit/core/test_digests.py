@@ -37,7 +37,7 @@ WITHOUT_BLAKE3 = """
 import json, pathlib, sys
 sys.modules["blake3"] = None  # as in a trainer image with only numpy and safetensors: import fails
 import numpy as np
-from flare_airflow.core.aggregation import fedavg_from_store
+from flare_airflow.core.aggregation.streaming import fedavg_from_store
 from flare_airflow.core.model import FLModel, read_artifact, read_record, write_artifact
 out, theirs = sys.argv[1], sys.argv[2]
 rec = write_artifact(pathlib.Path(out), FLModel(params={"w": np.ones(4, np.float32)}))

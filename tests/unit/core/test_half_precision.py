@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from flare_airflow.core.aggregation import fedavg_from_store
+from flare_airflow.core.aggregation.streaming import fedavg_from_store
 from flare_airflow.core.model import FiniteScan, FLModel, all_finite, read_artifact, read_into, write_artifact
 from flare_airflow.core.privacy.filters import clip_in_place, l2_norm
 from flare_airflow.core.tensors import BFLOAT16, is_float, is_inexact

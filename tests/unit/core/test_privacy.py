@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from flare_airflow.core.aggregation import FedAvg
+from flare_airflow.core.aggregation.central_dp import central_dp_problem
+from flare_airflow.core.aggregation.streaming import FedAvg
 from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import ArtifactRecord, ParamsType
@@ -33,7 +34,6 @@ from flare_airflow.core.privacy.filters import (
     noise_key,
 )
 from flare_airflow.core.privacy.plan import PrivacyPlan, release
-from flare_airflow.core.strategies.central_dp import central_dp_problem
 
 DELTA = 1e-5
 KEY = noise_key(b"site secret", "job", "manual__1", 3, "site-1")

@@ -1,5 +1,5 @@
-"""core/update_reader.py: what an update must be to count, and the reader that verifies it in the
-store (the reader's whole path is exercised through fedavg_from_store in test_aggregation.py)."""
+"""core/aggregation/update_reader.py: what an update must be to count, and the reader that verifies it in the
+store (the reader's whole path is exercised through fedavg_from_store in test_streaming.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pathlib
 import numpy as np
 import pytest
 
+from flare_airflow.core.aggregation.update_reader import UpdateReader, update_weight, validate_update
 from flare_airflow.core.errors import UpdateRejected
 from flare_airflow.core.model import ArtifactRecord, FLModel, ParamsType, tensor_spec, write_artifact
-from flare_airflow.core.update_reader import UpdateReader, update_weight, validate_update
 
 GLOBAL = {"w": np.zeros(3, np.float32)}
 

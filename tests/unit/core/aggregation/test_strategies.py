@@ -17,12 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from flare_airflow.core.accumulate import ACC_CHUNK
-from flare_airflow.core.aggregation import fedavg_from_store
-from flare_airflow.core.config.aggregator import aggregator_spec
-from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
-from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
-from flare_airflow.core.strategies import (
+from flare_airflow.core.aggregation import engine
+from flare_airflow.core.aggregation.accumulate import ACC_CHUNK
+from flare_airflow.core.aggregation.engine import aggregate_from_store
+from flare_airflow.core.aggregation.strategies import (
     FedAdagrad,
     FedAdam,
     FedAvgM,
@@ -33,13 +31,15 @@ from flare_airflow.core.strategies import (
     StepContext,
     Strategy,
     TrimmedMean,
-    aggregate_from_store,
-    engine,
     proximal_gradient,
     proximal_term,
 )
-from flare_airflow.core.strategies.krum import krum_select
-from flare_airflow.core.strategies.trimmed_mean import trimmed
+from flare_airflow.core.aggregation.strategies.krum import krum_select
+from flare_airflow.core.aggregation.strategies.trimmed_mean import trimmed
+from flare_airflow.core.aggregation.streaming import fedavg_from_store
+from flare_airflow.core.config.aggregator import aggregator_spec
+from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
+from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
 
 CTX = StepContext(job="j", run_id="r", round=1)
 
@@ -351,7 +351,8 @@ KILLED = textwrap.dedent(
     import sys, pathlib, numpy as np
     from flare_airflow.core.config.aggregator import aggregator_spec
     from flare_airflow.core.model import FLModel, read_artifact, write_artifact
-    from flare_airflow.core.strategies import StepContext, aggregate_from_store
+    from flare_airflow.core.aggregation.strategies import StepContext
+    from flare_airflow.core.aggregation.engine import aggregate_from_store
     d = pathlib.Path(sys.argv[1])
     glob, _ = read_artifact(d / "global-1.safetensors")
     state, _ = read_artifact(d / "state-1.safetensors")

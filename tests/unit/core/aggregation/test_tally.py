@@ -1,12 +1,12 @@
-"""core/tally.py: the one round tally every rule keeps (streaming FedAvg, the chunked rules, central DP)."""
+"""core/aggregation/tally.py: the one round tally every rule keeps (streaming FedAvg, the chunked rules, central DP)."""
 
 from __future__ import annotations
 
 import pytest
 
+from flare_airflow.core.aggregation.tally import RoundTally, round_metrics
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import MAX_METRICS, ArtifactRecord, ParamsType
-from flare_airflow.core.tally import RoundTally, round_metrics
 
 
 def record(num_samples: int | None, **metrics: float) -> ArtifactRecord:

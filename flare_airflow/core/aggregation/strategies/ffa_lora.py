@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from flare_airflow.core.aggregation import FedAvg, PieceStep, RoundOutcome
+from flare_airflow.core.aggregation.strategies.fedavg import FedAvgRule
+from flare_airflow.core.aggregation.streaming import FedAvg, PieceStep, RoundOutcome
 from flare_airflow.core.errors import UpdateRejected
 from flare_airflow.core.model import ArtifactRecord, Params, ParamsType
-from flare_airflow.core.strategies.fedavg import FedAvgRule
 
 DEFAULT_FROZEN = ("*lora_A*",)  # PEFT's names: base_model.model....q_proj.lora_A.weight
 

@@ -1,9 +1,9 @@
 """One round's tally, kept once for every rule: who counted with which weight, who was refused and
 why, and the sample-weighted mean of the sites' metrics.
 
-Streaming FedAvg (:class:`~flare_airflow.core.aggregation.FedAvg`), the chunked rules
-(:func:`~flare_airflow.core.strategies.engine.chunked_from_store`) and central DP
-(:class:`~flare_airflow.core.strategies.central_dp.CentralDPRound`) differ in the maths only; the
+Streaming FedAvg (:class:`~flare_airflow.core.aggregation.streaming.FedAvg`), the chunked rules
+(:func:`~flare_airflow.core.aggregation.engine.chunked_from_store`) and central DP
+(:class:`~flare_airflow.core.aggregation.central_dp.CentralDPRound`) differ in the maths only; the
 bookkeeping around it -- and so the round's record, XCom and failure message -- is this class.
 """
 

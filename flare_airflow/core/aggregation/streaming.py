@@ -14,7 +14,16 @@ from typing import Protocol
 
 import numpy as np
 
-from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
+from flare_airflow.core.aggregation.accumulate import ACC_CHUNK, accumulate
+from flare_airflow.core.aggregation.tally import RoundOutcome, RoundTally
+from flare_airflow.core.aggregation.update_reader import (
+    GROUP,
+    THREADS,
+    UpdateReader,
+    side_by_side_runner,
+    update_weight,
+    validate_update,
+)
 from flare_airflow.core.errors import (
     AggregateNotFinite,
     FlareAirflowError,
@@ -27,23 +36,14 @@ from flare_airflow.core.model import (
     tensor_spec,
 )
 from flare_airflow.core.store import WritablePath
-from flare_airflow.core.tally import RoundOutcome, RoundTally
 from flare_airflow.core.tensors import is_inexact
-from flare_airflow.core.update_reader import (
-    GROUP,
-    THREADS,
-    UpdateReader,
-    side_by_side_runner,
-    update_weight,
-    validate_update,
-)
 
 _PARALLEL_ELEMENTS = 1 << 20  # from this much multiply-add work (elements x updates) the pass is split over the threads
 
 
 class PieceStep(Protocol):
     """A step after the mean, fed a piece of it at a time while it is in the CPU cache (a server
-    optimizer: :class:`flare_airflow.core.strategies.server_optimizers.StepPieces`)."""
+    optimizer: :class:`flare_airflow.core.aggregation.strategies.server_optimizers.StepPieces`)."""
 
     def touches(self, name: str) -> bool:
         """Whether the step changes tensor ``name`` (others keep the mean)."""

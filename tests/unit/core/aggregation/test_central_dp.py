@@ -9,14 +9,15 @@ import pathlib
 import numpy as np
 import pytest
 
+from flare_airflow.core.aggregation.central_dp import with_central_dp
+from flare_airflow.core.aggregation.engine import aggregate_from_store
+from flare_airflow.core.aggregation.strategies import Median, Strategy
 from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.config.privacy import JobPrivacy
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached
 from flare_airflow.core.model import FLModel, ParamsType, read_record, write_artifact
 from flare_airflow.core.privacy.central import central_dp_round, central_noise_key
-from flare_airflow.core.strategies import Median, Strategy, aggregate_from_store
-from flare_airflow.core.strategies.central_dp import with_central_dp
-from tests.unit.core.test_strategies import write_updates
+from tests.unit.core.aggregation.test_strategies import write_updates
 
 SECRET = b"\x5a" * 32
 KEY = central_noise_key(SECRET, "j", "run-1", 1)
@@ -137,7 +138,7 @@ def test_the_central_account_and_budget() -> None:
 
 
 def test_the_round_strategy_is_assembled_once_from_the_job_with_central_dp_around_it(tmp_path: pathlib.Path) -> None:
-    from flare_airflow.core.strategies.central_dp import CentralDPRule
+    from flare_airflow.core.aggregation.central_dp import CentralDPRule
     from tests.unit.airflow_layer import make_job
 
     asked: list[str] = []

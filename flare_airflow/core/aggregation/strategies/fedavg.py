@@ -10,9 +10,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from flare_airflow.core.aggregation import FedAvg
+from flare_airflow.core.aggregation.strategies.base import RuleKind
+from flare_airflow.core.aggregation.streaming import FedAvg
 from flare_airflow.core.model import Params
-from flare_airflow.core.strategies.base import RuleKind
 
 
 def weighted_mean(stack: np.ndarray, weights: np.ndarray) -> np.ndarray:

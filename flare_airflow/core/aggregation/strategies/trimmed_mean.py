@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from flare_airflow.core.strategies.base import RuleKind
+from flare_airflow.core.aggregation.strategies.base import RuleKind
 
 
 def trimmed(n: int, beta: float) -> int:

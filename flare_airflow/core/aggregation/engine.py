@@ -1,7 +1,7 @@
 """The store engine: a round's updates from the model store into any strategy, verified first.
 
 - A streaming rule without norm bounding gets the updates one verified buffer at a time
-  (:func:`flare_airflow.core.aggregation.stream_from_store`, FedAvg's engine, bitwise unchanged).
+  (:func:`flare_airflow.core.aggregation.streaming.stream_from_store`, FedAvg's engine, bitwise unchanged).
 - Otherwise the engine works in two phases. Phase 1 verifies every update exactly as FedAvg's
   engine does (size, digest against its record and the site task's pin, NaN/inf, names, shapes,
   dtypes; two updates side by side in reused buffers) and notes where each tensor lies in the file
@@ -28,15 +28,22 @@ from typing import Any
 
 import numpy as np
 
-from flare_airflow.core.aggregation import FedAvg, stream_from_store
+from flare_airflow.core.aggregation.strategies.base import (
+    ChunkRule,
+    PostStep,
+    StepContext,
+    Strategy,
+    StreamingRule,
+    cast_back,
+)
+from flare_airflow.core.aggregation.strategies.norm_bound import clip_factor, update_norm
+from flare_airflow.core.aggregation.strategies.server_optimizers import ServerOptimizer
+from flare_airflow.core.aggregation.streaming import FedAvg, stream_from_store
+from flare_airflow.core.aggregation.tally import RoundOutcome, RoundTally
+from flare_airflow.core.aggregation.update_reader import GROUP, UpdateReader, side_by_side_runner, update_weight
 from flare_airflow.core.errors import FlareAirflowError, ModelFormatError, QuorumNotReached
 from flare_airflow.core.model import ArtifactRecord, Params, ParamsType, read_record, tensor_spec
 from flare_airflow.core.store import WritablePath, open_for_reading
-from flare_airflow.core.strategies.base import ChunkRule, PostStep, StepContext, Strategy, StreamingRule, cast_back
-from flare_airflow.core.strategies.norm_bound import clip_factor, update_norm
-from flare_airflow.core.strategies.server_optimizers import ServerOptimizer
-from flare_airflow.core.tally import RoundOutcome, RoundTally
-from flare_airflow.core.update_reader import GROUP, UpdateReader, side_by_side_runner, update_weight
 
 CHUNK_BYTES = (
     8 << 20
@@ -74,7 +81,7 @@ def aggregate_from_store(
     """The round's outcome and the strategy's new server state (empty without post-aggregation steps).
 
     ``updates``, ``accepted_sha256`` and ``accepted_blake3`` as for
-    :func:`flare_airflow.core.aggregation.fedavg_from_store`; ``state`` is the previous round's
+    :func:`flare_airflow.core.aggregation.streaming.fedavg_from_store`; ``state`` is the previous round's
     server state (empty in round 1); with ``consume_state`` the caller hands its arrays over (e.g.
     just read from the store) and the new state is written over them -- no model-sized allocation.
     A server optimizer after FedAvg runs inside FedAvg's result pass (one pass over the mean, the

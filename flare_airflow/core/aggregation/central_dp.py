@@ -5,7 +5,7 @@ the job's number of sites).
 The rule replaces FedAvg's when the job sets ``privacy.central`` (:func:`with_central_dp`); the
 job's post-aggregation steps (a server optimizer) still run on its release -- post-processing,
 which spends no privacy. Each update is verified exactly as FedAvg's are (the engine's
-:class:`~flare_airflow.core.aggregation.UpdateReader`: size, digests against the site task's pin,
+:class:`~flare_airflow.core.aggregation.update_reader.UpdateReader`: size, digests against the site task's pin,
 NaN/inf, names, shapes, dtypes) and folded in one at a time: memory is the float64 sum plus one
 update's difference, never every update.
 
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flare_airflow.core.aggregation.strategies.base import RuleKind, Strategy
+from flare_airflow.core.aggregation.tally import RoundOutcome, RoundTally
+from flare_airflow.core.aggregation.update_reader import update_weight
 from flare_airflow.core.errors import AggregateNotFinite, FlareAirflowError
 from flare_airflow.core.model import ParamsType, tensor_spec
 from flare_airflow.core.privacy.central import CentralDP
-from flare_airflow.core.strategies.base import RuleKind, Strategy
-from flare_airflow.core.tally import RoundOutcome, RoundTally
 from flare_airflow.core.tensors import is_float
-from flare_airflow.core.update_reader import update_weight
 
 if TYPE_CHECKING:
     from flare_airflow.core.errors import UpdateRejected

@@ -120,7 +120,7 @@ class UpdateReader:
     """Reads site updates from the store, each verified before it counts, into reused buffers.
 
     One reader serves every aggregation rule (:func:`fedavg_from_store` and the chunked rules of
-    :mod:`flare_airflow.core.strategies.engine`): ``slots`` buffers, one per update read side by side.
+    :mod:`flare_airflow.core.aggregation.engine`): ``slots`` buffers, one per update read side by side.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """The arithmetic of FedAvg: a weighted sum into float64 accumulators, fused, cache-sized, splittable.
 
-Pure numpy, no I/O and no checks: :mod:`flare_airflow.core.aggregation` validates every update and
+Pure numpy, no I/O and no checks: :mod:`flare_airflow.core.aggregation.streaming` validates every update and
 decides what counts; this module only adds. Kept apart so the maths can be read, tested and
 benchmarked on its own (Flower keeps its aggregation functions apart from its strategies too).
 """

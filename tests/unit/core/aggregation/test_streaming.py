@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from upath import UPath
 
-from flare_airflow.core.accumulate import ACC_CHUNK, accumulate
-from flare_airflow.core.aggregation import FedAvg, fedavg_from_store
+from flare_airflow.core.aggregation.accumulate import ACC_CHUNK, accumulate
+from flare_airflow.core.aggregation.streaming import FedAvg, fedavg_from_store
+from flare_airflow.core.aggregation.update_reader import validate_update
 from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, UpdateRejected
 from flare_airflow.core.model import (
     CHUNK_BYTES,
@@ -29,7 +30,6 @@ from flare_airflow.core.model import (
     tensor_spec,
     write_artifact,
 )
-from flare_airflow.core.update_reader import validate_update
 from tests.unit.core.test_model import NoReadinto, forge, raw_safetensors
 
 FULL, DIFF = ParamsType.FULL, ParamsType.DIFF
@@ -412,7 +412,7 @@ def test_streaming_equals_the_plain_float64_reference_bitwise(tmp_path: pathlib.
 def test_the_accumulation_split_over_threads_is_bitwise_the_same(tmp_path: pathlib.Path, monkeypatch) -> None:
     """Whatever the number of element ranges (threads) the accumulation pass is split into, and
     however the ranges cut the tensors, every element sees the same operations in the same order."""
-    import flare_airflow.core.aggregation as aggregation
+    import flare_airflow.core.aggregation.streaming as aggregation
 
     rng = np.random.default_rng(23)
     glob = big_model(rng)
@@ -558,7 +558,7 @@ def test_updates_without_readinto_and_object_store_paths(tmp_path: pathlib.Path)
 
 
 def test_an_unexpected_error_propagates_without_hanging(tmp_path: pathlib.Path, monkeypatch) -> None:
-    import flare_airflow.core.update_reader as update_reader
+    import flare_airflow.core.aggregation.update_reader as update_reader
 
     real = update_reader.read_verified
 

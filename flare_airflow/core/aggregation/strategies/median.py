@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flare_airflow.core.strategies.base import RuleKind
+from flare_airflow.core.aggregation.strategies.base import RuleKind
 
 
 class Median:

@@ -5,7 +5,7 @@ A round's new global model is ``steps(rule(updates))``:
 - the **rule** combines the round's valid updates. It either *streams* them (:class:`StreamingRule`:
   one update at a time into an accumulator -- FedAvg) or *needs every update per coordinate chunk*
   (:class:`ChunkRule`: median, trimmed mean, Krum). The store engine
-  (:mod:`flare_airflow.core.strategies.engine`) feeds either kind with verified reads; a chunk rule
+  (:mod:`flare_airflow.core.aggregation.engine`) feeds either kind with verified reads; a chunk rule
   sees a float64 ``(updates, chunk)`` stack at a time, so memory stays about sites x chunk.
 - each **step** (:class:`PostStep`) turns the previous global model and the rule's aggregate into
   the next global model, with server state carried from round to round (a server optimizer's
@@ -29,9 +29,9 @@ from flare_airflow.core.model import Params
 from flare_airflow.core.tensors import is_inexact
 
 if TYPE_CHECKING:
+    from flare_airflow.core.aggregation.tally import RoundOutcome
     from flare_airflow.core.errors import UpdateRejected
     from flare_airflow.core.model import ArtifactRecord
-    from flare_airflow.core.tally import RoundOutcome
 
 
 class RuleKind(enum.StrEnum):
@@ -42,7 +42,7 @@ class RuleKind(enum.StrEnum):
 
 
 class Accumulator(Protocol):
-    """What a streaming rule's round object does (:class:`flare_airflow.core.aggregation.FedAvg` is one)."""
+    """What a streaming rule's round object does (:class:`flare_airflow.core.aggregation.streaming.FedAvg` is one)."""
 
     def reject(self, site: str, reason: str) -> None: ...
 

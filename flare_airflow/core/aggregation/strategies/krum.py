@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flare_airflow.core.strategies.base import RuleKind
-from flare_airflow.core.strategies.fedavg import weighted_mean
+from flare_airflow.core.aggregation.strategies.base import RuleKind
+from flare_airflow.core.aggregation.strategies.fedavg import weighted_mean
 
 
 def krum_scores(distances: np.ndarray, f: int) -> np.ndarray:

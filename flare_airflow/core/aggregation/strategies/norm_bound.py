@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from flare_airflow.core.accumulate import ACC_CHUNK
+from flare_airflow.core.aggregation.accumulate import ACC_CHUNK
 
 
 def update_norm(params: Mapping[str, np.ndarray], global_params: Mapping[str, np.ndarray], is_diff: bool) -> float:

@@ -10,12 +10,12 @@ import pathlib
 import pytest
 from pydantic import ValidationError
 
+from flare_airflow.core.aggregation.strategies import Strategy
 from flare_airflow.core.config import aggregator
 from flare_airflow.core.config.aggregator import STRATEGIES, aggregator_spec
-from flare_airflow.core.strategies import Strategy
 from tests.unit.test_backend_registry import PACKAGE, name_compares
 
-DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "strategies.md"
+DOCS = pathlib.Path(__file__).resolve().parents[4] / "docs" / "strategies.md"
 # The smallest valid block of each strategy (its required parameters).
 MINIMAL = {"trimmed_mean": {"beta": 0.2}, "krum": {"f": 1}}
 

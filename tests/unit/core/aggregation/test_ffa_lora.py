@@ -8,10 +8,11 @@ import pathlib
 import numpy as np
 import pytest
 
+from flare_airflow.core.aggregation.engine import aggregate_from_store
+from flare_airflow.core.aggregation.strategies import FedAvgRule, FfaLoraRule, Strategy
 from flare_airflow.core.config.aggregator import aggregator_spec
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.model import FLModel, ParamsType, write_artifact
-from flare_airflow.core.strategies import FedAvgRule, FfaLoraRule, Strategy, aggregate_from_store
 
 RANK, ALPHA, D_IN, D_OUT = 4, 8.0, 24, 16
 SCALE = ALPHA / RANK

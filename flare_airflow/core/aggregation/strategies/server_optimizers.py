@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from flare_airflow.core.accumulate import ACC_CHUNK
+from flare_airflow.core.aggregation.accumulate import ACC_CHUNK
+from flare_airflow.core.aggregation.strategies.base import StepContext, cast_back
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import Params
-from flare_airflow.core.strategies.base import StepContext, cast_back
 from flare_airflow.core.tensors import is_float
 
 

@@ -1,0 +1,105 @@
+"""What a round keeps in the model store besides its global model: the server state carried from
+round to round, and the central-DP releases recorded before a model is released.
+
+Airflow-free: the aggregation operator passes in what the previous round published (its XCom) and
+turns :class:`~flare_airflow.core.errors.RoundInputError` into a failed task.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from flare_airflow.core.digests import BLAKE3, available
+from flare_airflow.core.errors import FlareAirflowError, RoundInputError
+from flare_airflow.core.model import Params, WritablePath, atomic_write, read_record, read_verified
+from flare_airflow.core.privacy.central import CENTRAL_RELEASES_FILE, central_release_id
+from flare_airflow.core.store import ModelStore, record_path
+
+
+def previous_server_state(
+    store: ModelStore,
+    job: str,
+    run_id: str,
+    round_num: int,
+    *,
+    strategy: str,
+    published_sha256: str | None,
+    published_blake3: str | None,
+) -> tuple[Params, WritablePath]:
+    """The previous round's server state (empty before round 1) and where this round's goes.
+
+    The previous state's record must name the digests the previous aggregation published
+    (``published_*``, from its summary) and the file must match its record; otherwise the state was
+    replaced or damaged after it was published and the round must not build on it.
+    """
+    r = round_num
+    out = store.server_state(job, run_id, r)
+    if r == 1:
+        return {}, out
+    previous = store.server_state(job, run_id, r - 1)
+    if not record_path(previous).exists():
+        raise RoundInputError(
+            f"round {r}: the server state of round {r - 1} ({strategy}'s moments) is missing at "
+            f"{previous}; resume the run from round {r - 1} to rebuild it"
+        )
+    try:
+        record = read_record(previous)
+    except FlareAirflowError as exc:
+        raise RoundInputError(f"round {r}: the server state of round {r - 1} is unusable: {exc}") from None
+    for algorithm, recorded, pinned in (
+        ("sha256", record.sha256, published_sha256),
+        ("blake3", record.blake3, published_blake3),
+    ):
+        if pinned and recorded != pinned:
+            raise RoundInputError(
+                f"round {r}: the server state {previous} was replaced after round {r - 1} published it "
+                f"({algorithm} {(recorded or 'none')[:12]}…, published {str(pinned)[:12]}…); clear round {r - 1} "
+                "to rebuild it"
+            )
+    # The record is pinned by both digests: verifying the file by the faster one (BLAKE3) is
+    # verifying it by both, as for the sites' updates; without a BLAKE3 pin, every digest.
+    algorithms = (BLAKE3,) if published_blake3 and BLAKE3 in available() else None
+    try:
+        state = read_verified(previous, record, algorithms=algorithms)
+    except FlareAirflowError as exc:
+        raise RoundInputError(f"round {r}: the server state of round {r - 1} is unusable: {exc}") from None
+    except OSError as exc:
+        raise RoundInputError(
+            f"round {r}: cannot read the server state of round {r - 1} ({exc.strerror or exc}); resume the run "
+            f"from round {r - 1} to rebuild it"
+        ) from None
+    return state, out
+
+
+def _release_ids(path: WritablePath) -> list[str]:
+    """The release names recorded at ``path`` ([] when there is none yet)."""
+    if not path.exists():
+        return []
+    with path.open("rb") as fh:
+        data = json.loads(fh.read(1 << 20))
+    return [str(x) for x in data] if isinstance(data, list) else []
+
+
+def record_central_release(
+    store: ModelStore, job: str, run_id: str, round_num: int, accepted: Mapping[str, str | None]
+) -> int:
+    """Record this round's central release (its accepted set, site -> update sha256) in the round's
+    folder before the model is written, so a retried round charges the same release once; return the
+    run's distinct central releases so far, over rounds 1..this one (docs/privacy.md)."""
+    r = round_num
+    path = store.round_dir(job, run_id, r) / CENTRAL_RELEASES_FILE
+    ids = _release_ids(path)
+    release = central_release_id(r, accepted)
+    if release not in ids:
+        ids.append(release)
+        try:
+            atomic_write(path, json.dumps(ids).encode())
+        except OSError as exc:
+            raise RoundInputError(
+                f"round {r}: cannot record the central-DP release in the model store: {exc.strerror or exc}; "
+                "nothing was released. Fix the store, then clear this task"
+            ) from None
+    return len(ids) + sum(
+        len(_release_ids(store.round_dir(job, run_id, k) / CENTRAL_RELEASES_FILE)) for k in range(1, r)
+    )
