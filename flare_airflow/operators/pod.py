@@ -30,16 +30,13 @@ from flare_airflow.launchers.kubernetes import (
     KubernetesLauncher,
     delete_pod,
     delete_site_pods,
-    group_name,
     job_pod,
-    job_site_job,
-    node_pod_name,
-    site_job_selector,
     site_pods_selector,
     unreachable_store,
 )
 from flare_airflow.operators.common import store_for
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
+from flare_airflow.operators.pod_group import PodGroup, create_other_ranks, delete_group_quietly, pod_group
 from flare_airflow.operators.site_steps import (
     job_at_site,
     site_config_failed,
@@ -170,8 +167,8 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
         )
         self._run: SiteRun | None = None
         self._policy_applied = False
-        # A multi-node site job (nodes > 1): this try's group, (label selector, pod names by rank).
-        self._group: tuple[str, list[str]] | None = None
+        # A multi-node site job (nodes > 1): this try's group of pods and Service.
+        self._group: PodGroup | None = None
 
     def apply_site_policy(self, context: Context) -> None:
         """Run the pod as this worker's site policy says (cluster, namespace, image, volumes, store).
@@ -226,52 +223,28 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
 
     def _know_group(self, context: Context) -> None:
         """Name this try's group of pods (nodes > 1) so that every exit path can delete it."""
-        spec = self.job.sites[self.site].launcher_spec.k8s
-        if spec.nodes <= 1:
-            return
         run = self.site_run(context)
-        try_number = int(context["ti"].try_number or 1)
-        identity = JobIdentity(self.job.job, run.run_id, self.round_num, self.site, try_number)
-        group = group_name(self.job.job, self.site, self.round_num, run.run_id, try_number, spec.nodes)
-        self._group = (site_job_selector(identity), [node_pod_name(group, rank) for rank in range(spec.nodes)])
+        self._group = pod_group(self.job, self.site, run.run_id, self.round_num, int(context["ti"].try_number or 1))
 
     def get_or_create_pod(self, pod_request_obj: k8s.V1Pod, context: Context) -> k8s.V1Pod:
         """Rank 0's pod, as the stock operator creates it; for several nodes the headless Service and
-        the other ranks' pods first (from the one manifest builder, with the same labels)."""
+        the other ranks' pods first."""
         if self._group is not None:
-            run = self.site_run(context)
-            objects = job_site_job(
+            create_other_ranks(
+                self.client,
                 self.job,
                 self.site,
-                run.site_job(),
+                self.site_run(context),
                 store_root=str(store_for(self.job).root),
                 try_number=int(context["ti"].try_number or 1),
+                namespace=pod_request_obj.metadata.namespace,
+                labels=self._get_ti_pod_labels(context),
+                log=self.log,
             )
-            assert objects.service is not None
-            namespace = pod_request_obj.metadata.namespace
-            self.client.create_namespaced_service(namespace, objects.service)
-            for pod in objects.pods[1:]:
-                pod.metadata.labels.update(self._get_ti_pod_labels(context))
-                self.client.create_namespaced_pod(namespace, pod)
-            self.log.info(
-                "site %s round %d: %d pods (one per node) and headless Service %s in %s",
-                self.site, self.round_num, len(objects.pods), objects.service.metadata.name, namespace,
-            )  # fmt: skip
         return super().get_or_create_pod(pod_request_obj, context)
 
     def _delete_group_quietly(self) -> None:
-        """Delete every pod of this try's group and its Service (a site that keeps pods keeps the
-        finished ones); nothing for a one-pod site job."""
-        if self._group is None:
-            return
-        spec = self.job.sites[self.site].launcher_spec.k8s
-        try:
-            deleted = delete_site_pods(self.client, spec.namespace, self._group[0], keep_finished=spec.keep_pods)
-        except Exception as exc:  # the original error matters more; say why pods may remain
-            self.log.warning("could not delete the pods of %s: %s", self._group[0], exc)
-            return
-        if deleted:
-            self.log.info("site %s round %d: deleted %s", self.site, self.round_num, ", ".join(deleted))
+        delete_group_quietly(self.client, self.job, self.site, self.round_num, self._group, self.log)
 
     def on_kill(self) -> None:
         KubernetesPodOperator.on_kill(self)  # deletes the pod it created
@@ -357,8 +330,8 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
             grace_period=math.ceil(self.job.trainer.shutdown_timeout),  # as the pod's own grace period
             delete_on_kill=not spec.keep_pods,
             redefer_count=int((self.trigger_kwargs or {}).get("_redefer_count", 0)),
-            group_selector=self._group[0] if self._group else None,
-            group_pods=self._group[1] if self._group else None,
+            group_selector=self._group.selector if self._group else None,
+            group_pods=self._group.names if self._group else None,
         )
 
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:

@@ -1,18 +1,23 @@
-"""SitePodOperator without a cluster: deferrable mode follows Airflow's configuration."""
+"""SitePodOperator without a cluster: deferrable mode follows Airflow's configuration, the worker's
+site policy sets the pod's cluster, and a multi-node site job's group (operators/pod_group.py) is
+named, created and deleted per try."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from kubernetes.client import models as k8s
 
 from flare_airflow.operators.pod import SitePodOperator
-from tests.unit.airflow_layer import make_job
+from flare_airflow.operators.pod_group import create_other_ranks, delete_group_quietly, pod_group
+from tests.unit.airflow_layer import context, make_job
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 BUILD = """
@@ -75,7 +80,6 @@ def test_evaluate_needs_the_trainer_script_on_the_worker_even_when_every_site_is
 
 
 def test_the_workers_site_policy_sets_the_pods_cluster_namespace_and_image(tmp_path, monkeypatch) -> None:
-    from tests.unit.airflow_layer import context
 
     job = make_job(tmp_path, sites=pod_sites(tmp_path), min_clients=1, evaluate=False)
     op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1)
@@ -95,7 +99,7 @@ def test_a_site_policy_whose_pods_cannot_reach_the_store_fails_the_site_before_a
     from flare_airflow.operators.common import store_for
     from flare_airflow.operators.site_steps import SiteJobFailed
     from flare_airflow.site_task.checks import read_failure
-    from tests.unit.airflow_layer import RUN_ID, context
+    from tests.unit.airflow_layer import RUN_ID
 
     job = make_job(tmp_path, sites=pod_sites(tmp_path), min_clients=1, evaluate=False)
     op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1)
@@ -108,3 +112,80 @@ def test_a_site_policy_whose_pods_cannot_reach_the_store_fails_the_site_before_a
     failure = read_failure(store_for(job).site_update(job.job, RUN_ID, 1, "site-1")) or ""
     assert "store_mount" in failure and "[CONFIG_ERROR]" in failure
     assert op.image == "img:1"  # nothing of the refused policy was taken
+
+
+# ---------------------------------------------------------------- the multi-node group (operators/pod_group.py)
+
+
+def group_job(tmp_path: pathlib.Path, nodes: int, keep_pods: bool = False):
+    sites = pod_sites(tmp_path)
+    sites["site-1"]["launcher_spec"]["k8s"].update(nodes=nodes, keep_pods=keep_pods)
+    return make_job(tmp_path, sites=sites, min_clients=1, evaluate=False)
+
+
+class RecordingCore:
+    """The CoreV1Api calls the group makes, recorded instead of sent."""
+
+    def __init__(self) -> None:
+        self.created: list[tuple[str, str, Any]] = []
+
+    def create_namespaced_service(self, namespace: str, body: Any) -> None:
+        self.created.append(("service", namespace, body))
+
+    def create_namespaced_pod(self, namespace: str, body: Any) -> None:
+        self.created.append(("pod", namespace, body))
+
+
+def test_a_one_node_site_job_has_no_group_and_deleting_it_is_a_no_op(tmp_path) -> None:
+    job = group_job(tmp_path, nodes=1)
+    assert pod_group(job, "site-1", "run-1", 1, 1) is None
+    delete_group_quietly(object(), job, "site-1", 1, None, logging.getLogger("t"))  # touches no client
+
+
+def test_a_group_names_one_pod_per_node_per_try(tmp_path) -> None:
+    job = group_job(tmp_path, nodes=3)
+    first, second = pod_group(job, "site-1", "run-1", 2, 1), pod_group(job, "site-1", "run-1", 2, 2)
+    assert first is not None and second is not None
+    assert len(first.names) == 3 and len(set(first.names)) == 3
+    assert not set(first.names) & set(second.names) and first.selector != second.selector  # tries apart
+    # The operator's trigger watches exactly these pods.
+    op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=2)
+    op._know_group(context())
+    op.pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=op._group.names[0], namespace="default"))
+    trigger = op._trigger(None)
+    assert (trigger.group_selector, trigger.group_pods) == (op._group.selector, op._group.names)
+
+
+def test_the_other_ranks_and_the_service_are_created_with_the_operators_labels(tmp_path) -> None:
+    job = group_job(tmp_path, nodes=3)
+    op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1)
+    run = op.site_run(context())
+    core = RecordingCore()
+    create_other_ranks(
+        core, job, "site-1", run, store_root=str(tmp_path / "store"), try_number=1, namespace="ns",
+        labels={"airflow-task": "a"}, log=logging.getLogger("t"),
+    )  # fmt: skip
+    kinds = [kind for kind, _, _ in core.created]
+    assert kinds == ["service", "pod", "pod"] and {ns for _, ns, _ in core.created} == {"ns"}
+    group = pod_group(job, "site-1", run.run_id, 1, 1)
+    assert group is not None
+    assert [body.metadata.name for kind, _, body in core.created if kind == "pod"] == group.names[1:]
+    assert all(body.metadata.labels["airflow-task"] == "a" for kind, _, body in core.created if kind == "pod")
+
+
+def test_deleting_a_group_keeps_finished_pods_of_a_keeping_site_and_never_raises(tmp_path, monkeypatch, caplog) -> None:
+    import flare_airflow.operators.pod_group as pod_group_module
+
+    calls = []
+
+    def fake_delete(client, namespace, selector, *, keep_finished):
+        calls.append((namespace, selector, keep_finished))
+        raise RuntimeError("apiserver unreachable")
+
+    monkeypatch.setattr(pod_group_module, "delete_site_pods", fake_delete)
+    job = group_job(tmp_path, nodes=2, keep_pods=True)
+    group = pod_group(job, "site-1", "run-1", 1, 1)
+    with caplog.at_level(logging.WARNING):
+        delete_group_quietly(object(), job, "site-1", 1, group, logging.getLogger("t"))
+    assert calls == [("default", group.selector, True)]
+    assert f"could not delete the pods of {group.selector}: apiserver unreachable" in caplog.text
