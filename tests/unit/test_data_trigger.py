@@ -13,7 +13,14 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.builder import build_dag
-from flare_airflow.core.data_ready import SITE_DATA_ASSET, data_payload, fresh_sites
+from flare_airflow.core.data_ready import (
+    SITE_DATA_ASSET,
+    SiteData,
+    announcement_id,
+    data_payload,
+    decide_run,
+    fresh_sites,
+)
 from flare_airflow.core.trust import TrustError, generate_keys, sign_record
 from flare_airflow.core.trust.keys import party_dir
 from flare_airflow.core.trust.settings import TrustSettings
@@ -195,3 +202,75 @@ def test_the_operator_announces_for_its_site_on_the_sites_queue(tmp_path, monkey
         event.extra["signed"], party="site-1", expect={"type": "data"}, what="x", registry=registry
     )
     assert payload is not None and payload["version"] == "2026-12-06"
+
+
+def test_an_announcement_an_earlier_run_used_never_counts_again(keys) -> None:
+    """A run started by the wait leaves its announcements in Airflow's queue: the next run must
+    not train on them again, while a newer announcement of the same site counts."""
+    events = [announce(keys, "site-1", "v1"), announce(keys, "site-2", "v1"), announce(keys, "site-3", "v2", ago_s=30)]
+    v1 = {e["partition_key"]: e["extra"]["announced_at"] for e in events[:2]}
+    used = {
+        announcement_id("site-1", "v1", v1["site-1"]): "wait__1",
+        announcement_id("site-2", "v1", v1["site-2"]): "wait__1",
+        announcement_id("site-3", "v1", v1["site-1"]): "wait__1",  # another version of site-3: not this one
+    }
+    data = fresh_sites(events, SITES, window_seconds=86400, now=NOW, verify=verifier(keys), used=used)
+    assert [s for s, d in data.items() if d.reason is None] == ["site-3"]
+    assert data["site-1"].reason == f"its data v1 announced at {v1['site-1']} was used by run wait__1"
+    newer = [*events, announce(keys, "site-1", "v2", ago_s=10)]
+    data = fresh_sites(newer, SITES, window_seconds=86400, now=NOW, verify=verifier(keys), used=used)
+    assert {s: d.version for s, d in data.items() if d.reason is None} == {"site-1": "v2", "site-3": "v2"}
+
+
+def fresh(**ago_s: int) -> dict[str, SiteData]:
+    """fresh_sites' answer: the named sites fresh (announced ``ago_s`` seconds before NOW)."""
+    out = {s: SiteData(s, reason="no data announced since its last run") for s in SITES}
+    for key, ago in ago_s.items():
+        site = key.replace("_", "-")
+        at = (NOW - dt.timedelta(seconds=ago)).isoformat(timespec="seconds")
+        out[site] = SiteData(site, "v1", 10, at)
+    return out
+
+
+DECIDE = {"min_sites": 3, "quorum": 2, "wait_seconds": 6 * 3600, "now": NOW}
+
+
+def test_the_wait_expiring_with_a_quorum_runs_over_exactly_the_fresh_sites() -> None:
+    decision = decide_run(fresh(site_2=7 * 3600, site_4=60), **DECIDE)
+    assert decision.sites == ("site-2", "site-4")
+    assert decision.why == "the wait expired at 2026-12-06T07:00:00+00:00 with 2 fresh site(s) (site-2, site-4)"
+
+
+def test_the_wait_expiring_without_a_quorum_runs_nothing_and_says_why() -> None:
+    decision = decide_run(fresh(site_2=7 * 3600), **DECIDE)
+    assert decision.sites == ()
+    assert decision.why == (
+        "the wait expired at 2026-12-06T07:00:00+00:00 with only 1 fresh site(s) (site-2), below the quorum "
+        "min_clients 2: no run until more sites announce"
+    )
+
+
+def test_before_the_wait_expires_nothing_runs_and_the_expiry_is_named() -> None:
+    decision = decide_run(fresh(site_2=3600, site_4=60), **DECIDE)
+    assert decision.sites == ()
+    assert decision.why.endswith("the wait expires at 2026-12-06T13:00:00+00:00")
+
+
+def test_at_min_sites_the_data_schedule_runs_never_the_watch() -> None:
+    """Airflow's own timetable starts that run: a second one over the same data would count it twice."""
+    decision = decide_run(fresh(site_1=7 * 3600, site_2=60, site_3=60), **DECIDE)
+    assert decision.sites == () and "the data schedule starts the run" in decision.why
+
+
+def test_the_fallback_runs_over_the_fresh_sites_when_no_run_happened_since() -> None:
+    week_ago = NOW - dt.timedelta(days=7)
+    kw = {**DECIDE, "wait_seconds": None, "fallback_since": week_ago}
+    assert decide_run(fresh(site_1=60, site_3=60), **kw, last_run_at=None).sites == ("site-1", "site-3")
+    ran = decide_run(fresh(site_1=60, site_3=60), **kw, last_run_at=NOW - dt.timedelta(days=2))
+    assert ran.sites == () and "waiting for more sites" in ran.why
+    alone = decide_run(fresh(site_1=60), **kw, last_run_at=NOW - dt.timedelta(days=8))
+    assert alone.sites == ()
+    assert alone.why == (
+        "the schedule's fallback found no run since 2026-11-29T08:00:00+00:00 but only 1 fresh site(s) (site-1), "
+        "below the quorum min_clients 2"
+    )
