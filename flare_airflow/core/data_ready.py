@@ -18,6 +18,7 @@ from typing import Any
 from flare_airflow.core.errors import FlareAirflowError
 
 SITE_DATA_ASSET = "flare_airflow.site_data"
+WATCH_SUFFIX = "_data_watch"  # the job DAG's companion that runs the wait and the cron fallback
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}\Z")
 MAX_SAMPLES = 10**12
 

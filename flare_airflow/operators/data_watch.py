@@ -25,7 +25,6 @@ from flare_airflow.core.config import JobConfig
 from flare_airflow.core.data_ready import SITE_DATA_ASSET, announcement_id, decide_run, fresh_sites
 from flare_airflow.core.errors import FlareAirflowError
 
-WATCH_SUFFIX = "_data_watch"
 ACTIVE_STATES = ("queued", "running")
 _RUNS_LOOKED_AT = 100  # announcements older than the window never count: the last 100 runs cover it
 

@@ -405,3 +405,15 @@ def test_wait_and_a_cron_schedule_add_the_watch_dag(tmp_path) -> None:
     assert watch.schedule == dt.timedelta(minutes=15)  # a twelfth of 6 h is 30 min: capped at 15
     sunday = fallback_since("@weekly", NOW)  # NOW is Sunday 08:00: the last week began a week before today 00:00
     assert sunday == dt.datetime(2026, 11, 29, tzinfo=dt.UTC)
+
+
+def test_a_dag_built_with_a_schedule_of_its_own_gets_no_watch(tmp_path, monkeypatch) -> None:
+    from flare_airflow import builder
+
+    made: list[str] = []
+    monkeypatch.setattr(builder, "data_watch_dag", lambda job, dag_id: made.append(dag_id))
+    job = data_job(tmp_path, wait="6h")
+    build_dag(job, dag_id="flare_by_hand", schedule=None)
+    assert made == []
+    build_dag(job, dag_id="flare_data")
+    assert made == ["flare_data"]
