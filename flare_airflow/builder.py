@@ -353,6 +353,10 @@ def build_dag(
             f"; runs when {cfg.on_data.min_sites} of its {len(cfg.sites)} sites announced fresh data "
             f"(window {cfg.on_data.window})"
         )
+        if cfg.on_data.wait is not None:
+            summary += f"; after {cfg.on_data.wait} with at least {cfg.min_clients}"
+        if cfg.schedule is not None:
+            summary += f"; fallback {cfg.schedule}"
     # The DAG list shows `description`; the DAG's Docs tab shows `doc_md`: what the DAG runs.
     dag_kwargs.setdefault("description", summary[:200])
     dag_kwargs.setdefault("doc_md", _job_doc(cfg, job))
