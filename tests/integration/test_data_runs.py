@@ -193,6 +193,8 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
 
 WAIT_DAG_ID = "flare_data_wait"
 WAIT_SITES = ("wsite-1", "wsite-2", "wsite-3", "wsite-4")  # own partitions: the first job's data is not theirs
+FALLBACK_DAG_ID = "flare_data_fallback"
+FALLBACK_SITES = ("fsite-1", "fsite-2", "fsite-3")
 
 
 def _wait_for(what: str, check: Any, timeout: float = 120) -> Any:
@@ -219,18 +221,26 @@ def test_the_wait_runs_over_a_quorum_of_fresh_sites_and_never_reuses_them(
 ) -> None:
     """wait 20s (min_sites 3, quorum 2): one site when the wait expires -> no run, and why; a second
     site -> a run over the two; a third site completes Airflow's own count with the two used ones
-    still in its queue -> that run refuses to train on them again."""
+    still in its queue -> that run refuses to train on them again. Alongside, a job of its own with
+    a cron fallback (every minute, no wait): two of three sites fresh -> the fallback runs over them."""
     stack.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})  # the first scenario's job is done
     keys = TrustSettings(key_dir=str(stack.home / "flare-keys"))
-    for site in WAIT_SITES:
+    for site in WAIT_SITES + FALLBACK_SITES:
         generate_keys(site, party_dir(pathlib.Path(keys.key_dir), site))
+    fallback = behave_job(tmp_path, "data-fallback", sites=0, rounds=1, min_clients=2, args=[])
+    fallback["sites"].update({site: {} for site in FALLBACK_SITES})
+    fallback.update(schedule="* * * * *", trigger={"on_data": {"min_sites": 3, "window": "1d"}})
+    _write_dag(stack.dags / "fallback", fallback)
     job = behave_job(tmp_path, "data-wait", sites=0, rounds=1, min_clients=2, args=[])
     job["sites"].update({site: {} for site in WAIT_SITES})
     job["trigger"] = {"on_data": {"min_sites": 3, "window": "1d", "wait": "20s"}}
     _write_dag(stack.dags / "wait", job)
-    for dag_id in (WAIT_DAG_ID, WAIT_DAG_ID + "_data_watch"):
-        stack.wait_for_dag(dag_id)
-        stack.api("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
+    _announce(stack, "fsite-1", "f1")
+    _announce(stack, "fsite-3", "f1")
+    for dag_id in (WAIT_DAG_ID, FALLBACK_DAG_ID):
+        for each in (dag_id, dag_id + "_data_watch"):
+            stack.wait_for_dag(each)
+            stack.api("PATCH", f"/dags/{each}", json={"is_paused": False})
 
     first = _announce(stack, "wsite-1", "w1")
     why = _wait_for("watch decision after the wait", lambda: _watch_says(stack, first + 21))
@@ -252,6 +262,13 @@ def test_the_wait_runs_over_a_quorum_of_fresh_sites_and_never_reuses_them(
     tis = stack.task_instances(WAIT_DAG_ID, runs[1]["dag_run_id"])
     assert tis["prepare"]["state"] == "failed" and tis["round_1.wsite-1"]["state"] != "success"
     _no_new_run_of(stack, WAIT_DAG_ID, 2, seconds=15)  # wsite-3 alone is below the quorum
+
+    # The fallback: a minute passed with no run of its job -> a run over the two fresh sites.
+    done = _wait_for("fallback run", lambda: _runs(stack, FALLBACK_DAG_ID), timeout=150)[0]["dag_run_id"]
+    assert stack.wait_for_run(FALLBACK_DAG_ID, done) == "success"
+    prepared = _xcom(stack, done, "prepare", FALLBACK_DAG_ID)
+    assert prepared["participants"] == ["fsite-1", "fsite-3"], prepared
+    assert prepared["data"]["fsite-1"]["version"] == "f1" and "fsite-2" in prepared["sat_out"]
 
 
 def _no_new_run_of(stack: AirflowStack, dag_id: str, count: int, seconds: float) -> None:
