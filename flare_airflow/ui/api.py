@@ -44,6 +44,7 @@ from flare_airflow.ui.view import (
     build_run_view,
     federated_prefix,
     latest_announcements,
+    mark_used_by,
 )
 
 CHUNK = 1 << 20
@@ -373,6 +374,10 @@ async def dag_runs(request: Request, dag_id: str) -> str:
         try:
             dag = await api.get(f"/dags/{segment(dag_id)}/details", missing_ok=True) or {}
             latest = await _announcements(api, dag_id, dag)
+            for run in body["dag_runs"] if latest else ():
+                if isinstance(run.get("conf"), Mapping) and run["conf"].get("sites"):  # the watch's or the form's
+                    run_id = str(run["dag_run_id"])
+                    mark_used_by(latest, await api.xcom(dag_id, run_id, "prepare"), run_id)
             watch = await _watch_decision(api, dag_id) if latest else None
         except HTTPException:
             dag, latest, watch = {}, {}, None
