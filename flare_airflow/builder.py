@@ -337,6 +337,9 @@ def build_dag(
 ) -> DAG:
     """A DAG for the job: trigger form from :func:`job_params`, schedule from the job unless given."""
     cfg = _job(job)
+    # With on_data a job's `schedule` is the data watch's fallback, not the DAG's schedule; a DAG
+    # given a schedule of its own (e.g. None: by hand only) gets no watch.
+    watched = cfg.on_data is not None and "schedule" not in dag_kwargs
     dag_kwargs.setdefault("schedule", data_schedule(cfg) if cfg.on_data is not None else cfg.schedule)
     dag_kwargs.setdefault("max_active_runs", 1)  # warm starts read the previous run's result
     dag_kwargs.setdefault("catchup", False)
@@ -350,6 +353,10 @@ def build_dag(
             f"; runs when {cfg.on_data.min_sites} of its {len(cfg.sites)} sites announced fresh data "
             f"(window {cfg.on_data.window})"
         )
+        if cfg.on_data.wait is not None:
+            summary += f"; after {cfg.on_data.wait} with at least {cfg.min_clients}"
+        if cfg.schedule is not None:
+            summary += f"; fallback {cfg.schedule}"
     # The DAG list shows `description`; the DAG's Docs tab shows `doc_md`: what the DAG runs.
     dag_kwargs.setdefault("description", summary[:200])
     dag_kwargs.setdefault("doc_md", _job_doc(cfg, job))
@@ -367,4 +374,26 @@ def build_dag(
     # DAG's serialization time (benchmarks/results/scale.md). Tasks without params of their own get
     # the DAG's at run time (the Task SDK merges DAG and task params), so what a task sees is unchanged.
     dag.params = params  # type: ignore[assignment]  # DAG's converter makes the ParamsDict and validates it
+    if watched and cfg.on_data is not None and (cfg.on_data.wait is not None or cfg.schedule is not None):
+        data_watch_dag(cfg, dag.dag_id)
     return dag
+
+
+def data_watch_dag(job: JobConfig, dag_id: str) -> DAG:
+    """The companion DAG ``<dag_id>_data_watch`` of ``trigger.on_data.wait`` and a cron fallback
+    (:mod:`flare_airflow.operators.data_watch`). Made in a ``with`` block, Airflow registers it
+    from the job's DAG file next to the job's DAG."""
+    from flare_airflow.core.data_ready import WATCH_SUFFIX
+    from flare_airflow.operators.data_watch import DataWatchOperator, watch_interval
+
+    assert job.on_data is not None
+    with DAG(
+        dag_id=dag_id + WATCH_SUFFIX,
+        schedule=watch_interval(job),
+        catchup=False,
+        max_active_runs=1,
+        tags=["federated-learning", f"job:{job.job}", "data-watch"],
+        description=f"Starts {dag_id} over the fresh sites when the wait expires or the schedule's fallback is due",
+    ) as watch:
+        DataWatchOperator(task_id="decide", job=job, watched_dag_id=dag_id)
+    return watch

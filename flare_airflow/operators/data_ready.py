@@ -16,6 +16,7 @@ from airflow.sdk import Asset, BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from flare_airflow.core.data_ready import SITE_DATA_ASSET, AnnouncementError, data_payload
+from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.trust import TrustError, sign_record
 from flare_airflow.operators.trust import trust_settings
 
@@ -23,6 +24,29 @@ from flare_airflow.operators.trust import trust_settings
 def site_data_asset() -> Asset:
     """The sites' data announcements: one asset, one partition per site (its name)."""
     return Asset(name=SITE_DATA_ASSET)
+
+
+class UnsignedAnnouncement(FlareAirflowError):
+    """An announcement nobody could prove (no registry, no signature): it does not count."""
+
+
+def announcement_verifier(log: Any) -> Any:
+    """``verify(signed, site) -> payload`` for :func:`~flare_airflow.core.data_ready.fresh_sites`:
+    the deployment's trust settings and key registry, read once."""
+    settings = trust_settings()
+    registry = settings.registry()
+
+    def verify(signed: Any, site: str) -> dict[str, Any]:
+        payload, note = settings.verify(
+            signed, party=site, expect={"type": "data", "site": site}, what=f"site {site!r}'s data announcement",
+            registry=registry,
+        )  # fmt: skip
+        if payload is None:
+            log.warning("%s", note)
+            raise UnsignedAnnouncement(str(note))
+        return payload
+
+    return verify
 
 
 def signed_announcement(site: str, version: str, samples: int | None, *, create_key: bool) -> dict[str, Any]:

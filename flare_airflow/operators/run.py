@@ -31,11 +31,13 @@ from flare_airflow.operators.common import (
     store_for,
     task_states,
 )
+from flare_airflow.operators.data_ready import announcement_verifier
+from flare_airflow.operators.data_watch import read_history
 from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
-from flare_airflow.operators.trust import sign_global, trust_settings
+from flare_airflow.operators.trust import sign_global
 
 
 def _resume_hint(context: Context, round_num: int) -> str:
@@ -150,32 +152,31 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
         """The sites this run trains on, the data each trains on, and why the others sit it out.
 
         A run started by the sites' data trains on the sites whose announcement it consumed,
-        proven and fresh (:func:`~flare_airflow.core.data_ready.fresh_sites`); a run from the form
-        on the sites it names (``sites``), or all of them.
+        proven, fresh and not used by an earlier run (:func:`~flare_airflow.core.data_ready.fresh_sites`);
+        a run from the form (or from the data watch, :mod:`flare_airflow.operators.data_watch`) on
+        the sites it names (``sites``), or all of them, recording the unused fresh data of each.
         """
         events = _data_events(context)
         if events is None and not chosen and self.job.on_data is None:
             return {}  # every site, as before data-driven runs: nothing to record
-        if events is None:
+        if self.job.on_data is None:
             picked = list(chosen) if chosen else list(self.job.sites)
             sat_out = {s: "not chosen for this run (run parameter sites)" for s in self.job.sites if s not in picked}
             return {"participants": picked, "sat_out": sat_out, "data": {}}
-        on_data = self.job.on_data
-        window = on_data.window_seconds if on_data is not None else MAX_DATA_WINDOW
-        settings = trust_settings()
-        registry = settings.registry()
-
-        def verify(signed: Any, site: str) -> dict[str, Any]:
-            payload, note = settings.verify(
-                signed, party=site, expect={"type": "data", "site": site}, what=f"site {site!r}'s data announcement",
-                registry=registry,
-            )  # fmt: skip
-            if payload is None:
-                self.log.warning("%s", note)
-                raise UnsignedAnnouncement(str(note))
-            return payload
-
-        data = fresh_sites(events, self.job.sites, window_seconds=window, now=_now(), verify=verify)
+        try:
+            history = read_history(context["ti"].dag_id, self.task_id, skip_run=run_id_of(context))
+        except FlareAirflowError as exc:
+            raise AirflowFailException(f"the sites' data cannot be matched to earlier runs: {exc}") from None
+        window = self.job.on_data.window_seconds
+        data = fresh_sites(
+            history.events if events is None else events, self.job.sites, window_seconds=window, now=_now(),
+            verify=announcement_verifier(self.log), used=history.used,
+        )  # fmt: skip
+        if events is None:
+            picked = list(chosen) if chosen else list(self.job.sites)
+            sat_out = {s: "not chosen for this run (run parameter sites)" for s in self.job.sites if s not in picked}
+            # A site chosen by hand trains whatever its data; only unused fresh data is recorded as trained on.
+            return {"participants": picked, "sat_out": sat_out, "data": {s: data[s].to_dict() for s in picked}}
         picked = [s for s, d in data.items() if d.reason is None and (not chosen or s in chosen)]
         sat_out = {s: d.reason or "not chosen for this run (run parameter sites)" for s, d in data.items()
                    if s not in picked}  # fmt: skip
@@ -218,15 +219,8 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
         self.skip(ti=ti, tasks=later)
 
 
-MAX_DATA_WINDOW = 366 * 86400
-
-
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
-
-
-class UnsignedAnnouncement(FlareAirflowError):
-    """An announcement nobody could prove (no registry, no signature): it does not count."""
 
 
 def _data_events(context: Context) -> list[dict[str, Any]] | None:

@@ -29,7 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flare_airflow.core.data_ready import SITE_DATA_ASSET
+from flare_airflow.core.data_ready import SITE_DATA_ASSET, WATCH_SUFFIX
 from flare_airflow.core.errors import FlareAirflowError, ReportError
 from flare_airflow.core.model import read_record
 from flare_airflow.core.page_paths import file_path, segment
@@ -44,6 +44,7 @@ from flare_airflow.ui.view import (
     build_run_view,
     federated_prefix,
     latest_announcements,
+    mark_used_by,
 )
 
 CHUNK = 1 << 20
@@ -373,9 +374,26 @@ async def dag_runs(request: Request, dag_id: str) -> str:
         try:
             dag = await api.get(f"/dags/{segment(dag_id)}/details", missing_ok=True) or {}
             latest = await _announcements(api, dag_id, dag)
+            for run in body["dag_runs"] if latest else ():
+                if isinstance(run.get("conf"), Mapping) and run["conf"].get("sites"):  # the watch's or the form's
+                    run_id = str(run["dag_run_id"])
+                    mark_used_by(latest, await api.xcom(dag_id, run_id, "prepare"), run_id)
+            watch = await _watch_decision(api, dag_id) if latest else None
         except HTTPException:
-            dag, latest = {}, {}
-    return page.dag_page(ui_base(), dag_id, body["dag_runs"], latest, str(dag.get("description") or ""))
+            dag, latest, watch = {}, {}, None
+    return page.dag_page(ui_base(), dag_id, body["dag_runs"], latest, str(dag.get("description") or ""), watch)
+
+
+async def _watch_decision(api: AirflowAPI, dag_id: str) -> str | None:
+    """What the job's data watch (wait, cron fallback) decided last, and why; None without a watch."""
+    watch_id = dag_id + WATCH_SUFFIX
+    runs = await api.get(f"/dags/{segment(watch_id)}/dagRuns", missing_ok=True, limit=5, order_by="-run_after")
+    for run in (runs or {}).get("dag_runs", []):
+        if run.get("state") == "success":
+            decided = await api.xcom(watch_id, str(run["dag_run_id"]), "decide")
+            why = decided.get("why") if isinstance(decided, Mapping) else None
+            return f"{why} ({run.get('end_date')})" if isinstance(why, str) else None
+    return None
 
 
 async def _announcements(api: AirflowAPI, dag_id: str, dag: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

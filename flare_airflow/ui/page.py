@@ -155,6 +155,7 @@ def dag_page(
     runs: Sequence[Mapping[str, Any]],
     announcements: Mapping[str, Mapping[str, Any]] | None = None,
     description: str = "",
+    watch: str | None = None,
 ) -> str:
     rows = [
         f'<tr data-run="{escape(str(r["dag_run_id"]))}"><td><a href="'
@@ -170,6 +171,7 @@ def dag_page(
         + "".join(rows)
         + "</table>"
         + announcements_table(ui_base, dag_id, announcements or {}, description)
+        + (f'<p class="watch">Data watch (wait, fallback): {escape(watch)}</p>' if watch else "")
     )
     return _doc(ui_base, dag_id, body)
 

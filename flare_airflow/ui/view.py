@@ -282,6 +282,21 @@ def latest_announcements(events: list[Mapping[str, Any]], dag_id: str) -> dict[s
     return out
 
 
+def mark_used_by(latest: dict[str, dict[str, Any]], prepared: Any, run_id: str) -> None:
+    """Name ``run_id`` as the consumer of each latest announcement its ``prepare`` trained on.
+
+    A run the data watch (or the form) started consumed no asset event in Airflow's records; its
+    ``prepare``'s ``data`` says which announcements it trained on (an entry with a ``reason`` did not).
+    """
+    data = _mapping(_mapping(prepared).get("data"))
+    for site, announced in latest.items():
+        seen = _mapping(data.get(site))
+        if announced.get("run_id") or not seen or "reason" in seen:
+            continue
+        if (seen.get("version"), seen.get("announced_at")) == (announced.get("version"), announced.get("announced_at")):
+            announced["run_id"] = run_id
+
+
 def _mlflow_run(mlflow_ui: str | None, *candidates: Any) -> dict[str, str | None] | None:
     """The first well-formed MLflow link of the run's XComs (publish's, then prepare's), resolved now.
 

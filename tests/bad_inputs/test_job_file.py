@@ -833,11 +833,24 @@ case(
     value={"on_data": {"min_sites": 2, "window": "9999w"}},
 )
 case(
-    "trigger-wait",
-    "trigger.on_data.wait: 6h (the wait with a smaller quorum is not built yet)",
-    "trigger.on_data.wait is not supported yet",
+    "trigger-wait-words",
+    "trigger.on_data.wait: 'six hours'",
+    "wait 'six hours' is not a duration: write a whole number and a unit",
     field="trigger",
-    value={"on_data": {"min_sites": 2, "wait": "6h"}},
+    value={"on_data": {"min_sites": 2, "wait": "six hours"}},
+)
+case(
+    "trigger-wait-not-within-window",
+    "trigger.on_data.wait: 1d with window: 1d (the first announcement is stale when the wait expires)",
+    "trigger.on_data.wait 1d is not shorter than the window 1d",
+    field="trigger",
+    value={"on_data": {"min_sites": 2, "wait": "1d", "window": "1d"}},
+)
+case(
+    "trigger-fallback-once",
+    "schedule: '@once' with trigger.on_data (the schedule is the data run's fallback)",
+    "schedule @once with trigger.on_data: the schedule is the fallback",
+    text=BASE + "schedule: '@once'\ntrigger: {on_data: {min_sites: 2}}\n",
 )
 case(
     "trigger-min-sites-zero",

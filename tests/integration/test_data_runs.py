@@ -100,10 +100,10 @@ def _final_tensors(stack: AirflowStack, run_id: str, dag_id: str = DAG_ID) -> di
     return params
 
 
-def _job_page(stack: AirflowStack) -> str:
+def _job_page(stack: AirflowStack, dag_id: str = DAG_ID) -> str:
     """The Federated runs page of the job (the per-site data panel), as the UI user sees it."""
     r = httpx.get(
-        f"{stack.base}/flare/dags/{DAG_ID}", headers={"Authorization": f"Bearer {stack._login()}"}, timeout=60
+        f"{stack.base}/flare/dags/{dag_id}", headers={"Authorization": f"Bearer {stack._login()}"}, timeout=60
     )
     r.raise_for_status()
     return html.unescape(r.text)
@@ -189,6 +189,91 @@ def test_sites_data_drives_runs_on_the_fresh_sites(stack: AirflowStack, tmp_path
     for name in data_model:
         assert data_model[name].tobytes() == manual_model[name].tobytes(), name
     assert not np.array_equal(data_model["w"], _final_tensors(stack, first)["w"])  # warm start moved it on
+
+
+WAIT_DAG_ID = "flare_data_wait"
+WAIT_SITES = ("wsite-1", "wsite-2", "wsite-3", "wsite-4")  # own partitions: the first job's data is not theirs
+FALLBACK_DAG_ID = "flare_data_fallback"
+FALLBACK_SITES = ("fsite-1", "fsite-2", "fsite-3")
+
+
+def _wait_for(what: str, check: Any, timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := check():
+            return found
+        time.sleep(1)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def _watch_says(stack: AirflowStack, after: float) -> str | None:
+    """The data watch's decision of its newest run that finished after ``after`` (epoch s)."""
+    runs = _runs(stack, WAIT_DAG_ID + "_data_watch")
+    for run in reversed(runs):
+        ended = run.get("end_date")
+        if run["state"] == "success" and ended and dt.datetime.fromisoformat(ended).timestamp() > after:
+            return str(_xcom(stack, run["dag_run_id"], "decide", WAIT_DAG_ID + "_data_watch")["why"])
+    return None
+
+
+def test_the_wait_runs_over_a_quorum_of_fresh_sites_and_never_reuses_them(
+    stack: AirflowStack, tmp_path: pathlib.Path
+) -> None:
+    """wait 20s (min_sites 3, quorum 2): one site when the wait expires -> no run, and why; a second
+    site -> a run over the two; a third site completes Airflow's own count with the two used ones
+    still in its queue -> that run refuses to train on them again. Alongside, a job of its own with
+    a cron fallback (every minute, no wait): two of three sites fresh -> the fallback runs over them."""
+    stack.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})  # the first scenario's job is done
+    keys = TrustSettings(key_dir=str(stack.home / "flare-keys"))
+    for site in WAIT_SITES + FALLBACK_SITES:
+        generate_keys(site, party_dir(pathlib.Path(keys.key_dir), site))
+    fallback = behave_job(tmp_path, "data-fallback", sites=0, rounds=1, min_clients=2, args=[])
+    fallback["sites"].update({site: {} for site in FALLBACK_SITES})
+    fallback.update(schedule="* * * * *", trigger={"on_data": {"min_sites": 3, "window": "1d"}})
+    _write_dag(stack.dags / "fallback", fallback)
+    job = behave_job(tmp_path, "data-wait", sites=0, rounds=1, min_clients=2, args=[])
+    job["sites"].update({site: {} for site in WAIT_SITES})
+    job["trigger"] = {"on_data": {"min_sites": 3, "window": "1d", "wait": "20s"}}
+    _write_dag(stack.dags / "wait", job)
+    _announce(stack, "fsite-1", "f1")
+    _announce(stack, "fsite-3", "f1")
+    for dag_id in (WAIT_DAG_ID, FALLBACK_DAG_ID):
+        for each in (dag_id, dag_id + "_data_watch"):
+            stack.wait_for_dag(each)
+            stack.api("PATCH", f"/dags/{each}", json={"is_paused": False})
+
+    first = _announce(stack, "wsite-1", "w1")
+    why = _wait_for("watch decision after the wait", lambda: _watch_says(stack, first + 21))
+    assert "the wait expired at" in why and "below the quorum min_clients 2" in why, why
+    assert _runs(stack, WAIT_DAG_ID) == []
+    assert "Data watch (wait, fallback): " in _job_page(stack, WAIT_DAG_ID)  # the job page says why
+
+    _announce(stack, "wsite-2", "w1")
+    run = _wait_for("run started by the wait", lambda: _runs(stack, WAIT_DAG_ID))[0]["dag_run_id"]
+    assert stack.wait_for_run(WAIT_DAG_ID, run) == "success"
+    prepared = _xcom(stack, run, "prepare", WAIT_DAG_ID)
+    assert prepared["participants"] == ["wsite-1", "wsite-2"], prepared
+    assert {s: prepared["data"][s]["version"] for s in ("wsite-1", "wsite-2")} == {"wsite-1": "w1", "wsite-2": "w1"}
+
+    # Airflow's queue still holds wsite-1 and wsite-2: with wsite-3 it counts 3 and starts a run.
+    _announce(stack, "wsite-3", "w1")
+    runs = _wait_for("Airflow's data run", lambda: (r := _runs(stack, WAIT_DAG_ID))[1:] and r)
+    assert len(runs) == 2 and stack.wait_for_run(WAIT_DAG_ID, runs[1]["dag_run_id"]) == "failed"
+    tis = stack.task_instances(WAIT_DAG_ID, runs[1]["dag_run_id"])
+    assert tis["prepare"]["state"] == "failed" and tis["round_1.wsite-1"]["state"] != "success"
+    _no_new_run_of(stack, WAIT_DAG_ID, 2, seconds=15)  # wsite-3 alone is below the quorum
+
+    # The fallback: a minute passed with no run of its job -> a run over the two fresh sites.
+    done = _wait_for("fallback run", lambda: _runs(stack, FALLBACK_DAG_ID), timeout=150)[0]["dag_run_id"]
+    assert stack.wait_for_run(FALLBACK_DAG_ID, done) == "success"
+    prepared = _xcom(stack, done, "prepare", FALLBACK_DAG_ID)
+    assert prepared["participants"] == ["fsite-1", "fsite-3"], prepared
+    assert prepared["data"]["fsite-1"]["version"] == "f1" and "fsite-2" in prepared["sat_out"]
+
+
+def _no_new_run_of(stack: AirflowStack, dag_id: str, count: int, seconds: float) -> None:
+    time.sleep(seconds)
+    assert len(_runs(stack, dag_id)) == count, [r["dag_run_id"] for r in _runs(stack, dag_id)]
 
 
 def _write_dag(folder: pathlib.Path, job: dict[str, Any], kwargs: str = "") -> None:

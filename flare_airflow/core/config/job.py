@@ -362,10 +362,10 @@ class JobConfig(Strict):
                 f"trigger.on_data.min_sites is {on_data.min_sites}, below min_clients {self.min_clients}: a run "
                 "over that many fresh sites could never reach its quorum; raise min_sites or lower min_clients"
             )
-        if self.schedule is not None:
+        if self.schedule in _SCHEDULE_PRESETS:
             raise ValueError(
-                f"schedule {short_repr(self.schedule)} and trigger.on_data together are not supported yet: "
-                "Airflow 3.3 cannot combine a partitioned asset schedule with a cron one; keep one of them"
+                f"schedule {self.schedule} with trigger.on_data: the schedule is the fallback that runs over the fresh "
+                "sites when no run happened in a whole period; use a cron expression or preset such as @weekly"
             )
 
     def _one_size_per_pool(self) -> None:

@@ -1,7 +1,9 @@
 """What starts a job's runs besides the form: the sites' data (``trigger: {on_data: ...}``).
 
 A job with ``on_data`` runs when at least ``min_sites`` of its sites announced fresh data (see
-:mod:`flare_airflow.core.data_ready`), on exactly those sites. Durations are written ``90s``,
+:mod:`flare_airflow.core.data_ready`), on exactly those sites; with ``wait`` or a ``schedule``
+also over fewer fresh sites, at least the job's quorum
+(:func:`~flare_airflow.core.data_ready.decide_run`). Durations are written ``90s``,
 ``30m``, ``6h``, ``1d`` or ``2w``.
 """
 
@@ -41,16 +43,11 @@ class OnData(Strict):
         "1d",
         description="an announcement is fresh for this long: older ones sit the run out (e.g. 1d, 6h)",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _not_yet(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "wait" in data:
-            raise ValueError(
-                "trigger.on_data.wait is not supported yet: a run starts once min_sites sites are fresh; "
-                "leave wait out (issue 39 tracks the wait with a smaller quorum)"
-            )
-        return data
+    wait: str | None = Field(
+        None,
+        description="after this long since the first fresh announcement, run over the fresh sites if they are at "
+        "least the job's quorum (min_clients), e.g. 6h",
+    )
 
     @field_validator("window")
     @classmethod
@@ -58,9 +55,29 @@ class OnData(Strict):
         duration_seconds(value, "window")
         return value
 
+    @field_validator("wait")
+    @classmethod
+    def _wait(cls, value: str | None) -> str | None:
+        if value is not None:
+            duration_seconds(value, "wait")
+        return value
+
+    @model_validator(mode="after")
+    def _wait_within_window(self) -> OnData:
+        if self.wait_seconds is not None and self.wait_seconds >= self.window_seconds:
+            raise ValueError(
+                f"trigger.on_data.wait {self.wait} is not shorter than the window {self.window}: when the wait "
+                "expired the first announcement would no longer be fresh; shorten wait or widen window"
+            )
+        return self
+
     @property
     def window_seconds(self) -> int:
         return duration_seconds(self.window, "window")
+
+    @property
+    def wait_seconds(self) -> int | None:
+        return None if self.wait is None else duration_seconds(self.wait, "wait")
 
 
 class TriggerSpec(Strict):

@@ -324,3 +324,23 @@ def test_the_job_page_lists_each_sites_latest_announcement_and_the_run_that_cons
     assert "not consumed yet: waits for the quorum of the next run" in html
     assert f"1 site(s) announced data no run has used yet: site-1. No run yet: {why}." in html
     assert '<a href="/flare/dags/d/runs/run-1">run-1</a>' in html or ">run-1</a>" in html
+
+
+def test_a_run_the_data_watch_started_is_named_as_the_consumer_of_what_it_trained_on() -> None:
+    """Such a run consumed no asset event in Airflow's records: its prepare's data says what it used."""
+    from flare_airflow.ui.view import mark_used_by
+
+    latest = {
+        "site-1": {"version": "v2", "announced_at": "2026-12-06T08:00:00+00:00", "run_id": None},
+        "site-2": {"version": "v1", "announced_at": "2026-12-06T07:00:00+00:00", "run_id": None},
+        "site-3": {"version": "v5", "announced_at": "2026-12-06T07:30:00+00:00", "run_id": None},
+    }
+    prepared = {
+        "data": {
+            "site-1": {"version": "v1", "announced_at": "2026-12-06T06:00:00+00:00"},  # an older one: not the latest
+            "site-2": {"version": "v1", "announced_at": "2026-12-06T07:00:00+00:00", "samples": 3},
+            "site-3": {"version": "v5", "announced_at": "2026-12-06T07:30:00+00:00", "reason": "used by run r0"},
+        }
+    }
+    mark_used_by(latest, prepared, "manual__watch")
+    assert {s: a["run_id"] for s, a in latest.items()} == {"site-1": None, "site-2": "manual__watch", "site-3": None}
