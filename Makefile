@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup system-deps images demo airflow test unit lint bench clean lm-env llm-demo
+.PHONY: setup system-deps images demo airflow test unit lint bench clean lm-env llm-demo llm-demo-gpu
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -89,6 +89,14 @@ llm-demo: setup lm-env
 	$(BIN)/flare-airflow run flare_llm_lora --json --log $(AIRFLOW_HOME)/llm-demo.log > $(AIRFLOW_HOME)/llm-demo.json \
 		|| { tail -5 $(AIRFLOW_HOME)/llm-demo.log; python3 -c 'import json,sys; [print(t, i.get("reason","")) for t, i in json.load(open(sys.argv[1]))["tasks"].items() if i["state"] != "success"]' $(AIRFLOW_HOME)/llm-demo.json; exit 1; }
 	$(BIN)/python examples/llm_lora/report.py $(AIRFLOW_HOME)/llm-demo.json
+
+# The same demo on this host's CUDA devices: each site job takes one from a pool of them (the site
+# runner's allocator sets its CUDA_VISIBLE_DEVICES) and never falls back to the CPU. Without a CUDA
+# device (or with .lm-venv's CPU torch) it says so in one sentence and exits 3 before anything runs.
+llm-demo-gpu: setup lm-env
+	@gpus=$$($(CURDIR)/.lm-venv/bin/python examples/llm_lora/trainer.py --count-cuda) || exit $$?; \
+		echo "llm-demo-gpu: $$gpus CUDA device(s)"; \
+		FLARE_LM_GPUS=$$gpus FLARE_LM_DEVICE=cuda $(MAKE) --no-print-directory llm-demo
 
 # A local Airflow 3 on SQLite with this repository's DAGs and the Federated runs page, on
 # 127.0.0.1:$(AIRFLOW_PORT); prints the URL and login; Ctrl-C stops every process it started.

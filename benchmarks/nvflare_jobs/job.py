@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main(argv: list[str]) -> int:
     started = time.time()
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=("hello", "digits"))
+    p.add_argument("kind", choices=("hello", "digits", "large"))
     p.add_argument("--sites", type=int, required=True)
     p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--workspace", required=True, help="SimEnv workspace root")
@@ -36,6 +36,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--digits-data", help="digits: path of scikit-learn's digits.csv.gz")
     p.add_argument("--trainer-args", default="[]", help="digits: the job's trainer args (JSON list)")
     p.add_argument("--hparams", default="{}", help="digits: the job's hparams (JSON)")
+    p.add_argument("--size", type=int, default=0, help="large: the model's bytes (float32 zeros; hello's client)")
     p.add_argument("--export-dir", help="export the job folder here (for `nvflare job submit`) instead of running it")
     args = p.parse_args(argv)
 
@@ -47,6 +48,11 @@ def main(argv: list[str]) -> int:
     name = f"{args.kind}-r{args.rounds}"
     if args.kind == "hello":
         model = np.arange(1, 10, dtype=np.float32).reshape(3, 3)  # hello-numpy's initial model
+        script, train_args = os.path.join(HERE, "hello_client.py"), ""
+    elif args.kind == "large":  # bench_large_round.py: one round exchanging updates of --size bytes
+        # The recipe writes an initial model into the job's JSON as a list (100 MB of text for 16 MiB):
+        # a placeholder here, the real one an .npy beside the job that the persistor loads (below).
+        model = np.zeros(1, dtype=np.float32)
         script, train_args = os.path.join(HERE, "hello_client.py"), ""
     else:
         if not args.trainer or not args.digits_data:
@@ -76,6 +82,18 @@ def main(argv: list[str]) -> int:
     if args.export_dir:
         recipe.export(args.export_dir)
         job_folder = os.path.join(args.export_dir, name)
+        if args.kind == "large":
+            initial = os.path.abspath(os.path.join(args.export_dir, "large-initial.npy"))
+            np.save(initial, np.zeros(args.size // 4, dtype=np.float32))
+            server_config = os.path.join(job_folder, "app", "config", "config_fed_server.json")
+            with open(server_config) as fh:
+                config = json.load(fh)
+            for component in config["components"]:
+                if component["id"] == "persistor":
+                    component["args"].pop("model", None)
+                    component["args"]["source_ckpt_file_full_name"] = initial
+            with open(server_config, "w") as fh:
+                json.dump(config, fh, indent=2)
         print("RESULT " + json.dumps({"job_folder": job_folder, "name": name}), flush=True)
         return 0
     env = SimEnv(num_clients=args.sites, workspace_root=args.workspace)

@@ -54,6 +54,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sites", default="site-1,site-2,site-3", help="the sites the evaluation reports on")
     p.add_argument("--max-chars", type=int, default=300_000, help="characters of text per site")
     p.add_argument("--init-model", help="write the shared initial adapter to this path and exit")
+    p.add_argument(
+        "--count-cuda",
+        action="store_true",
+        help="print how many CUDA devices torch sees and exit 0; none: say why and exit 3 (make llm-demo-gpu)",
+    )
     p.add_argument("--base", help="with --init-model: the base model file (default: the job's FLARE_LORA)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
@@ -193,16 +198,47 @@ def windows(tokenizer: Any, text: str, seq_len: int) -> np.ndarray:
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
+# Exit code of --count-cuda, and of a site job told to train on CUDA (FLARE_LM_DEVICE=cuda) without one.
+NO_CUDA = 3
+
+
+def no_cuda_reason(torch: Any) -> str | None:
+    """Why torch cannot train on a CUDA device here, or None when it can."""
+    if torch.cuda.is_available():
+        return None
+    visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
+    if torch.version.cuda is None:
+        return (
+            f"this torch ({torch.__version__}) is a CPU build ({visible}); a GPU machine installs a CUDA build "
+            "of torch into the trainer environment (.lm-venv)"
+        )
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device ({visible})"
+
+
+def count_cuda(torch: Any) -> int:
+    """``--count-cuda``: the device count on stdout (exit 0), or why there is none on stderr (exit 3)."""
+    why = no_cuda_reason(torch)
+    if why is not None:
+        print(f"no CUDA device: {why}. `make llm-demo` runs the same federation on the CPU.", file=sys.stderr)
+        return NO_CUDA
+    print(torch.cuda.device_count())
+    return 0
+
+
 def device() -> Any:
-    """The GPU this site job was granted (CUDA_VISIBLE_DEVICES, a pod's limit), else the CPU, said plainly."""
+    """The GPU this site job was granted (CUDA_VISIBLE_DEVICES, a pod's limit), else the CPU, said
+    plainly; with FLARE_LM_DEVICE=cuda (make llm-demo-gpu) no CPU fallback: the job fails saying why."""
     import torch
 
     visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
-    if torch.cuda.is_available():
+    why = no_cuda_reason(torch)
+    if why is None:
         print(f"training on {torch.cuda.get_device_name(0)} ({visible})")
         return torch.device("cuda")
-    why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
-    print(f"training on the CPU: {why} ({visible})")
+    if os.environ.get("FLARE_LM_DEVICE") == "cuda":
+        print(f"FLARE_LM_DEVICE=cuda but {why}", file=sys.stderr)
+        raise SystemExit(NO_CUDA)
+    print(f"training on the CPU: {why}")
     return torch.device("cpu")
 
 
@@ -245,6 +281,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import torch
 
+    if args.count_cuda:
+        return count_cuda(torch)
     # One thread per trainer: the sites of a host share its cores (and results stay reproducible).
     torch.set_num_threads(int(os.environ.get("FLARE_LM_THREADS", "1")))
     if args.tiny_base:

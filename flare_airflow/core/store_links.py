@@ -21,6 +21,7 @@ standard library's HTTP client, so a site runner needs no object-store client at
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -36,11 +37,15 @@ from urllib.parse import urlparse
 from flare_airflow.core.errors import StoreError
 from flare_airflow.core.store import ModelStore, failure_path, record_path
 
-# S3 takes at most 5 GiB in one PUT; beyond it, a multipart upload (parts of 5 MiB to 5 GiB).
-SINGLE_PUT_LIMIT = 5 << 30
+# S3 takes at most 5 GiB in one PUT, but a PUT cut off midway starts again from its first byte;
+# a multipart upload resumes from the parts that arrived (parts of 5 MiB to 5 GiB), so anything
+# beyond two parts' worth goes up in parts.
 PART_SIZE = 64 << 20
+SINGLE_PUT_LIMIT = 2 * PART_SIZE
 MIN_PART_SIZE = 5 << 20
 MAX_PARTS = 10_000
+# S3 lists at most 1,000 parts per ListParts answer: one presigned listing link per page.
+PARTS_PER_LISTING = 1_000
 # An update is the global model's tensors with the site's own header (metrics, counts): this much
 # larger at most, or its upload is refused for want of parts.
 HEADER_SLACK = 1 << 20
@@ -60,6 +65,9 @@ class Upload:
     parts: list[str] = field(default_factory=list)
     complete: str | None = None
     part_size: int = 0
+    # Presigned ListParts of this upload, a page of PARTS_PER_LISTING each: what already arrived,
+    # so a writer killed midway resumes without re-sending it.
+    listings: list[str] = field(default_factory=list)
 
     @property
     def capacity(self) -> int | None:
@@ -154,8 +162,15 @@ def mint_site_links(
         bucket, key = bucket_key(slot)
         upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
         parts = [link("upload_part", slot, UploadId=upload_id, PartNumber=n) for n in range(1, count + 1)]
+        listings = [
+            link("list_parts", slot, UploadId=upload_id, PartNumberMarker=start, MaxParts=PARTS_PER_LISTING)
+            for start in range(0, count, PARTS_PER_LISTING)
+        ]
         upload = Upload(
-            parts=parts, complete=link("complete_multipart_upload", slot, UploadId=upload_id), part_size=size
+            parts=parts,
+            complete=link("complete_multipart_upload", slot, UploadId=upload_id),
+            part_size=size,
+            listings=listings,
         )
     return SiteLinks(
         job=job,
@@ -213,26 +228,62 @@ def _put(url: str, data: bytes | Any, length: int, what: str) -> str:
         raise LinksError(f"{what}: the store could not be reached: {exc}") from None
 
 
-def upload(upload: Upload, local: Path, what: str) -> None:
-    """``local`` to the object the links name: one PUT, or its parts and the completion."""
+_LISTED_PART = re.compile(
+    r"<Part>.*?<PartNumber>(\d{1,5})</PartNumber>.*?<ETag>([^<]{1,80})</ETag>.*?<Size>(\d{1,13})</Size>.*?</Part>", re.S
+)
+
+
+def arrived_parts(upload: Upload, what: str) -> dict[int, tuple[str, int]]:
+    """The parts of ``upload`` the store already holds: part number -> (ETag, size)."""
+    arrived: dict[int, tuple[str, int]] = {}
+    for url in upload.listings:
+        try:
+            with _request(url, method="GET") as resp:
+                text = resp.read(1 << 20).decode(errors="replace")  # 1,000 parts' entries fit easily
+        except urllib.error.HTTPError as exc:
+            raise _refusal(exc, f"{what} (listing the parts that arrived)") from None
+        except OSError as exc:
+            raise LinksError(f"{what}: the store could not be reached: {exc}") from None
+        for number, etag, size in _LISTED_PART.findall(text):
+            arrived[int(number)] = (etag.replace("&quot;", '"').replace("&#34;", '"'), int(size))
+    return arrived
+
+
+def _same_part(listed: tuple[str, int] | None, piece: bytes) -> bool:
+    """Whether the store's part is ``piece``: S3's ETag of a part is the MD5 of its bytes (not under
+    SSE-KMS or SSE-C -- there it never matches and the part is sent again, which is still correct)."""
+    if listed is None or listed[1] != len(piece):
+        return False
+    return listed[0].strip('"') == hashlib.md5(piece, usedforsecurity=False).hexdigest()
+
+
+def upload(upload: Upload, local: Path, what: str) -> int:
+    """``local`` to the object the links name: one PUT, or its parts and the completion. Parts the
+    store already holds with the same bytes (an earlier writer of this upload was cut off) are not
+    sent again. Memory: one part at a time. Returns the bytes sent."""
     size = local.stat().st_size
     if upload.url:
         with open(local, "rb") as fh:
             _put(upload.url, fh, size, what)
-        return
+        return size
     capacity = upload.capacity or 0
     if size > capacity:
         raise LinksError(
             f"{what}: {size} bytes, more than the {capacity} the round's links can write (an update much larger "
             "than the global model)"
         )
-    etags = []
+    arrived = arrived_parts(upload, what)
+    etags, sent = [], 0
     with open(local, "rb") as fh:
         for n, url in enumerate(upload.parts, 1):
             piece = fh.read(upload.part_size)
             if not piece and n > 1:
                 break
+            if _same_part(arrived.get(n), piece):
+                etags.append((n, arrived[n][0]))
+                continue
             etags.append((n, _put(url, piece, len(piece), f"{what} (part {n})")))
+            sent += len(piece)
     body = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{tag}</ETag></Part>" for n, tag in etags)
     data = f"<CompleteMultipartUpload>{body}</CompleteMultipartUpload>".encode()
     assert upload.complete is not None
@@ -245,6 +296,7 @@ def upload(upload: Upload, local: Path, what: str) -> None:
         raise LinksError(f"{what}: the store could not be reached: {exc}") from None
     if "<Error>" in text:  # S3 may answer 200 and report the failure in the body
         raise LinksError(f"{what}: the store did not complete the upload: {text[:300]}")
+    return sent
 
 
 def site_bucket_policy(store: ModelStore, *, job: str, site: str) -> dict[str, Any]:

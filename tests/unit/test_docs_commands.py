@@ -99,6 +99,13 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
         ),
     ),
     (
+        r"^make llm-demo-gpu$",
+        NotRun(
+            "needs a CUDA device (none on these machines); its no-GPU paths (--count-cuda, FLARE_LM_DEVICE=cuda) "
+            "are tests/unit/test_llm_gpu.py"
+        ),
+    ),
+    (
         r"^make (setup|lint|unit)$",
         NotRun(
             "parts of `make test` (test: setup system-deps lint, then pytest over tests/unit and the rest): "

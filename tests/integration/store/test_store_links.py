@@ -14,14 +14,26 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
+import subprocess
+import sys
 from urllib.parse import unquote, urlparse
 
+import httpx
 import numpy as np
 import pytest
 
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.store import ModelStore, failure_path, record_path
-from flare_airflow.core.store_links import LinksError, SiteLinks, bucket_key, mint_site_links, site_bucket_policy
+from flare_airflow.core.store_links import (
+    LinksError,
+    SiteLinks,
+    arrived_parts,
+    bucket_key,
+    mint_site_links,
+    site_bucket_policy,
+    upload,
+)
 from flare_airflow.core.trust import CENTRAL, generate_keys
 from flare_airflow.core.trust.keys import party_dir
 from flare_airflow.core.trust.sealed import SealedOpenError
@@ -177,6 +189,71 @@ def test_an_update_beyond_one_put_goes_up_in_parts(s3, round_2, tmp_path):
     got = get(s3, slot)
     assert len(got) == update.size > 10 << 20
     assert json.loads(get(s3, record_path(slot)))["size"] == len(got)
+
+
+# A writer that SIGKILLs itself right after its second part arrived: a site worker killed midway.
+_KILLED_WRITER = """
+import os, pathlib, signal, sys
+from flare_airflow.core import store_links
+links = store_links.SiteLinks.from_json(pathlib.Path(sys.argv[1]).read_text(), "test")
+put, sent = store_links._put, []
+def put_then_die(*args, **kwargs):
+    sent.append(put(*args, **kwargs))
+    if len(sent) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sent[-1]
+store_links._put = put_then_die
+store_links.upload(links.update, pathlib.Path(sys.argv[2]), "killed writer")
+"""
+
+
+def test_an_upload_killed_midway_resumes_without_resending_what_arrived(s3, round_2, tmp_path):
+    job, store, run_id, _ = round_2
+    part = 5 << 20  # S3's smallest part
+    links = mint_site_links(
+        s3.client(), store, job=job.job, run_id=run_id, round_num=2, site="site-1", expires_in=600,
+        update_size=4 * part, single_put_limit=part, part_size=part,
+    )  # fmt: skip
+    assert links.update.listings and len(links.update.parts) == 5
+    rng = np.random.default_rng(7)
+    local = tmp_path / "update.bin"
+    local.write_bytes(rng.bytes(4 * part + 12345))  # the last part short
+    (tmp_path / "links.json").write_text(links.to_json())
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "links.json"), str(local)], check=False, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL
+    slot = store.site_update(job.job, run_id, 2, "site-1")
+    assert not s3.keys(bucket_key(slot)[1]), "a killed writer completes nothing"
+    assert sorted(arrived_parts(links.update, "test")) == [1, 2]
+
+    sent = upload(links.update, local, "the resumed writer")
+    assert sent == local.stat().st_size - 2 * part  # parts 1 and 2 were not sent again
+    assert get(s3, slot) == local.read_bytes()
+
+
+def test_a_resumed_upload_sends_again_a_part_whose_bytes_changed(s3, round_2, tmp_path):
+    """A retried site task that trained again writes other bytes: a listed part counts only if its
+    ETag is the MD5 of the part the new writer holds."""
+    job, store, run_id, _ = round_2
+    part = 5 << 20
+    links = mint_site_links(
+        s3.client(), store, job=job.job, run_id=run_id, round_num=2, site="site-2", expires_in=600,
+        update_size=2 * part, single_put_limit=part, part_size=part,
+    )  # fmt: skip
+    local = tmp_path / "update.bin"
+    first = np.random.default_rng(1).bytes(2 * part)
+    local.write_bytes(first)
+    _put_part(links.update, 1, first[:part])
+    _put_part(links.update, 2, first[part:])
+    second = first[:part] + np.random.default_rng(2).bytes(part)  # part 2 differs
+    local.write_bytes(second)
+    assert upload(links.update, local, "the retried writer") == part
+    assert get(s3, store.site_update(job.job, run_id, 2, "site-2")) == second
+
+
+def _put_part(up, n: int, piece: bytes) -> None:
+    httpx.put(up.parts[n - 1], content=piece, timeout=60).raise_for_status()
 
 
 @pytest.fixture(scope="module")

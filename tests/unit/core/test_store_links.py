@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from flare_airflow.core.store import ModelStore
@@ -52,3 +54,18 @@ def test_garbage_links_and_links_of_other_schemes_are_refused(tmp_path) -> None:
     local.write_bytes(b"1")
     with pytest.raises(LinksError, match="must be http"):
         upload(Upload(url="file:///etc/passwd"), local, "update")
+
+
+def test_a_multipart_upload_gets_one_listing_link_per_thousand_parts() -> None:
+    """What a resumed writer needs to learn which parts arrived: ListParts pages of 1,000 parts."""
+    client = Presigner()
+    store = ModelStore.from_uri("s3://flare/store")
+    links = mint_site_links(
+        client, store, job="j", run_id="r", round_num=1, site="site-1", expires_in=60,
+        update_size=12 << 30, single_put_limit=8 << 20, part_size=1 << 20,
+    )  # fmt: skip
+    parts = len(links.update.parts)
+    assert links.update.part_size == 5 << 20 and parts == 2_458  # S3's smallest part: (12 GiB + 1 MiB) / 5 MiB
+    assert len(links.update.listings) == math.ceil(parts / 1_000)
+    assert all("m=list_parts" in url for url in links.update.listings)
+    assert SiteLinks.from_json(links.to_json(), "x") == links
