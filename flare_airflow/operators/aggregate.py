@@ -47,7 +47,7 @@ from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
-from flare_airflow.operators.trust import open_reports, sign_global, verify_updates
+from flare_airflow.operators.trust import open_reports, seal_site_metrics, sign_global, verify_updates
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
@@ -289,7 +289,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
             [str(store.site_update(job.job, run_id, r, s)) for s in summary["accepted"]],
             [str(global_out)],
         )
-        return summary
+        return seal_site_metrics(summary, job=job.job, run_id=run_id)
 
     def _server_state(self, context: Context, store: Any, run_id: str) -> tuple[dict[str, Any], WritablePath]:
         """The previous round's server state (empty before round 1), its record checked against the

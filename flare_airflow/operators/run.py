@@ -35,7 +35,7 @@ from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
-from flare_airflow.operators.trust import sign_global, trust_settings
+from flare_airflow.operators.trust import open_site_metrics, sign_global, trust_settings
 
 
 def _resume_hint(context: Context, round_num: int) -> str:
@@ -127,6 +127,8 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
             raise AirflowFailException(f"the round 0 global model cannot be signed: {exc}") from None
         links = sealed_round_links(self.job, store, run_id, 1, record.size, self.log)
         result = {
+            # The job's name: what the central side's sealed values of this run are bound to.
+            "job": self.job.job,
             "global_uri": str(target),
             "sha256": record.sha256,
             "signed": signed,
@@ -422,10 +424,14 @@ class PublishOperator(LineageMixin, BaseOperator):
     @failure_to_xcom
     def execute(self, context: Context) -> dict[str, Any]:
         summaries = self._requested_rounds(context)
-        rows = [round_row(s, len(self.job.sites)) for s in summaries]
+        run_id = run_id_of(context)
+        try:
+            opened = [open_site_metrics(s, job=self.job.job, run_id=run_id) for s in summaries]
+        except TrustError as exc:
+            raise AirflowFailException(f"nothing published: {exc}") from None
+        rows = [round_row(s, len(self.job.sites)) for s in opened]
         last = summaries[-1]
         store = store_for(self.job)
-        run_id = run_id_of(context)
         params, record = read_artifact(store.resolve_uri(last["global_uri"]))
         if record.sha256 != last["sha256"]:
             raise AirflowFailException(
