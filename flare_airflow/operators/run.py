@@ -426,10 +426,11 @@ class PublishOperator(LineageMixin, BaseOperator):
         summaries = self._requested_rounds(context)
         run_id = run_id_of(context)
         try:
-            opened = [open_site_metrics(s, job=self.job.job, run_id=run_id) for s in summaries]
+            # Strict mode: each round's per-site metrics, sealed in XCom, for metrics.json and tracking.
+            summaries = [open_site_metrics(s, job=self.job.job, run_id=run_id) for s in summaries]
         except TrustError as exc:
             raise AirflowFailException(f"nothing published: {exc}") from None
-        rows = [round_row(s, len(self.job.sites)) for s in opened]
+        rows = [round_row(s, len(self.job.sites)) for s in summaries]
         last = summaries[-1]
         store = store_for(self.job)
         params, record = read_artifact(store.resolve_uri(last["global_uri"]))

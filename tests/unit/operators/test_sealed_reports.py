@@ -109,3 +109,30 @@ def test_the_rounds_per_site_metrics_are_sealed_and_the_runs_page_opens_them(job
     }
     # The per-site metrics the round's updates carried, opened: the page's per-site loss series.
     assert view.rows[0]["site_metrics"] == {s: {"loss": n / 10} for n, s in enumerate(SITES, 1)}
+
+
+def test_publish_opens_the_sealed_per_site_metrics_into_metrics_json(job, keys) -> None:
+    import collections
+    import types
+
+    from airflow.sdk import DAG
+
+    from flare_airflow.core.store import path_from_uri
+    from flare_airflow.operators.aggregate import AggregateOperator
+    from flare_airflow.operators.run import PublishOperator
+    from tests.unit.airflow_layer import context
+
+    _, ti, _ = setup_round(job, keys)
+    with DAG("flare_unit", schedule=None):
+        agg = AggregateOperator(
+            task_id="round_1.global_model", job=job, round_num=1, site_task_ids={s: task(s, 1) for s in SITES}
+        )
+        publish = PublishOperator(task_id="publish", job=job, aggregate_task_ids=["round_1.global_model"])
+    summary = agg.execute(context(ti))
+    assert isinstance(summary["site_metrics"], str)
+    ti.xcoms[("round_1.global_model", "return_value")] = summary
+    ctx = context(ti, rounds=1)
+    ctx["outlet_events"] = collections.defaultdict(types.SimpleNamespace)
+    out = publish.execute(ctx)
+    report = json.loads(path_from_uri(out["metrics"]).read_text())
+    assert report["rounds"][0]["site_metrics"] == {s: {"loss": n / 10} for n, s in enumerate(SITES, 1)}
