@@ -24,7 +24,8 @@ def round_row(summary: Mapping[str, Any], num_sites: int) -> dict[str, Any]:
         "rejected": dict(summary.get("rejected", {})),
         "num_samples": summary.get("num_samples"),
         "train_loss": loss,
-        "site_metrics": dict(summary.get("site_metrics", {})),
+        # Sealed (a string) when the summary comes from strict mode's XCom unopened: none shown.
+        "site_metrics": dict(site_metrics) if isinstance(site_metrics := summary.get("site_metrics"), Mapping) else {},
         "evaluation": dict(summary.get("evaluation", {})),
         "global_uri": summary.get("global_uri"),
         "sha256": summary.get("sha256"),

@@ -120,7 +120,9 @@ def round_points(summary: Mapping[str, Any]) -> dict[str, float]:
 
 def site_points(summary: Mapping[str, Any], site: str) -> dict[str, float]:
     """The points of one site in one round (step = round): the metrics its update carried."""
-    return _numbers((summary.get("site_metrics") or {}).get(site))
+    per_site = summary.get("site_metrics")
+    # Sealed (a string) in strict mode's XCom until the central side opens it: no points, no crash.
+    return _numbers(per_site.get(site)) if isinstance(per_site, Mapping) else {}
 
 
 def at_step(values: Mapping[str, float], step: int) -> Points:

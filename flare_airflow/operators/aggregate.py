@@ -44,7 +44,7 @@ from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
-from flare_airflow.operators.trust import open_reports, sign_global, verify_updates
+from flare_airflow.operators.trust import open_reports, seal_site_metrics, sign_global, verify_updates
 from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
@@ -72,7 +72,7 @@ def central_noise_secret(round_num: int) -> bytes:
             "noise), use another value than the sites' flare_noise_secret, then clear this task"
         )
     mask_secret(str(value), name)
-    problem = weak_secret_problem(str(value), name)
+    problem = weak_secret_problem(str(value), name, at_site=False)
     if problem is not None:
         raise AirflowFailException(f"round {round_num} not aggregated: {problem}")
     return str(value).encode()
@@ -280,7 +280,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
             [str(store.site_update(job.job, run_id, r, s)) for s in summary["accepted"]],
             [str(global_out)],
         )
-        return summary
+        return seal_site_metrics(summary, job=job.job, run_id=run_id)
 
     def _server_state(self, context: Context, store: ModelStore, run_id: str) -> tuple[dict[str, Any], WritablePath]:
         """The previous round's server state, checked against the digests the previous aggregation

@@ -37,7 +37,7 @@ from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
-from flare_airflow.operators.trust import sign_global
+from flare_airflow.operators.trust import open_site_metrics, sign_global, trust_settings
 
 
 def _resume_hint(context: Context, round_num: int) -> str:
@@ -129,6 +129,8 @@ class PrepareRunOperator(BaseOperator, SkipMixin):
             raise AirflowFailException(f"the round 0 global model cannot be signed: {exc}") from None
         links = sealed_round_links(self.job, store, run_id, 1, record.size, self.log)
         result = {
+            # The job's name: what the central side's sealed values of this run are bound to.
+            "job": self.job.job,
             "global_uri": str(target),
             "sha256": record.sha256,
             "signed": signed,
@@ -416,10 +418,15 @@ class PublishOperator(LineageMixin, BaseOperator):
     @failure_to_xcom
     def execute(self, context: Context) -> dict[str, Any]:
         summaries = self._requested_rounds(context)
+        run_id = run_id_of(context)
+        try:
+            # Strict mode: each round's per-site metrics, sealed in XCom, for metrics.json and tracking.
+            summaries = [open_site_metrics(s, job=self.job.job, run_id=run_id) for s in summaries]
+        except TrustError as exc:
+            raise AirflowFailException(f"nothing published: {exc}") from None
         rows = [round_row(s, len(self.job.sites)) for s in summaries]
         last = summaries[-1]
         store = store_for(self.job)
-        run_id = run_id_of(context)
         params, record = read_artifact(store.resolve_uri(last["global_uri"]))
         if record.sha256 != last["sha256"]:
             raise AirflowFailException(

@@ -91,6 +91,32 @@ def resolve_secret_env(job: JobConfig, site: str) -> dict[str, str]:
     return values
 
 
+class SiteVariableRefused(ConfigError):
+    """The API server refused a site task a variable the site keeps on its own worker (strict mode)."""
+
+
+def site_variable(name: str, what: str, how: str) -> str | None:
+    """The Airflow variable ``name`` as a site task resolves it: the worker's own environment and
+    secrets backend first, then the Execution API -- or None when nobody has it.
+
+    In strict mode the API server refuses a site task any variable its grant does not list, and
+    the Task SDK then raises instead of returning the default (an authoritative deny must not fall
+    through). That refusal means "not on this worker": raises :class:`SiteVariableRefused` saying
+    what ``what`` is and ``how`` to set it on the worker, instead of the SDK's bare exception.
+    """
+    from airflow.sdk import Variable
+    from airflow.sdk.exceptions import AirflowSecretsBackendAccessDenied
+
+    try:
+        value = Variable.get(name, default=None)
+    except AirflowSecretsBackendAccessDenied:
+        raise SiteVariableRefused(
+            f"{what}: the Airflow variable {name!r} is not in this worker's environment or secrets backend, and "
+            f"the API server refuses site tasks the central one (strict mode: a site keeps its own); {how}"
+        ) from None
+    return None if value is None else str(value)
+
+
 def noise_secret_for(run: SiteRun) -> str | None:
     """The site's noise secret when its privacy plan adds noise (else None), resolved on this
     worker from the Airflow variable the plan names and masked in logs.
@@ -100,31 +126,31 @@ def noise_secret_for(run: SiteRun) -> str | None:
     (:func:`~flare_airflow.core.privacy.filters.noise_key`), so a retry republishes the same
     release. Raises :class:`SiteJobFailed` saying how to create it when it is missing.
     """
-    from airflow.sdk import Variable
     from airflow.sdk.log import mask_secret
 
     from flare_airflow.core.privacy.plan import PrivacyPlan
+    from flare_airflow.core.privacy.secret import set_on_site_worker, weak_secret_problem
 
     if run.privacy is None:
         return None
     plan = PrivacyPlan.from_dict(run.privacy)
     if not plan.adds_noise:
         return None
-    value = Variable.get(plan.noise_secret_variable, default=None)
+    what = f"site {run.site!r}: its privacy plan adds noise, keyed by the site's secret"
+    how = f"{set_on_site_worker(plan.noise_secret_variable)}, and keep it for the run's lifetime"
+    try:
+        value = site_variable(plan.noise_secret_variable, what, how)
+    except SiteVariableRefused as exc:
+        raise SiteJobFailed(str(exc)) from None
     if not value:
         raise SiteJobFailed(
-            f"site {run.site!r}: its privacy plan adds noise, keyed by the site's secret in the Airflow variable "
-            f"{plan.noise_secret_variable!r}, which this worker does not have; create it on the site's worker "
-            f"(airflow variables set {plan.noise_secret_variable} <64 random hex digits>, a secrets backend, or "
-            f"AIRFLOW_VAR_{plan.noise_secret_variable.upper()}) and keep it for the run's lifetime"
+            f"{what} in the Airflow variable {plan.noise_secret_variable!r}, which this worker does not have; {how}"
         )
-    mask_secret(str(value), plan.noise_secret_variable)
-    from flare_airflow.core.privacy.secret import weak_secret_problem
-
-    problem = weak_secret_problem(str(value), plan.noise_secret_variable)
+    mask_secret(value, plan.noise_secret_variable)
+    problem = weak_secret_problem(value, plan.noise_secret_variable)
     if problem is not None:
         raise SiteJobFailed(f"site {run.site!r}: {problem}")
-    return str(value)
+    return value
 
 
 def check_site_budget(run: SiteRun) -> None:
@@ -151,17 +177,21 @@ def site_policy() -> SitePolicy | None:
 
     The policy file (:func:`site_policy_path`) if the worker names one, else the Airflow variable
     :data:`SITE_POLICY_VARIABLE`, looked up as Airflow looks up any variable from a task: the
-    worker's own ``AIRFLOW_VAR_FLARE_SITE_POLICY`` and secrets backend first, then the metastore.
+    worker's own ``AIRFLOW_VAR_FLARE_SITE_POLICY`` and secrets backend first, then the metastore
+    (which strict mode refuses to site tasks: :class:`SiteVariableRefused`, a ``ConfigError``).
     """
     path = site_policy_path()
     if path:
         return load_site_policy(path)
-    from airflow.sdk import Variable
-
-    text = Variable.get(SITE_POLICY_VARIABLE, default=None)
+    text = site_variable(
+        SITE_POLICY_VARIABLE,
+        "this worker's site policy",
+        f"set AIRFLOW_VAR_{SITE_POLICY_VARIABLE.upper()} (the policy as YAML or JSON) in the environment of the "
+        f"site's worker, or point ${SITE_CONFIG_ENV} or [flare] site_config there at the policy file",
+    )
     if text is None:
         return None
-    return site_policy_from_text(str(text), f"Airflow variable {SITE_POLICY_VARIABLE}")
+    return site_policy_from_text(text, f"Airflow variable {SITE_POLICY_VARIABLE}")
 
 
 def job_at_site(job: JobConfig, site: str, context: Context, round_num: int) -> JobConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -107,3 +108,93 @@ def verify_updates(
         if payload is not None and payload.get("blake3") and not summary.get("blake3"):
             blake3[site] = str(payload["blake3"])
     return accepted, blake3, refused
+
+
+#: The aggregation summary's per-site metrics: every site's metrics, sealed to the central box key
+#: in strict mode (the summary is XCom, which every site task can read).
+SITE_METRICS_KEY = "site_metrics"
+
+
+def seal_site_metrics(summary: Mapping[str, Any], *, job: str, run_id: str) -> dict[str, Any]:
+    """The aggregation's summary as it goes to XCom: in strict mode its per-site metrics sealed to
+    the central box key for (job, run, round), so only the central side (publish, tracking, the runs
+    page) reads them; unchanged on one machine. Fails the task when the central box key is missing
+    (strict mode): the metrics must not go out in clear instead."""
+    out = dict(summary)
+    metrics = out.get(SITE_METRICS_KEY)
+    if not trust_settings().strict or not isinstance(metrics, Mapping):
+        return out
+    from flare_airflow.core.trust.keys import key_id
+    from flare_airflow.core.trust.sealed import load_box_key, seal, site_metrics_context
+
+    try:
+        public = load_box_key(Path(trust_settings().key_dir), CENTRAL).public_key()
+    except TrustError as exc:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"round {out.get('round')}: the per-site metrics cannot be sealed: {exc}") from None
+    context = site_metrics_context(job, run_id, int(out["round"]))
+    out[SITE_METRICS_KEY] = seal(public, key_id(CENTRAL, public), json.dumps(dict(metrics)).encode(), context=context)
+    return out
+
+
+def open_site_metrics(summary: Mapping[str, Any], *, job: str, run_id: str) -> dict[str, Any]:
+    """An aggregation summary with its sealed per-site metrics opened (central side only); a
+    summary in clear is returned as is. Raises ``TrustError`` when they do not open here."""
+    out = dict(summary)
+    sealed = out.get(SITE_METRICS_KEY)
+    if not isinstance(sealed, str):
+        return out
+    from flare_airflow.core.trust.sealed import load_box_key, open_sealed, site_metrics_context
+
+    r = out.get("round")
+    what = f"round {r}'s per-site metrics"
+    box = load_box_key(Path(trust_settings().key_dir), CENTRAL)
+    text = open_sealed(box, sealed, context=site_metrics_context(job, run_id, int(str(r))), what=what)
+    try:
+        metrics = json.loads(text)
+    except ValueError:
+        raise TrustError(f"{what} opened but are not JSON") from None
+    if not isinstance(metrics, dict):
+        raise TrustError(f"{what} opened but are not a site -> metrics object")
+    out[SITE_METRICS_KEY] = metrics
+    return out
+
+
+def open_run_xcoms(xcoms: Mapping[str, Any], *, prefix: str, run_id: str) -> tuple[dict[str, Any], list[str]]:
+    """A run's XComs (task id -> return value) as the central side reads them: each site task's
+    sealed report and each round's sealed per-site metrics opened with the central box key, for the
+    job the ``prepare`` task names. Returns (xcoms, why each sealed value that did not open did not):
+    a value that does not open is left sealed -- its figures stay unknown, never guessed."""
+    job = (xcoms.get(prefix + "prepare") or {}).get("job") if isinstance(xcoms.get(prefix + "prepare"), dict) else None
+    out = dict(xcoms)
+    problems: list[str] = []
+    if not isinstance(job, str):
+        return out, problems
+    task = re.compile(rf"^{re.escape(prefix)}round_(\d+)\.([^.]+)\Z")
+    by_round: dict[int, dict[str, str]] = {}
+    for task_id, value in xcoms.items():
+        m = task.match(task_id)
+        if m is None or not isinstance(value, dict):
+            continue
+        if isinstance(value.get(SITE_METRICS_KEY), str):
+            try:
+                out[task_id] = open_site_metrics(value, job=job, run_id=run_id)
+            except (TrustError, ValueError) as exc:
+                problems.append(f"{task_id}: {exc}")
+        else:
+            by_round.setdefault(int(m.group(1)), {})[m.group(2)] = task_id
+    from flare_airflow.core.trust.sealed import REPORT_KEY
+
+    for r, tasks in by_round.items():
+        sealed = {site: xcoms[t] for site, t in tasks.items() if REPORT_KEY in xcoms[t]}
+        if not sealed:
+            continue
+        try:
+            opened, refused = open_reports(sealed, job=job, run_id=run_id, round_num=r)
+        except TrustError as exc:  # the central box key is not on this server
+            problems.append(f"round {r}: {exc}")
+            continue
+        out.update({tasks[site]: summary for site, summary in opened.items()})
+        problems += [f"{tasks[site]}: {why}" for site, why in refused.items()]
+    return out, problems

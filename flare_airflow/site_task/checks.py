@@ -352,6 +352,7 @@ def apply_privacy(
     from flare_airflow.core.model import FLModel, ParamsType, read_artifact, write_artifact
     from flare_airflow.core.privacy.filters import PrivacyRefused, noise_key
     from flare_airflow.core.privacy.plan import PrivacyPlan, charge_release, release
+    from flare_airflow.core.privacy.secret import set_on_site_worker
 
     assert run.privacy is not None
     plan = PrivacyPlan.from_dict(run.privacy)
@@ -360,10 +361,9 @@ def apply_privacy(
     if plan.adds_noise:
         if not noise_secret:
             raise PrivacyRefused(
-                f"{where}: the site's privacy plan adds noise but its noise secret (Airflow variable "  # noqa: S608
+                f"{where}: the site's privacy plan adds noise but its noise secret (Airflow variable "
                 f"{plan.noise_secret_variable!r}) was not available on this worker; the update is not published. "
-                f"Create it on the site's worker: airflow variables set {plan.noise_secret_variable} "
-                "\"$(python -c 'import secrets; print(secrets.token_hex(32))')\""
+                f"Create it: {set_on_site_worker(plan.noise_secret_variable)}"
             )
         key = noise_key(noise_secret.encode(), run.job, run.run_id, run.round, run.site)
     global_params, _ = read_artifact(path_from_uri(run.global_model))

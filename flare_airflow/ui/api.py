@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from flare_airflow.core.page_paths import file_path, segment
 from flare_airflow.core.report import read_metrics
 from flare_airflow.core.store import ModelStore, run_component
 from flare_airflow.operators.common import FAILURE_XCOM_KEY, default_store_uri
+from flare_airflow.operators.trust import open_run_xcoms
 from flare_airflow.ui import page
 from flare_airflow.ui.view import (
     FEDERATED_TAG,
@@ -46,6 +48,8 @@ from flare_airflow.ui.view import (
     latest_announcements,
     mark_used_by,
 )
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 MAX_CONCURRENT_CALLS = 8
@@ -303,7 +307,12 @@ async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView
     outputs = await run_in_threadpool(_outputs, run_id, reads.xcoms.get(prefix + "publish"))
     metrics = await run_in_threadpool(_read_metrics, outputs["metrics"]) if "metrics" in outputs else None
     mlflow_ui = (conf.get("flare_airflow", "mlflow_ui_url", fallback="") or "").strip() or None
-    view = build_run_view(dag_id, reads.run, reads.task_instances, reads.xcoms, metrics, reads.failures, mlflow_ui)
+    # Strict mode: the sites' reports and the rounds' per-site metrics are sealed to the central box
+    # key in XCom; this page runs on the central API server, which opens them (sites cannot).
+    xcoms, unopened = await run_in_threadpool(open_run_xcoms, reads.xcoms, prefix=prefix, run_id=run_id)
+    for problem in unopened:
+        log.warning("runs page: %s/%s: %s", dag_id, run_id, problem)
+    view = build_run_view(dag_id, reads.run, reads.task_instances, xcoms, metrics, reads.failures, mlflow_ui)
     downloads = await run_in_threadpool(_describe, ui_base(), dag_id, run_id, outputs)
     return view, downloads
 

@@ -189,7 +189,7 @@ def build_run_view(
             epsilon=_epsilon(summary),
             strategy=str(summary["strategy"]) if isinstance(summary.get("strategy"), str) else None,
         )
-        site_metrics = dict(summary.get("site_metrics") or {})
+        site_metrics = dict(_mapping(summary.get("site_metrics")))  # sealed (a str) until opened
         for site in sites:
             task_id = f"{prefix}round_{r}.{site}"
             ti = task_instances.get(task_id, {})

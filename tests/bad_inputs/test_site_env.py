@@ -27,7 +27,7 @@ OK = (
     "flare.send(flare.FLModel(params=m.params, meta={'num_samples': 1}))\n"
 )
 
-CASES = [
+RUNNER_CASES = [
     Case("site-cwd-missing", "site_env", "launcher_spec.process.cwd does not exist on the host",
          "the working directory '{tmp}/nowhere' does not exist on this host; "
          "create it or change the site's launcher_spec.process.cwd"),
@@ -69,7 +69,24 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+# What a site task resolves on its worker in strict mode (a key registry on the API server): a
+# variable the worker lacks is refused by the API server instead of read from the central metastore.
+STRICT_CASES = [
+    Case("site-strict-noise-secret-not-on-worker", "site_env",
+         "strict mode, privacy adds noise, the site's worker has no AIRFLOW_VAR_FLARE_NOISE_SECRET",
+         "'flare_noise_secret' is not in this worker's environment or secrets backend, and the API server refuses "
+         "site tasks the central one (strict mode: a site keeps its own); set AIRFLOW_VAR_FLARE_NOISE_SECRET=\""),
+    Case("site-strict-policy-not-on-worker", "site_env",
+         "strict mode, the site's worker has no policy file and no AIRFLOW_VAR_FLARE_SITE_POLICY",
+         "set AIRFLOW_VAR_FLARE_SITE_POLICY (the policy as YAML or JSON) in the environment of the site's worker"),
+    Case("site-noise-secret-missing", "site_env",
+         "privacy adds noise, no flare_noise_secret anywhere (one-machine mode)",
+         "which this worker does not have; set AIRFLOW_VAR_FLARE_NOISE_SECRET=\"$(python -c"),
+]  # fmt: skip
+CASES = [*RUNNER_CASES, *STRICT_CASES]
+
+
+@pytest.mark.parametrize("case", RUNNER_CASES, ids=[c.id for c in RUNNER_CASES])
 def test_site_env_case(case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = tmp_path / "store"
     global_model = store / "round-0000" / "global.safetensors"
@@ -163,3 +180,45 @@ def test_a_trainer_printing_its_secret_shows_stars_in_every_line(tmp_path: pathl
     assert rc is JobReturnCode.EXECUTION_ERROR
     assert any("first line: ***" in line for line in lines), lines
     assert canary not in "\n".join(lines) + str(result)
+
+
+class _Refusing:
+    """The Task SDK's channel to the Execution API, answering every request as the strict-mode
+    API server answers a site task's request for a variable its grant does not list."""
+
+    def send(self, msg: object) -> object:
+        from airflow.sdk.exceptions import ErrorType
+        from airflow.sdk.execution_time.comms import ErrorResponse
+
+        return ErrorResponse(error=ErrorType.PERMISSION_DENIED, detail={"message": "refused by flare-airflow"})
+
+
+@pytest.mark.parametrize("case", STRICT_CASES, ids=[c.id for c in STRICT_CASES])
+def test_a_site_variable_missing_on_the_worker_says_what_to_set_there(
+    case: Case, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow.sdk.execution_time import task_runner
+
+    from flare_airflow.core.errors import ConfigError
+    from flare_airflow.operators.site_steps import SiteJobFailed, noise_secret_for, site_policy
+    from tests.unit.airflow_layer import make_job
+
+    for name in ("AIRFLOW_VAR_FLARE_NOISE_SECRET", "AIRFLOW_VAR_FLARE_SITE_POLICY", "FLARE_SITE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    if case.id.startswith("site-strict-"):
+        # The real SDK chain (worker env, then the Execution API) with the API server's refusal.
+        monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", _Refusing(), raising=False)
+    job = make_job(
+        tmp_path,
+        privacy={"filters": [{"type": "gaussian", "clip": 1.0, "noise_multiplier": 1.0}], "delta": 1.0e-5},
+    )
+    plan = job.privacy_plan("site-1")
+    assert plan is not None
+    run = type("Run", (), {"site": "site-1", "privacy": plan.to_dict()})()
+    with pytest.raises((SiteJobFailed, ConfigError)) as info:
+        site_policy() if case.id == "site-strict-policy-not-on-worker" else noise_secret_for(run)  # type: ignore[arg-type]
+    if case.id == "site-strict-policy-not-on-worker":
+        # A ConfigError: job_at_site turns it into the site's failure record, as any bad policy.
+        assert isinstance(info.value, ConfigError)
+    assert_clear(case, str(info.value))
+    assert "airflow variables set" not in str(info.value)

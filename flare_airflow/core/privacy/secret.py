@@ -17,6 +17,18 @@ MIN_SECRET_BITS = 128
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
 
+def set_on_site_worker(variable: str) -> str:
+    """How a site admin sets the site's secret ``variable``: in the worker's own environment.
+
+    Never ``airflow variables set``: a site worker has no metadata database, and a value put in the
+    central one would be the central side's to read (and, in strict mode, is refused to site tasks).
+    """
+    return (
+        f'set AIRFLOW_VAR_{variable.upper()}="$({MAKE_ONE})" in the environment of the site\'s worker '
+        "(or its own secrets backend) and restart the worker"
+    )
+
+
 def estimated_bits(value: str) -> float:
     """Length x the empirical entropy (bits per character) of ``value``."""
     if not value:
@@ -27,13 +39,17 @@ def estimated_bits(value: str) -> float:
     return n * per_char
 
 
-def weak_secret_problem(value: str, variable: str) -> str | None:
-    """Why the secret in Airflow variable ``variable`` is too weak, or None. Never quotes the value."""
+def weak_secret_problem(value: str, variable: str, *, at_site: bool = True) -> str | None:
+    """Why the secret in Airflow variable ``variable`` is too weak, or None. Never quotes the value.
+
+    ``at_site``: a site's secret (set on the site's worker); else the central side's (set where
+    the aggregation runs, which has the metadata database)."""
     bits = estimated_bits(value)
     if bits >= MIN_SECRET_BITS:
         return None
     return (
         f"the noise secret in the Airflow variable {variable!r} is too weak: about {bits:.0f} bits of entropy "
         f"({len(value)} characters), below the {MIN_SECRET_BITS} bits that keep the noise from being guessed and "
-        f'subtracted; replace it with 32 random bytes as hex: airflow variables set {variable} "$({MAKE_ONE})"'
+        "subtracted; replace it with 32 random bytes as hex: "
+        + (set_on_site_worker(variable) if at_site else f'airflow variables set {variable} "$({MAKE_ONE})"')
     )

@@ -61,6 +61,11 @@ def report_context(job: str, run_id: str, round_num: int, site: str) -> bytes:
     return seal_context("site-report", job=job, run_id=run_id, round=round_num, site=site)
 
 
+def site_metrics_context(job: str, run_id: str, round_num: int) -> bytes:
+    """What a round's sealed per-site metrics (the aggregation's XCom) are bound to: this (job, run, round)."""
+    return seal_context("site-metrics", job=job, run_id=run_id, round=round_num)
+
+
 def links_context(job: str, run_id: str, round_num: int, site: str) -> bytes:
     """What a site's sealed store links are bound to: they open for this (job, run, round, site) only."""
     return seal_context("store-links", job=job, run_id=run_id, round=round_num, site=site)

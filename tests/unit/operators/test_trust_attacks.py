@@ -63,7 +63,7 @@ def setup_round(job, key_dir: pathlib.Path, r: int = 1) -> tuple[ModelStore, Fak
     for n, site in enumerate(SITES, 1):
         record = write_artifact(
             store.site_update(job.job, RUN_ID, r, site),
-            FLModel(params={"w": np.full(3, float(n), np.float32)}, meta={"num_samples": 10}),
+            FLModel(params={"w": np.full(3, float(n), np.float32)}, metrics={"loss": n / 10}, meta={"num_samples": 10}),
         )
         records[site] = record
         ti.xcoms[(task(site, r), "return_value")] = {
