@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
@@ -94,7 +94,9 @@ def make_token_key(path: pathlib.Path) -> None:
     path.write_bytes(pem)
 
 
-def enrol(central_root: pathlib.Path, workers: list[EdgeWorker]) -> pathlib.Path:
+def enrol(
+    central_root: pathlib.Path, workers: list[EdgeWorker], store_endpoint: Callable[[EdgeWorker], str] | None = None
+) -> pathlib.Path:
     """The guide's 'Keys, the registry and what a site may ask' for this deployment: each site's
     keys made at its worker, the central keys and token key at the central side, every public key
     enrolled in one registry with each site's grant (its queue, its worker's name), and the
@@ -103,11 +105,16 @@ def enrol(central_root: pathlib.Path, workers: list[EdgeWorker]) -> pathlib.Path
     from flare_airflow.core.trust.keys import party_dir
 
     make_token_key(central_root / "central" / "jwt.pem")
-    keys = generate_keys(CENTRAL, party_dir(central_root / "keys", CENTRAL), box=False).jwks["keys"]
-    grants = {}
+    # The central box key: sites seal their reports (counts, metrics, privacy spent) to it.
+    keys = generate_keys(CENTRAL, party_dir(central_root / "keys", CENTRAL)).jwks["keys"]
+    grants: dict[str, dict[str, Any]] = {}
     for w in workers:
         keys += generate_keys(w.site, party_dir(w.root / "keys", w.site)).jwks["keys"]
         grants[w.site] = {"queues": [w.queue], "workers": [w.name]}
+        if store_endpoint is not None:
+            # Each site sees the central side at an address of its own link: its store links are
+            # signed for that address.
+            grants[w.site]["store_endpoint"] = store_endpoint(w)
     registry = central_root / "registry.json"
     registry.write_text(json.dumps({"keys": keys, "flare_sites": grants}, indent=1))
     for w in workers:
@@ -269,7 +276,9 @@ class EdgeDeployment:
         port = free_port()
         self.central_root = root / "central"
         try:
-            self.s3 = S3Server(host, prefix=central)
+            # Sites reach the store only through the links the central side presigned (strict mode):
+            # moto with IAM on answers presigned URLs with HTTP 500 (flare_airflow_testing/s3_server.py).
+            self.s3 = S3Server(host, prefix=central, enforce_iam=False)
             self.pg = Postgres(prefix=central)
             extra = central_env(f"http://{host}:{port}", self.central_root)
             self.stack = AirflowStack(root, self.pg.url, extra_env=extra, prefix=central, host=host, port=port)
@@ -296,7 +305,11 @@ class EdgeDeployment:
             )
             for site in sites
         }
-        self.registry = enrol(self.central_root, list(self.workers.values()))
+        self.registry = enrol(
+            self.central_root,
+            list(self.workers.values()),
+            (lambda w: f"http://{w.central}:{self.s3.port}") if self.ns else None,
+        )
 
     def _remove_namespaces(self) -> None:
         if self.ns is not None:

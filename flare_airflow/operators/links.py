@@ -47,15 +47,16 @@ def link_seconds() -> int:
     return seconds
 
 
-def central_client(job: JobConfig) -> Any:
-    """An S3 client with the central side's store connection, signing links with SigV4."""
+def central_client(job: JobConfig, endpoint_url: str | None = None) -> Any:
+    """An S3 client with the central side's store connection, signing links with SigV4 for
+    ``endpoint_url`` (a site's own view of the store, its grant's ``store_endpoint``) or the connection's."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
     from botocore.config import Config
 
     hook = S3Hook(aws_conn_id=job.store_conn_id)
     return hook.get_session().client(
         "s3",
-        endpoint_url=hook.conn_config.endpoint_url,
+        endpoint_url=endpoint_url or hook.conn_config.endpoint_url,
         region_name=hook.conn_region_name,
         config=Config(signature_version="s3v4"),
     )
@@ -76,9 +77,13 @@ def mint_round_links(
     settings = trust_settings()
     if not presigns(store) or not settings.strict:
         return None
+    from flare_airflow.core.trust.grants import Grants
+
     registry = settings.registry()
+    assert settings.registry_path is not None  # strict
+    grants = Grants.from_file(Path(settings.registry_path))
     seconds = link_seconds()
-    client = client if client is not None else central_client(job)
+    clients: dict[str | None, Any] = {None: client if client is not None else central_client(job)}
     sealed: dict[str, str] = {}
     for site in sorted(job.sites):
         try:
@@ -88,8 +93,12 @@ def mint_round_links(
                 "round %d: no store links for site %s: %s; it needs its own store connection", round_num, site, exc
             )
             continue
+        grant = grants.grant(site)
+        endpoint = grant.store_endpoint if grant is not None else None
+        if endpoint not in clients:
+            clients[endpoint] = central_client(job, endpoint)
         links = mint_site_links(
-            client, store, job=job.job, run_id=run_id, round_num=round_num, site=site,
+            clients[endpoint], store, job=job.job, run_id=run_id, round_num=round_num, site=site,
             expires_in=seconds, update_size=global_size,
         )  # fmt: skip
         context = links_context(job.job, run_id, round_num, site)

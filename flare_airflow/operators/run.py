@@ -37,7 +37,7 @@ from flare_airflow.operators.lineage import LineageMixin
 from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
-from flare_airflow.operators.trust import open_site_metrics, sign_global, trust_settings
+from flare_airflow.operators.trust import open_site_metrics, sign_global
 
 
 def _resume_hint(context: Context, round_num: int) -> str:

@@ -167,19 +167,13 @@ def test_every_site_runs_on_its_own_worker_and_the_model_matches_one_machine(
 
 
 @pytest.mark.parametrize(
-    ("start", "expected"),
-    [
-        (
-            {"secret": "not-the-secret"},
-            ["the model store s3://site_store@flare/store could not be used from this worker", "Forbidden"],
-        ),
-        ({"connection": False}, ["connection 'site_store' is not defined on this worker", "AIRFLOW_CONN_SITE_STORE"]),
-    ],
-    ids=["wrong-secret", "no-connection"],
+    "start", [{"secret": "not-the-secret"}, {"connection": False}], ids=["wrong-secret", "no-connection"]
 )
-def test_wrong_or_missing_store_credentials_fail_that_site_with_the_reason_and_the_round_holds(
-    deployment: EdgeDeployment, start: dict[str, Any], expected: list[str]
+def test_a_site_with_a_wrong_or_no_store_credential_trains_through_its_links(
+    deployment: EdgeDeployment, start: dict[str, Any]
 ) -> None:
+    """Sites need no store credential: each round's global model and the site's own slot come as
+    links the central side minted and sealed to the site's box key (docs/model-store.md)."""
     worker = deployment.workers["site-4"]
     worker.stop()
     worker.start(**start)
@@ -189,14 +183,10 @@ def test_wrong_or_missing_store_credentials_fail_that_site_with_the_reason_and_t
     finally:
         worker.stop()
         worker.start()
-    assert tis["round_1.site-4"]["state"] == "failed"
+    assert tis["round_1.site-4"]["state"] == "success", _xcom(deployment, run_id, "round_1.site-4", "failure")
     assert tis["round_1.site-4"]["hostname"] == "site-4-worker"
-    assert {tis[f"round_1.{s}"]["state"] for s in SITES[:3]} == {"success"}
     assert tis["round_1.global_model"]["state"] == "success" and tis["publish"]["state"] == "success"
-    reason = _xcom(deployment, run_id, "round_1.site-4", "failure")
-    assert all(text in reason for text in expected), reason
-    assert "connection 'site_store'" in reason, reason
-    assert _xcom(deployment, run_id, "round_1.global_model", "return_value")["accepted"] == SITES[:3]
+    assert _xcom(deployment, run_id, "round_1.global_model", "return_value")["accepted"] == SITES
     deployment.wait_workers({"site-4"})
 
 

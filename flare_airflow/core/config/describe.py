@@ -21,7 +21,10 @@ class KeyLinesLike(Protocol):
 
 MAX_REPR = 80
 MAX_ERROR_LINES = 20
-MAX_ERROR_LINE = 400
+# Values are clipped to MAX_REPR already; a line is capped so a hostile file cannot flood the log.
+# 700: the longest messages (a site's watch and store together, what to do) plus a deep job path
+# (a pytest-xdist worker's temp dir) stayed whole only above 600; at 400 their middle was cut.
+MAX_ERROR_LINE = 700
 
 
 def short_repr(value: Any, limit: int = MAX_REPR) -> str:

@@ -16,6 +16,7 @@ Fail closed: a queue or worker name claimed by two sites, or a site with no queu
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ from flare_airflow.core.trust.registry import MAX_REGISTRY_BYTES, Registry
 
 SECTION = "flare_sites"
 _FIELDS = ("queues", "workers", "variables", "connections")
+# Where the site reaches the object store, when that is not where the central side does (a split
+# view of the network): its store links are signed for this endpoint (SigV4 signs the host).
+_ENDPOINT = "store_endpoint"
+_ENDPOINT_FORM = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+/?\Z")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class SiteGrant:
     workers: tuple[str, ...]
     variables: frozenset[str] = frozenset()
     connections: frozenset[str] = frozenset()
+    store_endpoint: str | None = None
 
     def may_resolve(self, kind: str, name: str) -> bool:
         return name in (self.variables if kind == "variable" else self.connections)
@@ -82,8 +88,13 @@ class Grants:
         sites: dict[str, SiteGrant] = {}
         for site in enrolled:
             entry = section.get(site, {})
-            if not isinstance(entry, dict) or set(entry) - set(_FIELDS):
-                raise RegistryError(f"{where}: {SECTION}[{site!r}] may hold only {list(_FIELDS)}")
+            if not isinstance(entry, dict) or set(entry) - {*_FIELDS, _ENDPOINT}:
+                raise RegistryError(f"{where}: {SECTION}[{site!r}] may hold only {[*_FIELDS, _ENDPOINT]}")
+            endpoint = entry.get(_ENDPOINT)
+            if endpoint is not None and not (isinstance(endpoint, str) and _ENDPOINT_FORM.match(endpoint)):
+                raise RegistryError(
+                    f"{where}: {SECTION}[{site!r}].{_ENDPOINT} must be an http(s)://host[:port] URL, got {endpoint!r}"
+                )
             lists = {f: _names(entry.get(f), f"{where}: {SECTION}[{site!r}].{f}") for f in _FIELDS}
             queues = lists["queues"] if "queues" in entry else (site,)
             if not queues:
@@ -94,6 +105,7 @@ class Grants:
                 workers=lists["workers"] if "workers" in entry else (default_worker(site),),
                 variables=frozenset(lists["variables"]),
                 connections=frozenset(lists["connections"]),
+                store_endpoint=endpoint,
             )
         _unique(sites.values(), "queues", where)
         _unique(sites.values(), "workers", where)

@@ -332,7 +332,7 @@ def test_a_site_task_without_any_store_connection_runs_its_round_through_its_lin
     from flare_airflow.operators.site_steps import SiteJobFailed
     from flare_airflow.operators.trust import sign_global
     from tests.unit.airflow_layer import RUN_ID, FakeTI, context
-    from tests.unit.operators.test_lifecycle import FakeLauncher, fake_operator
+    from tests.unit.operators.test_lifecycle import FakeLauncher, fake_task
 
     job = make_job(tmp_path, store=STORE, sites={s: {} for s in SITES})
     assert job.store_conn_id is None  # nothing on this worker could reach the store by itself
@@ -348,7 +348,7 @@ def test_a_site_task_without_any_store_connection_runs_its_round_through_its_lin
         "sha256": record.sha256, "signed": sign_global(job.job, RUN_ID, 0, record), LINKS_KEY: sealed,
     }  # fmt: skip
     launcher = FakeLauncher(JobReturnCode.EXECUTION_ERROR)
-    task = fake_operator(job, launcher, stages=True)
+    task = fake_task(job, launcher, stages=True)
     task.global_task_id = "prepare"
     with pytest.raises(SiteJobFailed, match=r"EXECUTION_ERROR"):
         task.execute(context(ti))

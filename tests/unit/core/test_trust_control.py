@@ -61,11 +61,19 @@ def test_grants_default_to_the_sites_queue_and_worker_and_nothing_central(keys: 
         ({"site-9": {}}, "no enrolled signing key"),
         ({"site-1": {"queue": ["q"]}}, "may hold only"),
         ({"site-1": {"variables": "x"}}, "must be a list of names"),
+        ({"site-1": {"store_endpoint": "file:///etc"}}, "must be an http"),
+        ({"site-1": {"store_endpoint": "http://h/ x"}}, "must be an http"),
     ],
 )
 def test_ambiguous_or_unknown_grants_are_refused(keys: dict[str, Any], sites: dict[str, Any], message: str) -> None:
     with pytest.raises(RegistryError, match=message):
         _registry(keys, sites)
+
+
+def test_a_grant_may_name_the_sites_own_view_of_the_store(keys: dict[str, Any]) -> None:
+    _, grants, _ = _registry(keys, {"site-1": {"store_endpoint": "http://10.1.1.1:9000"}})
+    assert grants.grant("site-1").store_endpoint == "http://10.1.1.1:9000"  # type: ignore[union-attr]
+    assert grants.grant("site-2").store_endpoint is None  # type: ignore[union-attr]
 
 
 def test_a_site_token_verifies_and_names_its_site(keys: dict[str, Any]) -> None:
