@@ -36,6 +36,7 @@ def get_provider_info() -> dict[str, Any]:
                     "flare_airflow.operators.sweep",
                     "flare_airflow.operators.nvflare_native",
                     "flare_airflow.operators.data_ready",
+                    "flare_airflow.operators.data_watch",
                 ],
             }
         ],
