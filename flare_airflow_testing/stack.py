@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -253,6 +254,23 @@ class AirflowStack:
         for p in self.procs:  # anything left in the groups (task processes)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def scheduler_stack(root: pathlib.Path, env: dict[str, str] | None = None, **kwargs: Any) -> Iterator[AirflowStack]:
+    """A private PostgreSQL and an Airflow stack on it (``kwargs`` go to :class:`AirflowStack`,
+    ``env`` into its environment), started; both stopped afterwards, also when the start fails."""
+    pg = Postgres()
+    try:
+        airflow = AirflowStack(root / "af", pg.url, **kwargs)
+        airflow.env.update(env or {})
+        airflow.start()
+        try:
+            yield airflow
+        finally:
+            airflow.stop()
+    finally:
+        pg.stop()
 
 
 class _MigratedDatabase:

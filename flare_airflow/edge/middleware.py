@@ -23,6 +23,7 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -51,15 +52,12 @@ def _registry_path() -> str | None:
 def _trust(path: str) -> tuple[Any, Any]:
     """(Registry, Grants) of the registry file, read again when it changes: a revocation or a new
     grant holds from the next request, without restarting the API server."""
-    from flare_airflow.core.trust.grants import Grants
-    from flare_airflow.core.trust.registry import Registry
+    from flare_airflow.core.trust.grants import read_registry
 
     stamp = (path, os.stat(path).st_mtime_ns)
     if _cache.get("stamp") != stamp:
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read())
-        registry = Registry.from_jwks(data, path)
-        _cache.update(stamp=stamp, registry=registry, grants=Grants.from_registry(data, registry))
+        registry, grants = read_registry(Path(path))
+        _cache.update(stamp=stamp, registry=registry, grants=grants)
     return _cache["registry"], _cache["grants"]
 
 

@@ -47,6 +47,15 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+def _read(call: Callable[..., Any], path: str, what: str, **params: Any) -> Any:
+    """``GET path`` as JSON; an answer >= 400 raises: an unread history must never look empty
+    (the watch would decide on no data and start nothing, or the wrong run)."""
+    resp = call("GET", path, params=params)
+    if resp.status_code >= 400:
+        raise DataHistoryError(f"cannot read {what} ({resp.status_code}: {resp.text[:200]})")
+    return resp.json()
+
+
 def data_history(
     call: Callable[..., Any], dag_id: str, prepare_task_id: str, *, skip_run: str | None = None
 ) -> DataHistory:
@@ -56,10 +65,10 @@ def data_history(
     the calling run, which is not "earlier".
     """
     history = DataHistory()
-    resp = call("GET", f"/api/v2/dags/{dag_id}/dagRuns", params={"order_by": "-run_after", "limit": _RUNS_LOOKED_AT})
-    if resp.status_code >= 400:
-        raise DataHistoryError(f"cannot read the runs of {dag_id} ({resp.status_code}: {resp.text[:200]})")
-    for run in resp.json().get("dag_runs", []):
+    runs = _read(
+        call, f"/api/v2/dags/{dag_id}/dagRuns", f"the runs of {dag_id}", order_by="-run_after", limit=_RUNS_LOOKED_AT
+    )
+    for run in runs.get("dag_runs", []):
         run_id = run.get("dag_run_id")
         if run_id == skip_run or not isinstance(run_id, str):
             continue
@@ -81,13 +90,13 @@ def data_history(
             if isinstance(seen, Mapping) and "reason" not in seen and seen.get("version") and seen.get("announced_at"):
                 key = announcement_id(str(site), str(seen["version"]), str(seen["announced_at"]))
                 history.used.setdefault(key, run_id)  # newest first: a re-run keeps its first user
-    found = call("GET", "/api/v2/assets", params={"name_pattern": SITE_DATA_ASSET, "limit": 10})
-    ids = [a["id"] for a in found.json().get("assets", []) if a.get("name") == SITE_DATA_ASSET]
+    found = _read(call, "/api/v2/assets", "the site-data asset", name_pattern=SITE_DATA_ASSET, limit=10)
+    ids = [a["id"] for a in found.get("assets", []) if a.get("name") == SITE_DATA_ASSET]
     if ids:
-        events = call(
-            "GET", "/api/v2/assets/events", params={"asset_id": ids[0], "limit": 500, "order_by": "-timestamp"}
+        events = _read(
+            call, "/api/v2/assets/events", "the sites' announcements", asset_id=ids[0], limit=500, order_by="-timestamp"
         )
-        for event in events.json().get("asset_events", []):
+        for event in events.get("asset_events", []):
             history.events.append(
                 {"partition_key": event.get("partition_key"), "extra": event.get("extra") or {},
                  "timestamp": event.get("timestamp")}

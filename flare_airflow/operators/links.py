@@ -77,11 +77,10 @@ def mint_round_links(
     settings = trust_settings()
     if not presigns(store) or not settings.strict:
         return None
-    from flare_airflow.core.trust.grants import Grants
+    from flare_airflow.core.trust.grants import read_registry
 
-    registry = settings.registry()
     assert settings.registry_path is not None  # strict
-    grants = Grants.from_file(Path(settings.registry_path))
+    registry, grants = read_registry(Path(settings.registry_path))
     seconds = link_seconds()
     clients: dict[str | None, Any] = {None: client if client is not None else central_client(job)}
     sealed: dict[str, str] = {}

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from flare_airflow_testing.harness import tiny_model
-from flare_airflow_testing.stack import BIN, AirflowStack, Postgres
+from flare_airflow_testing.stack import BIN, AirflowStack, scheduler_stack
 
 TRAINERS = pathlib.Path(__file__).parent / "trainers"
 
@@ -22,13 +22,8 @@ TRAINERS = pathlib.Path(__file__).parent / "trainers"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("stack")
-    pg = Postgres()
-    airflow = AirflowStack(root / "af", pg.url, parallelism=6)
-    airflow.env["FLARE_GPU_LOCK_DIR"] = str(root / "gpu-locks")
-    airflow.start()
-    yield airflow
-    airflow.stop()
-    pg.stop()
+    with scheduler_stack(root, {"FLARE_GPU_LOCK_DIR": str(root / "gpu-locks")}, parallelism=6) as airflow:
+        yield airflow
 
 
 def write_job(

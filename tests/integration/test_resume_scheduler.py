@@ -13,20 +13,15 @@ import pytest
 import yaml
 
 from flare_airflow_testing.harness import behave_job
-from flare_airflow_testing.stack import BIN, AirflowStack, Postgres
+from flare_airflow_testing.stack import BIN, AirflowStack, scheduler_stack
 
 SITES = ("site-1", "site-2", "site-3")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("stack")
-    pg = Postgres()
-    airflow = AirflowStack(root / "af", pg.url)
-    airflow.start()
-    yield airflow
-    airflow.stop()
-    pg.stop()
+    with scheduler_stack(tmp_path_factory.mktemp("stack")) as airflow:
+        yield airflow
 
 
 def test_resume_lets_the_running_scheduler_finish_the_run(stack: AirflowStack, tmp_path: pathlib.Path) -> None:

@@ -375,6 +375,26 @@ def test_the_watch_starts_a_run_over_the_unused_fresh_sites_when_the_wait_expire
     ]
 
 
+class RefusingAssetsAPI(FakeAPI):
+    """The announcements cannot be read (e.g. a user without asset access): 403."""
+
+    def __call__(self, method: str, path: str, **kw: Any) -> SimpleNamespace:
+        if path.startswith("/api/v2/assets"):
+            body = {"detail": "Forbidden"}
+            return SimpleNamespace(status_code=403, json=lambda: body, text=json.dumps(body))
+        return super().__call__(method, path, **kw)
+
+
+def test_the_watch_fails_saying_why_when_it_cannot_read_the_announcements(tmp_path, keys, monkeypatch) -> None:
+    """An unread history must never look like no data: the watch fails, it does not decide."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    api = RefusingAssetsAPI([], {}, [announce(keys, "site-1", "v1"), announce(keys, "site-2", "v1")])
+    with pytest.raises(AirflowFailException, match=r"cannot read the site-data asset \(403"):
+        _watch(tmp_path, keys, monkeypatch, api, wait="6h")
+    assert api.posted == []
+
+
 def test_the_watch_starts_nothing_without_a_quorum_or_while_a_run_is_going(tmp_path, keys, monkeypatch) -> None:
     lone = [announce(keys, "site-2", "v1", ago_s=7 * 3600)]
     out = _watch(tmp_path, keys, monkeypatch, FakeAPI([], {}, lone), wait="6h")

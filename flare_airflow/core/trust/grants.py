@@ -113,14 +113,20 @@ class Grants:
 
     @classmethod
     def from_file(cls, path: Path) -> Grants:
-        try:
-            with open(path, "rb") as fh:
-                data = json.loads(fh.read(MAX_REGISTRY_BYTES + 1))
-        except OSError as exc:
-            raise RegistryError(f"cannot read the key registry {path}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise RegistryError(f"the key registry {path} is not JSON: {exc}") from None
-        return cls.from_registry(data, Registry.from_jwks(data, str(path)))
+        return read_registry(path)[1]
+
+
+def read_registry(path: Path) -> tuple[Registry, Grants]:
+    """The registry file's public keys and its sites' grants, from one bounded read."""
+    try:
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read(MAX_REGISTRY_BYTES + 1))
+    except OSError as exc:
+        raise RegistryError(f"cannot read the key registry {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise RegistryError(f"the key registry {path} is not JSON: {exc}") from None
+    registry = Registry.from_jwks(data, str(path))
+    return registry, Grants.from_registry(data, registry)
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ off it accepts any), so the links are tested for what they name and reach, and t
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -136,6 +137,39 @@ def test_each_site_gets_links_only_for_the_global_model_and_its_own_slot(s3, rou
     slot = store.site_update(job.job, run_id, 2, "site-1")
     assert json.loads(get(s3, record_path(slot)))["sha256"] == update.sha256
     assert not s3.keys(bucket_key(store.site_update(job.job, run_id, 2, "site-2"))[1])
+
+
+def test_a_sites_links_are_signed_for_its_own_view_of_the_store(s3, round_2, keys, monkeypatch):
+    """A grant's ``store_endpoint``: where that site reaches the store (a split network view). Its
+    links name that host (SigV4 signs it); a site without one gets the connection's endpoint."""
+    import boto3
+    from botocore.config import Config
+
+    from flare_airflow.operators import links as links_module
+
+    job, store, run_id, record = round_2
+    registry = pathlib.Path(os.environ["FLARE_SITE_KEYS"])
+    data = json.loads(registry.read_text())
+    data["flare_sites"] = {"site-2": {"store_endpoint": "http://10.77.0.1:9000"}}
+    registry.write_text(json.dumps(data))
+    made: list[str | None] = []
+
+    def central_client(job, endpoint_url=None):
+        made.append(endpoint_url)
+        return boto3.client(
+            "s3", endpoint_url=endpoint_url, region_name="us-east-1", aws_access_key_id=s3.key_id,
+            aws_secret_access_key=s3.secret, config=Config(signature_version="s3v4"),
+        )  # fmt: skip
+
+    monkeypatch.setattr(links_module, "central_client", central_client)
+    sealed = mint_round_links(job, store, run_id, 2, record.size, Log(), client=s3.client())
+    assert sealed is not None and made == ["http://10.77.0.1:9000"]  # one more client, for site-2's view only
+    hosts = {}
+    for site in SITES:
+        opened = open_site_links({LINKS_KEY: sealed}, job=job.job, run_id=run_id, round_num=2, site=site)
+        assert opened is not None
+        hosts[site] = urlparse(opened.global_model).netloc
+    assert hosts == {"site-1": f"{s3.host}:{s3.port}", "site-2": "10.77.0.1:9000"}
 
 
 def test_site_1_cannot_open_site_2s_links_nor_last_rounds(s3, round_2, keys):
