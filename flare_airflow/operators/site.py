@@ -25,6 +25,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from flare_airflow.core.spec import JobLauncherSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
+from flare_airflow.launchers.process.launcher import scratch_prefix
 from flare_airflow.launchers.trainer import trainer_argv
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
 from flare_airflow.operators.site_steps import (
@@ -142,7 +143,9 @@ class SiteTrainOperator(SiteTaskLifecycle[None], BashOperator):
         except SiteJobFailed as exc:
             raise self.fail(context, run, JobReturnCode.CONFIG_ERROR, str(exc)) from None
         self.log.info("site %s round %d: %s", self.site, self.round_num, shlex.join(run.argv))
-        fd, self._result_file = tempfile.mkstemp(prefix="flare-site-result-")
+        # Named after this task process: if it is killed (SIGKILL: no finally), a later launch on
+        # the host sweeps the file (launchers/process/launcher.py, sweep_scratch).
+        fd, self._result_file = tempfile.mkstemp(prefix=scratch_prefix("flare-site-result-"))
         os.close(fd)
         self._spec_json = run.to_json()
 

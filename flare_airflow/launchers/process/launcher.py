@@ -53,7 +53,9 @@ from flare_airflow.launchers.trainer import output_prefix
 
 _TAIL_LINES = 20
 _TAIL_CHARS = 300
-_SCRATCH_KINDS = ("flare-sandbox-", "flare-handshake-")
+# Also the process site task's result file (operators/site.py): its task process, killed with
+# SIGKILL, cannot remove it; the next launch on the host does.
+_SCRATCH_KINDS = ("flare-sandbox-", "flare-handshake-", "flare-site-result-")
 
 
 def scratch_prefix(kind: str) -> str:

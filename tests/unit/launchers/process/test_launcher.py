@@ -104,10 +104,12 @@ def test_sweep_removes_only_the_scratch_of_launchers_that_are_gone(tmp_path) -> 
     (dead_dir / "handshake").write_text("")
     dead_file = tmp_path / f"flare-handshake-{gone.pid}-xyz"
     dead_file.write_text("")
+    dead_result = tmp_path / f"flare-site-result-{gone.pid}-r1"  # a killed process site task's
+    dead_result.write_text("")
     live = tmp_path / f"flare-sandbox-{os.getpid()}-def"
     live.mkdir()
     unrelated = tmp_path / "flare-sandbox-oldstyle"
     unrelated.mkdir()
-    assert sorted(sweep_scratch(str(tmp_path))) == sorted([dead_dir, dead_file])
-    assert not dead_dir.exists() and not dead_file.exists()
+    assert sorted(sweep_scratch(str(tmp_path))) == sorted([dead_dir, dead_file, dead_result])
+    assert not dead_dir.exists() and not dead_file.exists() and not dead_result.exists()
     assert live.is_dir() and unrelated.is_dir()
