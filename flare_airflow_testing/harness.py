@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -64,6 +65,19 @@ class AirflowHome:
     @property
     def store(self) -> pathlib.Path:
         return self.home / "flare_store"
+
+    def copy_repo_dags(self, name: str) -> pathlib.Path:
+        """The repository's dags/ as ``dags/<name>``, with ../examples beside it as the job files expect.
+
+        The session's Airflow home is shared by every module on a pytest worker: examples/ is copied
+        once, whichever module comes first.
+        """
+        folder = self.dags / name
+        shutil.copytree(REPO / "dags", folder, ignore=shutil.ignore_patterns("__pycache__"))
+        examples = self.dags / "examples"
+        if not examples.exists():
+            shutil.copytree(REPO / "examples", examples, ignore=shutil.ignore_patterns("__pycache__"))
+        return folder
 
     def write_job(self, name: str, job: dict[str, Any], dag_code: str | None = None) -> pathlib.Path:
         folder = self.dags / name

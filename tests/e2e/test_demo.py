@@ -7,7 +7,6 @@ import hashlib
 import json
 import pathlib
 import secrets
-import shutil
 
 import pytest
 import yaml
@@ -20,11 +19,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def demo_dag(airflow_home: AirflowHome) -> pathlib.Path:
-    folder = airflow_home.dags / "demo"
-    shutil.copytree(REPO / "dags", folder, ignore=shutil.ignore_patterns("__pycache__"))
-    # The job file refers to ../examples; keep that layout next to the copy.
-    shutil.copytree(REPO / "examples", airflow_home.dags / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    return folder / "digits_dag.py"
+    return airflow_home.copy_repo_dags("demo") / "digits_dag.py"
 
 
 def test_demo_runs_every_task_and_reaches_the_accuracy_bar(airflow_home: AirflowHome, demo_dag: pathlib.Path) -> None:

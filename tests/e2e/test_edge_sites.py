@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 
 from flare_airflow_testing.containers import CreatedContainers, containers_left
 from flare_airflow_testing.edge_sites import EdgeDeployment
-from flare_airflow_testing.harness import REPO, AirflowHome
+from flare_airflow_testing.harness import AirflowHome
 
 pytestmark = pytest.mark.e2e
 
@@ -88,10 +87,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, trainer_image: str) -> 
 @pytest.fixture(scope="module")
 def one_machine_sha256(airflow_home: AirflowHome) -> str:
     """The final model of the same job, rounds and seed on one machine (local store, no queues)."""
-    folder = airflow_home.dags / "edge_reference"
-    shutil.copytree(REPO / "dags", folder, ignore=shutil.ignore_patterns("__pycache__"))
-    if not (airflow_home.dags / "examples").exists():
-        shutil.copytree(REPO / "examples", airflow_home.dags / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    folder = airflow_home.copy_repo_dags("edge_reference")
     # A DAG id of its own: the session's Airflow home also holds the demo test's flare_digits.
     dag_file = folder / "digits_dag.py"
     dag_file.write_text(
