@@ -7,12 +7,14 @@ the metadata database (``airflow dags test`` itself exits 0 even when a task fai
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,31 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
 # The e2e tier's trainer scripts, read as files (this package never imports the tests).
 TRAINERS = REPO / "tests" / "e2e" / "trainers"
+
+
+class _MigratedSqlite:
+    """The first home's SQLite database right after ``airflow db migrate``; later homes in this
+    process copy it (a file copy against ~10 s of migration), as stack.py restores PostgreSQL."""
+
+    def __init__(self) -> None:
+        self.copy: pathlib.Path | None = None
+
+    def migrate(self, home: AirflowHome) -> None:
+        if self.copy is not None:
+            home.home.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.copy, home.home / "airflow.db")
+            return
+        out = subprocess.run(
+            [str(BIN / "airflow"), "db", "migrate"], env=home.env, capture_output=True, text=True, check=False
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        keep = pathlib.Path(tempfile.mkdtemp(prefix="flare-migrated-sqlite-"))
+        atexit.register(shutil.rmtree, keep, True)
+        shutil.copyfile(home.home / "airflow.db", keep / "airflow.db")
+        self.copy = keep / "airflow.db"
+
+
+_MIGRATED_SQLITE = _MigratedSqlite()
 
 
 @dataclass
@@ -57,14 +84,15 @@ class AirflowHome:
             "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
             "PYTHONWARNINGS": "ignore::DeprecationWarning",
         }
-        out = subprocess.run(
-            [str(BIN / "airflow"), "db", "migrate"], env=self.env, capture_output=True, text=True, check=False
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        _MIGRATED_SQLITE.migrate(self)
 
     @property
     def store(self) -> pathlib.Path:
         return self.home / "flare_store"
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.home / 'airflow.db'}"
 
     def copy_repo_dags(self, name: str) -> pathlib.Path:
         """The repository's dags/ as ``dags/<name>``, with ../examples beside it as the job files expect.

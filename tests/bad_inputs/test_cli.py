@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from flare_airflow.cli import main
 from flare_airflow.core.trust.keys import public_jwk
+from flare_airflow_testing.harness import AirflowHome
 from tests.bad_inputs.cases import Case, assert_clear
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -420,12 +422,37 @@ def build(tmp: pathlib.Path, bad: Bad) -> list[str]:
     return [a.replace("{dir}", str(tmp)) for a in bad.argv]
 
 
+@pytest.fixture(scope="module")
+def metadata_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A migrated metadata database of this module's own for ``flare-airflow run``, which reads and
+    writes it in this process: without it the cases would use whatever AIRFLOW_HOME the shell has
+    (``make`` sets one; a bare pytest gets ~/airflow, unmigrated: "no such table: dag_run")."""
+    import airflow.settings
+
+    home = AirflowHome(tmp_path_factory.mktemp("cli-airflow"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", home.db_url)
+        airflow.settings.configure_vars()
+        airflow.settings.reconfigure_orm()
+        try:
+            yield
+        finally:
+            airflow.settings.dispose_orm()
+    # Back to the shell's database: later tests in this process read Airflow's settings too.
+    airflow.settings.configure_vars()
+    airflow.settings.configure_orm()
+
+
 @pytest.mark.parametrize("bad_case", CASES, ids=lambda c: c.id)
-def test_bad_command_line_gets_a_clear_error(bad_case: Case, tmp_path: pathlib.Path, capsys, monkeypatch) -> None:
+def test_bad_command_line_gets_a_clear_error(
+    bad_case: Case, tmp_path: pathlib.Path, capsys, monkeypatch, request: pytest.FixtureRequest
+) -> None:
     bad = INPUTS[bad_case.id]
     argv = build(tmp_path, bad)
     if "--dagfile" in argv:  # Airflow parses DAG files only inside its dags folder
         import airflow.settings
+
+        request.getfixturevalue("metadata_db")
 
         dags = tmp_path / "dags" if bad.outside_with_examples else tmp_path
         dags.mkdir(exist_ok=True)
