@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup system-deps images demo airflow test unit lint bench clean lm-env llm-demo llm-demo-gpu
+.PHONY: setup system-deps system-packages control-plane pytest images demo airflow test unit lint bench clean lm-env llm-demo llm-demo-gpu
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -48,13 +48,15 @@ setup: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge openssh-server iproute2 chromium fonts-dejavu-core \
 	podman buildah debootstrap runc netavark aardvark-dns catatonit iptables bubblewrap
 CONTAINERS_CONF := /etc/containers/containers.conf.d/50-flare-airflow.conf
-system-deps:
+system-deps: system-packages control-plane
+system-packages:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
 	@dpkg-query -W -f='$${Status}\n' $(SYSTEM_PACKAGES) 2>/dev/null | grep -c '^install ok installed' \
 		| grep -qx $(words $(SYSTEM_PACKAGES)) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); }
 	@cmp -s docker/containers.conf $(CONTAINERS_CONF) || install -D -m 644 docker/containers.conf $(CONTAINERS_CONF)
+control-plane:
 	bash k8s/build-control-plane.sh
 
 # The site trainer image and the Airflow image (docker/), tagged localhost/flare-airflow/NAME:latest
@@ -121,9 +123,17 @@ unit: $(VENV)/.installed
 # (schedulers, kube-apiserver, slurmctld, podman) far more than they compute: on 2 cores, two workers
 # ran the whole suite (2,255 tests) in 24.5 min wall for 47.6 test-minutes; serially it took 34.4 min
 # with 2,046 tests (docs/testing.md). TEST_WORKERS=0 runs serially.
+# The control plane's build from source (~7.5 min cold) and the LM side environment run in the
+# background meanwhile (flare_airflow_testing/background.py): the modules that need them run last
+# (tests/conftest.py; --no-loadscope-reorder keeps that order), a failed step fails the run with its
+# log, and nothing is left running.
 TEST_WORKERS ?= 2
-test: setup system-deps lm-env lint
-	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+test: setup system-packages
+	$(BIN)/python -m flare_airflow_testing.background --make control-plane --make lm-env -- \
+		$(MAKE) --no-print-directory lint pytest
+
+pytest: setup
+	$(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 bench: setup
 	$(BIN)/python benchmarks/run.py

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flare_airflow_testing.background import background_last
 from flare_airflow_testing.harness import AirflowHome
 
 # The Kubernetes control plane and LOCAL NODE AGENT fixtures, shared by integration and e2e tests
@@ -18,6 +19,12 @@ from flare_airflow_testing.tier_times import TierTimes
 from tests.integration.nvflare.fixtures import nvflare_exports, nvflare_side, torch_side  # noqa: F401
 
 _TIER_TIMES = TierTimes()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # `make test` builds the control plane and the LM side environment in the background meanwhile
+    # (flare_airflow_testing/background.py): the modules that need them run last.
+    items[:] = background_last(items)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -37,6 +37,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flare_airflow_testing import background
 from flare_airflow_testing.ports import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -78,6 +79,9 @@ def binaries_present() -> bool:
 
 def ensure_binaries(build: bool = True, log_path: pathlib.Path | None = None) -> pathlib.Path:
     """Return the binary directory, running ``k8s/build-control-plane.sh`` first when anything is missing."""
+    # `make test` builds them in the background (flare_airflow_testing/background.py): wait for that
+    # build, and fail with its log, rather than start a second one that would wait on its lock.
+    background.wait_for("control-plane")
     if binaries_present():
         return bin_dir()
     if not build:

@@ -108,7 +108,8 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (
         r"^make (setup|lint|unit)$",
         NotRun(
-            "parts of `make test` (test: setup system-deps lint, then pytest over tests/unit and the rest): "
+            "parts of `make test` (test: setup system-packages, then lint and pytest over every tier while the control "
+            "plane and the LM side environment build in the background): "
             "they ran before and around this test"
         ),
     ),
