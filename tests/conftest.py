@@ -13,6 +13,9 @@ from flare_airflow_testing.k8s.fixtures import audit, control_plane, core, names
 
 # The real single-node SLURM cluster (munged, slurmctld, slurmd, fake GPUs), session-scoped.
 from flare_airflow_testing.slurm.fixtures import slurm, slurm_cluster, sshd  # noqa: F401
+
+# One PostgreSQL cluster per worker; each scheduler-level module's stack gets a database in it.
+from flare_airflow_testing.stack import postgres  # noqa: F401
 from flare_airflow_testing.tier_times import TierTimes
 
 # NVIDIA FLARE's and PyTorch's side environments and the jobs NVFlare exports at test time.

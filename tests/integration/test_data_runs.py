@@ -29,7 +29,7 @@ from flare_airflow.core.trust import generate_keys, sign_record
 from flare_airflow.core.trust.keys import party_dir
 from flare_airflow.core.trust.settings import TrustSettings
 from flare_airflow_testing.harness import behave_job
-from flare_airflow_testing.stack import BIN, AirflowStack, scheduler_stack
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres, scheduler_stack
 
 DAG_ID = "flare_data_runs"
 MANUAL_DAG_ID = "flare_data_runs_manual"
@@ -38,8 +38,8 @@ SITES = ("site-1", "site-2", "site-3", "site-4")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    with scheduler_stack(tmp_path_factory.mktemp("stack")) as airflow:
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: Postgres):
+    with scheduler_stack(tmp_path_factory.mktemp("stack"), postgres=postgres) as airflow:
         yield airflow
 
 

@@ -14,15 +14,16 @@ import pytest
 import yaml
 
 from flare_airflow_testing.harness import tiny_model
-from flare_airflow_testing.stack import BIN, AirflowStack, scheduler_stack
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres, scheduler_stack
 
 TRAINERS = pathlib.Path(__file__).parent / "trainers"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: Postgres):
     root = tmp_path_factory.mktemp("stack")
-    with scheduler_stack(root, {"FLARE_GPU_LOCK_DIR": str(root / "gpu-locks")}, parallelism=6) as airflow:
+    env = {"FLARE_GPU_LOCK_DIR": str(root / "gpu-locks")}
+    with scheduler_stack(root, env, postgres=postgres, parallelism=6) as airflow:
         yield airflow
 
 

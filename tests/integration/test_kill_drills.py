@@ -33,7 +33,18 @@ from safetensors.numpy import load_file
 from flare_airflow.builder import AGGREGATE_TASK
 from flare_airflow.core.model import read_record
 from flare_airflow_testing.harness import TRAINERS, tiny_model
-from flare_airflow_testing.stack import BIN, AirflowStack, Postgres, alive, kill9, parent_of, site_processes, wait_gone
+from flare_airflow_testing.stack import (
+    BIN,
+    HEARTBEAT_DRILL_ENV,
+    AirflowStack,
+    Postgres,
+    alive,
+    kill9,
+    parent_of,
+    scheduler_stack,
+    site_processes,
+    wait_gone,
+)
 
 JOB = "killdrill"
 DAG = f"flare_{JOB}"
@@ -60,37 +71,27 @@ runpy.run_path({behave!r}, run_name="__main__")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: Postgres) -> Iterator[AirflowStack]:
     root = tmp_path_factory.mktemp("drills")
-    pg = Postgres()
-    airflow = AirflowStack(root / "af", pg.url, parallelism=6)
-    airflow.env.update(
-        {
-            "FLARE_GPU_LOCK_DIR": str(root / "gpu-locks"),
-            # A killed supervisor stops heartbeating: the scheduler fails its try after this long.
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "12",
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
-            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
-        }
-    )
-    write_job(airflow, root / "store")
-    write_fedadam_job(airflow, root / "store", root / "site-2-may-run")
-    # The GPU pool is synced while the components start: no task is queued before a run is triggered.
-    synced = subprocess.Popen(
-        [str(BIN / "flare-airflow"), "pools", "sync", str(airflow.dags / JOB / "job.yaml")],
-        env=airflow.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        airflow.start()
-        output, _ = synced.communicate(timeout=120)
+    # A killed supervisor stops heartbeating: the scheduler fails its try after 12 s.
+    env = {"FLARE_GPU_LOCK_DIR": str(root / "gpu-locks"), **HEARTBEAT_DRILL_ENV}
+    with scheduler_stack(root, env, postgres=postgres, start=False, parallelism=6) as airflow:
+        write_job(airflow, root / "store")
+        write_fedadam_job(airflow, root / "store", root / "site-2-may-run")
+        # The GPU pool is synced while the components start: no task is queued before a run is triggered.
+        synced = subprocess.Popen(
+            [str(BIN / "flare-airflow"), "pools", "sync", str(airflow.dags / JOB / "job.yaml")],
+            env=airflow.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            airflow.start()
+        finally:
+            output, _ = synced.communicate(timeout=120)
         assert synced.returncode == 0, output
         yield airflow
-    finally:
-        airflow.stop()
-        pg.stop()
 
 
 def write_job(stack: AirflowStack, store: pathlib.Path) -> None:

@@ -13,14 +13,14 @@ import pytest
 import yaml
 
 from flare_airflow_testing.harness import behave_job
-from flare_airflow_testing.stack import BIN, AirflowStack, scheduler_stack
+from flare_airflow_testing.stack import BIN, AirflowStack, Postgres, scheduler_stack
 
 SITES = ("site-1", "site-2", "site-3")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    with scheduler_stack(tmp_path_factory.mktemp("stack")) as airflow:
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: Postgres):
+    with scheduler_stack(tmp_path_factory.mktemp("stack"), postgres=postgres) as airflow:
         yield airflow
 
 

@@ -30,7 +30,7 @@ from flare_airflow.operators.run import SweepPodsOperator
 from flare_airflow_testing.harness import tiny_model
 from flare_airflow_testing.k8s.kube import wait_for
 from flare_airflow_testing.k8s.node_agent import NodeAgent
-from flare_airflow_testing.stack import AirflowStack, Postgres, alive, kill9, start_triggerer
+from flare_airflow_testing.stack import HEARTBEAT_DRILL_ENV, AirflowStack, Postgres, alive, kill9, scheduler_stack
 from tests.integration.k8s.test_site_pod_operator import RUN_ID, TRAINER, context_for, make_op, pods, run_deferred
 
 
@@ -148,27 +148,12 @@ for task in dag.tasks:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowStack]:
-    root = tmp_path_factory.mktemp("pod-drill")
-    pg = Postgres()
-    airflow = AirflowStack(root / "af", pg.url, parallelism=4)
-    airflow.env.update(
-        {
-            # A killed worker stops heartbeating: the scheduler fails its try after this long.
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "12",
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
-            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
-            # Pod tasks defer to the triggerer, as the drill's try 2 expects.
-            "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True",
-        }
-    )
-    airflow.start()
-    start_triggerer(airflow)
-    try:
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: Postgres) -> Iterator[AirflowStack]:
+    # A killed worker stops heartbeating: the scheduler fails its try after 12 s. Pod tasks defer to
+    # the triggerer, as the drill's try 2 expects.
+    env = {**HEARTBEAT_DRILL_ENV, "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True"}
+    with scheduler_stack(tmp_path_factory.mktemp("pod-drill"), env, postgres=postgres, triggerer=True) as airflow:
         yield airflow
-    finally:
-        airflow.stop()
-        pg.stop()
 
 
 def write_pod_job(stack: AirflowStack, control_plane, namespace: str) -> pathlib.Path:

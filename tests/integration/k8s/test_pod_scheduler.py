@@ -22,26 +22,18 @@ from kubernetes import client as k8s
 from flare_airflow_testing.harness import tiny_model
 from flare_airflow_testing.k8s.audit import AuditLog
 from flare_airflow_testing.k8s.fixtures import fresh_namespace
-from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
+from flare_airflow_testing.stack import AirflowStack, Postgres, scheduler_stack
 from tests.integration.k8s.test_site_pod_operator import context_for, make_op, pods, run_deferred
 
 TRAINER = pathlib.Path(__file__).parents[1] / "trainers" / "k8s_trainer.py"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("pod-stack")
-    pg = Postgres()
-    airflow = AirflowStack(root / "af", pg.url, parallelism=4)
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: Postgres):
     # The drill is about the deferred path: pod tasks wait in the triggerer.
-    airflow.env["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
-    airflow.start()
-    start_triggerer(airflow)
-    try:
+    env = {"AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True"}
+    with scheduler_stack(tmp_path_factory.mktemp("pod-stack"), env, postgres=postgres, triggerer=True) as airflow:
         yield airflow
-    finally:
-        airflow.stop()
-        pg.stop()
 
 
 def test_a_pod_training_75_s_succeeds_through_scheduler_and_triggerer(

@@ -27,7 +27,7 @@ from flare_airflow_testing.k8s.audit import AuditLog
 from flare_airflow_testing.k8s.kube import wait_for
 from flare_airflow_testing.k8s.node_agent import NodeAgent
 from flare_airflow_testing.slurm.cluster import SlurmCluster
-from flare_airflow_testing.stack import AirflowStack, Postgres, alive, kill9
+from flare_airflow_testing.stack import HEARTBEAT_DRILL_ENV, AirflowStack, Postgres, alive, kill9, scheduler_stack
 from tests.integration.k8s.test_site_pod_operator import TRAINER, pods
 
 MARKING_DAG = '''
@@ -53,26 +53,16 @@ for task in dag.tasks:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, slurm_cluster: SlurmCluster) -> Iterator[AirflowStack]:
-    root = tmp_path_factory.mktemp("sensor-drill")
-    pg = Postgres()
-    airflow = AirflowStack(root / "af", pg.url, parallelism=4)
-    airflow.env.update(
-        {
-            **slurm_cluster.env,  # the workers are the SLURM sites' submit hosts
-            # A killed worker stops heartbeating: the scheduler fails its try after this long.
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "12",
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
-            "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
-            "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "False",  # the sensors poke from the worker
-        }
-    )
-    airflow.start()
-    try:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, slurm_cluster: SlurmCluster, postgres: Postgres
+) -> Iterator[AirflowStack]:
+    env = {
+        **slurm_cluster.env,  # the workers are the SLURM sites' submit hosts
+        **HEARTBEAT_DRILL_ENV,  # a killed worker stops heartbeating: the scheduler fails its try after 12 s
+        "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "False",  # the sensors poke from the worker
+    }
+    with scheduler_stack(tmp_path_factory.mktemp("sensor-drill"), env, postgres=postgres) as airflow:
         yield airflow
-    finally:
-        airflow.stop()
-        pg.stop()
 
 
 def write_job(

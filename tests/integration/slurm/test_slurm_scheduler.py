@@ -15,7 +15,7 @@ import yaml
 
 from flare_airflow_testing.harness import tiny_model
 from flare_airflow_testing.slurm.cluster import SlurmCluster
-from flare_airflow_testing.stack import AirflowStack, Postgres, start_triggerer
+from flare_airflow_testing.stack import AirflowStack, Postgres, scheduler_stack
 
 SECRET = "s3cr3t-Token-4711"
 TRAINER = """
@@ -34,20 +34,10 @@ flare.send(flare.FLModel(params={k: v + 1 for k, v in model.params.items()}, met
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, slurm_cluster: SlurmCluster):
-    root = tmp_path_factory.mktemp("slurm-stack")
-    pg = Postgres()
-    airflow = AirflowStack(root / "af", pg.url, parallelism=4)
-    airflow.env["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
-    airflow.env.update(slurm_cluster.env)
-    airflow.env["AIRFLOW_VAR_SITE_TOKEN"] = SECRET
-    airflow.start()
-    start_triggerer(airflow)
-    try:
+def stack(tmp_path_factory: pytest.TempPathFactory, slurm_cluster: SlurmCluster, postgres: Postgres):
+    env = {"AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True", **slurm_cluster.env, "AIRFLOW_VAR_SITE_TOKEN": SECRET}
+    with scheduler_stack(tmp_path_factory.mktemp("slurm-stack"), env, postgres=postgres, triggerer=True) as airflow:
         yield airflow
-    finally:
-        airflow.stop()
-        pg.stop()
 
 
 def task_log(stack: AirflowStack, dag_id: str, run_id: str, task_id: str) -> str:
