@@ -89,6 +89,13 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     ),
     (r"^make airflow$", RunBy("tests/integration/test_make_airflow.py", '"airflow", f"AIRFLOW_HOME={home}"')),
     (r"^make test$", NotRun("the command that runs this suite (.ci/run calls it)")),
+    (
+        r"^make control-plane$",
+        NotRun(
+            "`make test` runs it in the background while the tiers run (its runner: tests/unit/test_background.py); "
+            "the control_plane fixture runs the same k8s/build-control-plane.sh when the binaries are missing"
+        ),
+    ),
     # make lm-env is `python -m flare_airflow_testing.side_venvs lm`: the LoRA tests build through lm_venv().
     (r"^make lm-env$", RunBy("tests/e2e/test_llm_lora.py", "lm_venv()")),
     (
