@@ -6,7 +6,7 @@ integration and e2e need neither. ``make test`` therefore runs::
 
     python -m flare_airflow_testing.background --make control-plane --make lm-env -- make lint pytest
 
-Each ``--make TARGET`` starts ``make TARGET`` in a session of its own, its output in ``DIR/TARGET.log``
+Each ``--make TARGET`` starts ``make TARGET`` (at niceness 10) in a session of its own, its output in ``DIR/TARGET.log``
 and its exit status in ``DIR/TARGET.rc`` when it ends (``DIR``: ``$FLARE_BACKGROUND_DIR``, given to the
 foreground command). A test that needs a step's product calls :func:`wait_for`, which waits for the
 step and raises with its log when it failed. pytest runs the modules that need a step last (see
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 ENV = "FLARE_BACKGROUND_DIR"
 LOG_LINES = 40
+NICENESS = 10
 
 
 class BackgroundStepFailed(RuntimeError):
@@ -103,7 +104,10 @@ class _Step:
         self.seconds: float | None = None
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [make, "--no-print-directory", target],
+                # At a lower priority: the tests' own timeouts (a trainer's launch_timeout, heartbeats)
+                # must not lose their two cores to a compiler. A bad_inputs trainer case missed its
+                # launch timeout once at the same priority.
+                ["nice", "-n", str(NICENESS), make, "--no-print-directory", target],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
