@@ -336,18 +336,17 @@ class _MigratedDatabase:
     def __init__(self) -> None:
         self.dir: pathlib.Path | None = None
         self.home = ""
-        self.templates: set[str] = set()  # the clusters ("host:port") holding the template
 
     def migrate(self, stack: AirflowStack, db_url: str) -> None:
         from sqlalchemy.engine import make_url
 
-        url = make_url(db_url)
-        cluster, database = f"{url.host}:{url.port}", str(url.database)
-        if cluster in self.templates:
+        database = str(make_url(db_url).database)
+        # Asked of the cluster, not remembered by port: a later cluster may get a stopped one's port.
+        if _has_database(db_url, TEMPLATE):
             _sql(db_url, f'DROP DATABASE IF EXISTS "{database}"')
             _sql(db_url, f'CREATE DATABASE "{database}" TEMPLATE "{TEMPLATE}"')
         else:
-            if not _sql(db_url, f"SELECT 1 FROM pg_database WHERE datname = '{database}'").strip():
+            if not _has_database(db_url, database):
                 _sql(db_url, f'CREATE DATABASE "{database}"')
             if self.dir is None:
                 stack.airflow("db", "migrate")
@@ -360,7 +359,6 @@ class _MigratedDatabase:
                 _pg_tool("pg_restore", db_url, "--exit-on-error", "--no-owner", str(self.dir / "airflow.dump"))
             # Nothing is connected to the database between the migration and the stack's start.
             _sql(db_url, f'CREATE DATABASE "{TEMPLATE}" TEMPLATE "{database}"')
-            self.templates.add(cluster)
         if self.home != str(stack.home):
             # Without airflow.cfg each component would generate its own (a fernet key each) at start.
             assert self.dir is not None
@@ -378,6 +376,10 @@ def _pg_tool(name: str, db_url: str, *args: str) -> str:
     if out.returncode != 0:
         raise RuntimeError(f"{name} of {db_url} failed: {out.stdout[-3000:]}{out.stderr[-3000:]}")
     return out.stdout
+
+
+def _has_database(db_url: str, name: str) -> bool:
+    return bool(_sql(db_url, f"SELECT 1 FROM pg_database WHERE datname = '{name}'").strip())
 
 
 def _sql(db_url: str, statement: str) -> str:
