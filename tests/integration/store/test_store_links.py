@@ -38,7 +38,7 @@ from flare_airflow.core.store_links import (
 from flare_airflow.core.trust import CENTRAL, generate_keys
 from flare_airflow.core.trust.keys import party_dir
 from flare_airflow.core.trust.sealed import SealedOpenError
-from flare_airflow.operators.links import LINKS_KEY, mint_round_links, open_site_links
+from flare_airflow.operators.links import LINKS_KEY, abort_site_uploads, mint_round_links, open_site_links
 from flare_airflow.operators.staging import staged
 from flare_airflow.site_task.build import train_run
 from flare_airflow.site_task.checks import GlobalModelUnusable, check_global_model
@@ -56,6 +56,8 @@ class Log:
 
     def warning(self, msg: str, *args: object) -> None:
         self.lines.append(msg % args)
+
+    info = warning
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +286,73 @@ def test_a_resumed_upload_sends_again_a_part_whose_bytes_changed(s3, round_2, tm
     local.write_bytes(second)
     assert upload(links.update, local, "the retried writer") == part
     assert get(s3, store.site_update(job.job, run_id, 2, "site-2")) == second
+
+
+def _open_uploads(s3: S3Server) -> set[str]:
+    return {u["Key"] for u in s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])}
+
+
+def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3, round_2, keys, tmp_path):
+    """Site-1's writer is killed after two parts and its retry resumes; site-2's stops for good
+    after one. The round's aggregation aborts what is left of round 2 (not the next round's
+    upload it just opened, nor another run's); the run's end aborts the rest."""
+    job, store, run_id, _ = round_2
+    part = 5 << 20
+
+    def mint(site: str, round_num: int) -> SiteLinks:
+        return mint_site_links(
+            s3.client(), store, job=job.job, run_id=run_id, round_num=round_num, site=site, expires_in=600,
+            update_size=2 * part, single_put_limit=part, part_size=part,
+        )  # fmt: skip
+
+    def slot(site: str, round_num: int, run: str = run_id) -> str:
+        return bucket_key(store.site_update(job.job, run, round_num, site))[1]
+
+    links = {site: mint(site, 2) for site in SITES}
+    local = tmp_path / "update.bin"
+    local.write_bytes(np.random.default_rng(3).bytes(2 * part + 99))  # three parts, the last short
+    (tmp_path / "links.json").write_text(links["site-1"].to_json())
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "links.json"), str(local)], check=False, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL
+    _put_part(links["site-2"].update, 1, local.read_bytes()[:part])
+    # Another run whose id starts with this one's: none of its uploads is this run's to end.
+    other_run = s3.client().create_multipart_upload(Bucket=BUCKET, Key=slot("site-1", 2, f"{run_id}0"))
+    assert {slot("site-1", 2), slot("site-2", 2)} <= _open_uploads(s3)
+
+    # site-1's task retried within the round: the upload is still open and resumes.
+    assert upload(links["site-1"].update, local, "the retried writer") == 99
+    assert get(s3, store.site_update(job.job, run_id, 2, "site-1")) == local.read_bytes()
+    next_round = mint("site-1", 3)  # what round 2's aggregation mints before it ends the round
+
+    log = Log()
+    assert abort_site_uploads(job, store, run_id, log, round_num=2, client=s3.client()) == [slot("site-2", 2)]
+    assert "aborted 1 unfinished site upload(s)" in log.lines[-1]
+    assert slot("site-2", 2) not in _open_uploads(s3)
+    assert {slot("site-1", 3), slot("site-1", 2, f"{run_id}0")} <= _open_uploads(s3)
+    # A site-2 task run again after its round was aggregated is told why and what to clear.
+    with pytest.raises(LinksError, match=r"NoSuchUpload\).*aborted this round's upload.*mint new links"):
+        upload(links["site-2"].update, local, "a late writer")
+
+    # The run's end: every upload of the run, whatever its round.
+    assert abort_site_uploads(job, store, run_id, log, client=s3.client()) == [slot("site-1", 3)]
+    assert not any(key.startswith(bucket_key(store.run_dir(job.job, run_id))[1] + "/") for key in _open_uploads(s3))
+    assert next_round.update.parts and slot("site-1", 2, f"{run_id}0") in _open_uploads(s3)
+    s3.client().abort_multipart_upload(Bucket=BUCKET, Key=other_run["Key"], UploadId=other_run["UploadId"])
+
+
+def test_uploads_are_aborted_only_where_links_were_minted(s3, round_2, monkeypatch):
+    """Outside strict mode no link opened an upload: nothing is listed or aborted (the store may
+    be the sites' own to manage); a store that cannot be reached is logged, not raised."""
+    job, store, run_id, _ = round_2
+    monkeypatch.delenv("FLARE_SITE_KEYS")
+
+    class Unused:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"the store was asked {name}")
+
+    assert abort_site_uploads(job, store, run_id, Log(), client=Unused()) == []
 
 
 def _put_part(up, n: int, piece: bytes) -> None:
