@@ -83,6 +83,9 @@ def mint_round_links(
     registry, grants = read_registry(Path(settings.registry_path))
     seconds = link_seconds()
     clients: dict[str | None, Any] = {None: client if client is not None else central_client(job)}
+    # Links minted again (this task retried, or cleared to replace expired links) replace the
+    # round's earlier ones: an upload those opened is completed by no one.
+    abort_site_uploads(job, store, run_id, log, round_num=round_num, client=clients[None])
     sealed: dict[str, str] = {}
     for site in sorted(job.sites):
         try:

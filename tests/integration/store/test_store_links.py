@@ -342,6 +342,29 @@ def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3,
     s3.client().abort_multipart_upload(Bucket=BUCKET, Key=other_run["Key"], UploadId=other_run["UploadId"])
 
 
+def test_links_minted_again_abort_the_uploads_of_the_links_they_replace(s3, round_2):
+    """The publishing task retried (or cleared for fresh links): each site's earlier upload of the
+    round is ended, only the new links' upload stays open."""
+    job, store, run_id, _ = round_2
+    size = 200 << 20  # the global model's size: beyond one PUT, so each site's update is an upload in parts
+    first = mint_round_links(job, store, run_id, 2, size, Log(), client=s3.client())
+    log = Log()
+    again = mint_round_links(job, store, run_id, 2, size, log, client=s3.client())
+    assert first and again
+    slots = {bucket_key(store.site_update(job.job, run_id, 2, site))[1]: site for site in SITES}
+    open_ids = {
+        u["UploadId"]: slots[u["Key"]]
+        for u in s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+        if u["Key"] in slots
+    }
+    assert sorted(open_ids.values()) == sorted(SITES), "one upload per site: the new links'"
+    for site in SITES:
+        links = open_site_links({LINKS_KEY: again}, job=job.job, run_id=run_id, round_num=2, site=site)
+        assert links is not None and any(upload_id in links.update.complete for upload_id in open_ids)
+    assert "round 2: aborted 2 unfinished site upload(s)" in log.lines[0]
+    assert abort_site_uploads(job, store, run_id, log, client=s3.client())  # the run's end, for the next test
+
+
 def test_uploads_are_aborted_only_where_links_were_minted(s3, round_2, monkeypatch):
     """Outside strict mode no link opened an upload: nothing is listed or aborted (the store may
     be the sites' own to manage); a store that cannot be reached is logged, not raised."""
