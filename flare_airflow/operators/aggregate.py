@@ -243,7 +243,7 @@ class AggregateOperator(LineageMixin, BaseOperator):
         links = sealed_round_links(job, store, run_id, r + 1, record.size, self.log) if r < params.rounds else None
         # The round is read and its model written: every site task of it is done (checked above),
         # so an upload still open is one nobody completes.
-        abort_site_uploads(job, store, run_id, self.log, round_num=r)
+        abort_site_uploads(job, run_id, self.log, store=store, round_num=r)
         summary: dict[str, Any] = {
             "round": r,
             "global_uri": str(global_out),

@@ -542,7 +542,7 @@ class RunVerdictOperator(BaseOperator):
         ti = context["ti"]
         # The run is over: an upload still open is one nobody completes (a site task run again
         # later is refused by the store and told to have new links minted).
-        abort_site_uploads(self.job, store_for(self.job), run_id_of(context), self.log)
+        abort_site_uploads(self.job, run_id_of(context), self.log)
         states = task_states(context, [self.prepare_task_id, *self.aggregate_task_ids, self.publish_task_id])
         published = ti.xcom_pull(task_ids=self.publish_task_id)
         publish_state = states.get(self.publish_task_id, "success")

@@ -327,7 +327,7 @@ def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3,
     next_round = mint("site-1", 3)  # what round 2's aggregation mints before it ends the round
 
     log = Log()
-    assert abort_site_uploads(job, store, run_id, log, round_num=2, client=s3.client()) == [slot("site-2", 2)]
+    assert abort_site_uploads(job, run_id, log, store=store, round_num=2, client=s3.client()) == [slot("site-2", 2)]
     assert "aborted 1 unfinished site upload(s)" in log.lines[-1]
     assert slot("site-2", 2) not in _open_uploads(s3)
     assert {slot("site-1", 3), slot("site-1", 2, f"{run_id}0")} <= _open_uploads(s3)
@@ -336,7 +336,7 @@ def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3,
         upload(links["site-2"].update, local, "a late writer")
 
     # The run's end: every upload of the run, whatever its round.
-    assert abort_site_uploads(job, store, run_id, log, client=s3.client()) == [slot("site-1", 3)]
+    assert abort_site_uploads(job, run_id, log, store=store, client=s3.client()) == [slot("site-1", 3)]
     assert not any(key.startswith(bucket_key(store.run_dir(job.job, run_id))[1] + "/") for key in _open_uploads(s3))
     assert next_round.update.parts and slot("site-1", 2, f"{run_id}0") in _open_uploads(s3)
     s3.client().abort_multipart_upload(Bucket=BUCKET, Key=other_run["Key"], UploadId=other_run["UploadId"])
@@ -362,7 +362,7 @@ def test_links_minted_again_abort_the_uploads_of_the_links_they_replace(s3, roun
         links = open_site_links({LINKS_KEY: again}, job=job.job, run_id=run_id, round_num=2, site=site)
         assert links is not None and any(upload_id in links.update.complete for upload_id in open_ids)
     assert "round 2: aborted 2 unfinished site upload(s)" in log.lines[0]
-    assert abort_site_uploads(job, store, run_id, log, client=s3.client())  # the run's end, for the next test
+    assert abort_site_uploads(job, run_id, log, store=store, client=s3.client())  # the run's end, for the next test
 
 
 def test_uploads_are_aborted_only_where_links_were_minted(s3, round_2, monkeypatch):
@@ -375,7 +375,7 @@ def test_uploads_are_aborted_only_where_links_were_minted(s3, round_2, monkeypat
         def __getattr__(self, name: str) -> object:
             raise AssertionError(f"the store was asked {name}")
 
-    assert abort_site_uploads(job, store, run_id, Log(), client=Unused()) == []
+    assert abort_site_uploads(job, run_id, Log(), store=store, client=Unused()) == []
 
 
 def _put_part(up, n: int, piece: bytes) -> None:

@@ -163,8 +163,8 @@ def test_the_round_aborts_its_sites_unfinished_uploads_once_its_model_is_written
     _, ti = setup_round(job, {"site-1": 1.0, "site-2": 3.0})
     calls: list[tuple[str, int | None, bool]] = []
 
-    def abort(job_, store_, run_id, log, *, round_num=None, client=None):
-        calls.append((run_id, round_num, store_.global_model(job.job, run_id, 1).exists()))
+    def abort(job_, run_id, log, *, store=None, round_num=None, client=None):
+        calls.append((run_id, round_num, store.global_model(job.job, run_id, 1).exists()))
         return []
 
     monkeypatch.setattr(aggregate, "abort_site_uploads", abort)
@@ -179,7 +179,7 @@ def test_the_runs_verdict_aborts_every_unfinished_upload_of_the_run(job, monkeyp
 
     calls: list[tuple[str, int | None]] = []
 
-    def abort(job_, store_, run_id, log, *, round_num=None, client=None):
+    def abort(job_, run_id, log, *, store=None, round_num=None, client=None):
         calls.append((run_id, round_num))
         return []
 
