@@ -292,25 +292,38 @@ def _open_uploads(s3: S3Server) -> set[str]:
     return {u["Key"] for u in s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])}
 
 
-def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3, round_2, keys, tmp_path):
-    """Site-1's writer is killed after two parts and its retry resumes; site-2's stops for good
-    after one. The round's aggregation aborts what is left of round 2 (not the next round's
-    upload it just opened, nor another run's); the run's end aborts the rest."""
-    job, store, run_id, _ = round_2
-    part = 5 << 20
+def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3, keys, tmp_path, monkeypatch) -> None:
+    """Site-1's writer is killed after two of its three parts and its retry resumes; site-2's
+    stops for good after one. The round's real aggregation (strict mode, the central connection)
+    counts site-1 and aborts what is left of round 2 -- not another run's upload; the run's
+    verdict would end the rest (test_aggregate.py checks it calls the same)."""
+    from flare_airflow.core.store_links import Upload
+    from flare_airflow.operators.aggregate import AggregateOperator
+    from flare_airflow.operators.trust import sign_global
+    from tests.unit.airflow_layer import FakeTI, context
 
-    def mint(site: str, round_num: int) -> SiteLinks:
+    monkeypatch.setenv("AIRFLOW_CONN_FLARE_STORE", s3.connection())
+    job = make_job(tmp_path, store=STORE, store_conn_id="flare_store", rounds=2, min_clients=1,
+                   sites={s: {} for s in SITES})  # fmt: skip
+    store = ModelStore.from_uri(STORE)
+    run_id = f"{RUN}-{tmp_path.name}"
+    part, n = 5 << 20, (10 << 20) // 4  # 10 MiB of float32: with the header, three 5 MiB parts
+    global_1 = FLModel(params={"w": np.zeros(n, np.float32)})
+    record = put_model(s3, store.global_model(job.job, run_id, 1), global_1, tmp_path)
+
+    def slot(site: str, run: str = run_id) -> str:
+        return bucket_key(store.site_update(job.job, run, 2, site))[1]
+
+    def mint(site: str) -> SiteLinks:
         return mint_site_links(
-            s3.client(), store, job=job.job, run_id=run_id, round_num=round_num, site=site, expires_in=600,
-            update_size=2 * part, single_put_limit=part, part_size=part,
+            s3.client(), store, job=job.job, run_id=run_id, round_num=2, site=site, expires_in=600,
+            update_size=record.size, single_put_limit=part, part_size=part,
         )  # fmt: skip
 
-    def slot(site: str, round_num: int, run: str = run_id) -> str:
-        return bucket_key(store.site_update(job.job, run, round_num, site))[1]
-
-    links = {site: mint(site, 2) for site in SITES}
-    local = tmp_path / "update.bin"
-    local.write_bytes(np.random.default_rng(3).bytes(2 * part + 99))  # three parts, the last short
+    links = {site: mint(site) for site in SITES}
+    local = tmp_path / "update.safetensors"
+    update = write_artifact(local, FLModel(params={"w": np.ones(n, np.float32)}, meta={"num_samples": 10}))
+    assert len(links["site-1"].update.parts) == 3 and update.size > 2 * part
     (tmp_path / "links.json").write_text(links["site-1"].to_json())
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "links.json"), str(local)], check=False, timeout=120
@@ -318,28 +331,42 @@ def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3,
     assert killed.returncode == -signal.SIGKILL
     _put_part(links["site-2"].update, 1, local.read_bytes()[:part])
     # Another run whose id starts with this one's: none of its uploads is this run's to end.
-    other_run = s3.client().create_multipart_upload(Bucket=BUCKET, Key=slot("site-1", 2, f"{run_id}0"))
-    assert {slot("site-1", 2), slot("site-2", 2)} <= _open_uploads(s3)
+    other_run = s3.client().create_multipart_upload(Bucket=BUCKET, Key=slot("site-1", f"{run_id}0"))
+    assert {slot("site-1"), slot("site-2")} <= _open_uploads(s3)
 
     # site-1's task retried within the round: the upload is still open and resumes.
-    assert upload(links["site-1"].update, local, "the retried writer") == 99
-    assert get(s3, store.site_update(job.job, run_id, 2, "site-1")) == local.read_bytes()
-    next_round = mint("site-1", 3)  # what round 2's aggregation mints before it ends the round
+    assert upload(links["site-1"].update, local, "the retried writer") == update.size - 2 * part
+    upload(Upload(url=links["site-1"].update_record), record_path(local), "its record")
 
-    log = Log()
-    assert abort_site_uploads(job, run_id, log, store=store, round_num=2, client=s3.client()) == [slot("site-2", 2)]
-    assert "aborted 1 unfinished site upload(s)" in log.lines[-1]
-    assert slot("site-2", 2) not in _open_uploads(s3)
-    assert {slot("site-1", 3), slot("site-1", 2, f"{run_id}0")} <= _open_uploads(s3)
+    ti = FakeTI(run_id=run_id)
+    ti.xcoms[("round_1.global_model", "return_value")] = {
+        "sha256": record.sha256, "signed": sign_global(job.job, run_id, 1, record),
+    }  # fmt: skip
+    aggregation = AggregateOperator(task_id="round_2.global_model", job=job, round_num=2,
+                                    global_task_id="round_1.global_model")  # fmt: skip
+    summary = aggregation.execute({**context(ti), "run_id": run_id})
+    assert summary["accepted"] == ["site-1"] and "site-2" in summary["rejected"]
+    assert slot("site-2") not in _open_uploads(s3), "the round's unfinished upload was aborted"
+    assert slot("site-1", f"{run_id}0") in _open_uploads(s3)
     # A site-2 task run again after its round was aggregated is told why and what to clear.
     with pytest.raises(LinksError, match=r"NoSuchUpload\).*aborted this round's upload.*mint new links"):
         upload(links["site-2"].update, local, "a late writer")
-
-    # The run's end: every upload of the run, whatever its round.
-    assert abort_site_uploads(job, run_id, log, store=store, client=s3.client()) == [slot("site-1", 3)]
-    assert not any(key.startswith(bucket_key(store.run_dir(job.job, run_id))[1] + "/") for key in _open_uploads(s3))
-    assert next_round.update.parts and slot("site-1", 2, f"{run_id}0") in _open_uploads(s3)
     s3.client().abort_multipart_upload(Bucket=BUCKET, Key=other_run["Key"], UploadId=other_run["UploadId"])
+
+
+def test_the_runs_end_aborts_every_round_the_aggregations_did_not(s3, round_2, keys):
+    """A round that failed (no aggregation ended it) and the next round's upload: the verdict's call."""
+    job, store, run_id, _ = round_2
+    for r in (2, 3):
+        mint_site_links(
+            s3.client(), store, job=job.job, run_id=run_id, round_num=r, site="site-1", expires_in=600,
+            update_size=2 << 20, single_put_limit=1 << 20, part_size=5 << 20,
+        )  # fmt: skip
+    log = Log()
+    aborted = abort_site_uploads(job, run_id, log, store=store, client=s3.client())
+    assert sorted(aborted) == sorted(bucket_key(store.site_update(job.job, run_id, r, "site-1"))[1] for r in (2, 3))
+    assert f"run {run_id}: aborted 2 unfinished site upload(s)" in log.lines[-1]
+    assert not any(key.startswith(bucket_key(store.run_dir(job.job, run_id))[1] + "/") for key in _open_uploads(s3))
 
 
 def test_links_minted_again_abort_the_uploads_of_the_links_they_replace(s3, round_2):
