@@ -6,23 +6,38 @@ with the store's credential -- which only the central side holds -- and seals ea
 site's box key in the registry. They travel in its XCom summary under ``links``: ciphertext, one
 entry per site, each useless to any other site. A site task opens its own with its box key, checks
 they are for this job, run, round and site and not expired, and stages through them.
+
+A pod site's job runs beyond its worker: the worker stages through the links into a folder it
+shares with the pod (:class:`SharedLinksStaging`, under the site's ``store_mount``), and the pod
+holds no key and no link at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from flare_airflow.core import envvars
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.store import ModelStore
+from flare_airflow.core.store import (
+    ModelStore,
+    failure_path,
+    path_from_uri,
+    record_path,
+    run_component,
+    safe_component,
+)
 from flare_airflow.core.store_links import LinksError, SiteLinks, abort_unfinished_uploads, mint_site_links
 from flare_airflow.core.trust import TrustError
 from flare_airflow.core.trust.sealed import links_context, load_box_key, open_sealed, seal
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.staging import is_local
+from flare_airflow.operators.staging import is_local, local_run, stage_in_through_links, stage_out_through_links
 from flare_airflow.operators.trust import trust_settings
+from flare_airflow.site_task.spec import SiteRun
 
 #: The key of the sealed links in the XCom summary of the task that published the input global model.
 LINKS_KEY = "links"
@@ -199,3 +214,88 @@ def site_links(context: Any, job: JobConfig, site: str, round_num: int, global_t
         return open_site_links(summary, job=job.job, run_id=run_id_of(context), round_num=round_num, site=site)
     except (TrustError, LinksError) as exc:
         raise site_failed(context, site, round_num, f"{exc}; the trainer was not started [CONFIG_ERROR]") from None
+
+
+#: The folder of a site's shared mount (a pod site's ``store_mount``) where its workers stage through links.
+LINKS_STAGING_DIR = "links-staging"
+
+
+def staging_folder(mount: Path, run: SiteRun, try_number: int) -> Path:
+    """``<mount>/links-staging/<job>/<run>/round-NNNN/<site>/try-K``: derived from the site job's
+    identity alone, so that a resumed task (a new process) finds what the deferred one staged."""
+    return (
+        mount / LINKS_STAGING_DIR / safe_component(run.job, "job name") / run_component(run.run_id)
+        / f"round-{run.round:04d}" / safe_component(run.site, "site") / f"try-{try_number}"
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class SharedLinksStaging:
+    """A site run staged through its links in a folder this worker shares with the site job (a
+    pod's ``store_mount``), in two steps because the job outlives the process that launched it:
+    :meth:`stage_in` when the task starts; the folder stays across a deferral, found again by the
+    identity (:func:`staging_folder`) by the resumed task; :meth:`stage_out` when the task ends,
+    whichever way -- the accepted update or the failure record through the links, then the folder
+    removed. The job sees two read-only files and one writable folder: no key, no link.
+
+    Checks, privacy filters and signing stay on the worker: :attr:`local` is the run they work on.
+    """
+
+    links: SiteLinks
+    #: The shared mount as this worker sees it: the job's store root.
+    mount: Path
+    #: This try's folder under it.
+    root: Path
+    #: The run with its store paths in :attr:`root`.
+    local: SiteRun
+
+    @classmethod
+    def of(cls, run: SiteRun, links: SiteLinks, mount: Path, try_number: int, *, resumed: bool) -> SharedLinksStaging:
+        """``run`` staged under ``mount``; ``resumed``: the folder must exist already (it was staged
+        in by the deferred task), else :class:`LinksError` says why it may not."""
+        root = staging_folder(mount, run, try_number)
+        if resumed and not root.is_dir():
+            raise LinksError(
+                f"site {run.site!r} round {run.round}: the folder it staged its store links into, {root}, is not on "
+                "this worker: every worker serving the site's queue must see the same store_mount folder (a "
+                "shared volume mounted at the same path), or run the site's pod tasks with deferrable=False"
+            )
+        local = local_run(run, root) if resumed else dataclasses.replace(run)  # paths only once staged in
+        return cls(links=links, mount=mount, root=root, local=local)
+
+    def stage_in(self) -> None:
+        """Clear earlier tries' folders (a try whose worker died left its own), then download the
+        round's input global model and its record into this try's folder."""
+        site_dir = self.root.parent
+        if site_dir.is_dir():
+            for other in site_dir.iterdir():
+                if other.name.startswith("try-") and other != self.root:
+                    shutil.rmtree(other, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.local = local_run(self.local, self.root)
+        stage_in_through_links(self.local, self.links)
+
+    @property
+    def has_result(self) -> bool:
+        """Whether the runner left a result to upload: an accepted update or a failure record."""
+        output = path_from_uri(self.local.output)
+        return record_path(output).exists() or failure_path(output).exists()
+
+    def stage_out(self) -> None:
+        """Upload the result through the links, then remove the folder (and its emptied parents
+        up to ``links-staging``). Done once: a second call finds nothing and does nothing."""
+        if not self.root.is_dir():
+            return
+        try:
+            stage_out_through_links(self.local, self.links)
+        finally:
+            self.remove()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        top = self.mount / LINKS_STAGING_DIR
+        for parent in self.root.parents:
+            if parent == top or top not in parent.parents:
+                break
+            with contextlib.suppress(OSError):  # not empty: another site job's folder
+                parent.rmdir()

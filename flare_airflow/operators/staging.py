@@ -109,15 +109,31 @@ def upload_through_links(local_output: pathlib.Path, links: SiteLinks) -> None:
         upload(Upload(url=links.failure), failure, f"{what}: the failure record")
 
 
-def _local_run(run: SiteRun, root: pathlib.Path) -> SiteRun:
+def local_run(run: SiteRun, root: pathlib.Path) -> SiteRun:
+    """``run`` with its store paths in the local folder ``root`` (created if missing): the input
+    global model under ``global/``, the update under ``out/``, the try's staging under ``staging/``."""
     local_global = root / "global" / pathlib.PurePosixPath(run.global_model).name
     local_output = root / "out" / pathlib.PurePosixPath(run.output).name
-    local_output.parent.mkdir()
+    local_output.parent.mkdir(parents=True, exist_ok=True)
     local_staging = None
     if run.staging:
         parts = pathlib.PurePosixPath(run.staging).parts
         local_staging = str(root.joinpath("staging", *parts[-3:]))  # <site>/try-<n>/update.safetensors
     return dataclasses.replace(run, global_model=str(local_global), output=str(local_output), staging=local_staging)
+
+
+def stage_in_through_links(local: SiteRun, links: SiteLinks) -> None:
+    """The round's input global model and its record, through ``links``, to ``local``'s paths (a
+    missing object is left missing: the runner's input check says what is wrong)."""
+    what = f"site {links.site!r} round {links.round}: the input global model"
+    model = pathlib.Path(local.global_model)
+    download(links.global_record, _beside(record_path, model), f"{what}'s record")
+    download(links.global_model, model, what)
+
+
+def stage_out_through_links(local: SiteRun, links: SiteLinks) -> None:
+    """What the runner left at ``local``'s output (accepted update and record, or failure record), through ``links``."""
+    upload_through_links(pathlib.Path(local.output), links)
 
 
 @contextlib.contextmanager
@@ -126,19 +142,18 @@ def staged_through_links(run: SiteRun, links: SiteLinks) -> Iterator[SiteRun]:
 
     Nothing is cleared first (the links cannot delete): the aggregation counts only the update
     whose digests this site task signed and returned, so a slot's earlier content never counts.
+    A job that outlives this process (a deferred pod) stages in and out in two steps instead
+    (:class:`flare_airflow.operators.links.SharedLinksStaging`).
     """
     root = pathlib.Path(tempfile.mkdtemp(prefix=f"flare-{run.site}-r{run.round}-"))
-    local = _local_run(run, root)
-    what = f"site {links.site!r} round {links.round}: the input global model"
+    local = local_run(run, root)
     try:
-        # A missing object is left missing: the runner's input check says what is wrong.
-        download(links.global_record, _beside(record_path, pathlib.Path(local.global_model)), f"{what}'s record")
-        download(links.global_model, pathlib.Path(local.global_model), what)
+        stage_in_through_links(local, links)
         yield local
-        upload_through_links(pathlib.Path(local.output), links)
+        stage_out_through_links(local, links)
     except BaseException:
         with contextlib.suppress(Exception):
-            upload_through_links(pathlib.Path(local.output), links)
+            stage_out_through_links(local, links)
         raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -165,7 +180,7 @@ def staged(run: SiteRun, store: ModelStore, links: SiteLinks | None = None) -> I
         raise StoreError(f"cannot prepare {remote_output} in the model store: {exc}") from exc
     root = pathlib.Path(tempfile.mkdtemp(prefix=f"flare-{run.site}-r{run.round}-"))
     try:
-        local = _local_run(run, root)
+        local = local_run(run, root)
         _download(store, run.global_model, pathlib.Path(local.global_model))
         yield local
         upload_result(pathlib.Path(local.output), remote_output)
