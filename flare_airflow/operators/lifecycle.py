@@ -57,7 +57,7 @@ from flare_airflow.operators.site_steps import (
     site_task_defaults,
     try_number_of,
 )
-from flare_airflow.operators.staging import check_connection, is_local, local_run, stage_out_through_links, staged
+from flare_airflow.operators.staging import check_connection, is_local, local_run, staged
 from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
 
@@ -478,15 +478,9 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
         """The site's failure before anything was staged: its record through ``links`` (from a
         temporary folder), so that the aggregation reads the reason."""
         with tempfile.TemporaryDirectory(prefix=f"flare-{self.site}-r{self.round_num}-") as tmp:
-            local = local_run(run, pathlib.Path(tmp))
-            failed = self.fail(context, local, rc, reason)
-            try:
-                stage_out_through_links(local, links)
-            except Exception as exc:
-                self.host.log.warning(
-                    "site %s round %d: the failure record was not uploaded: %s", self.site, self.round_num, exc
-                )
-        return failed
+            root = pathlib.Path(tmp)
+            shared = SharedLinksStaging(links=links, mount=root, root=root, local=local_run(run, root))
+            return self.end_shared(context, shared, rc, reason)
 
     def execution_deadline(self, context: Context | None) -> float | None:
         """When the task's ``execution_timeout`` ends (epoch seconds), counted from its start."""
