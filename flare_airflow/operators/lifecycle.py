@@ -386,7 +386,11 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
         """
         self.apply_site_policy(context)
         run = self.site_run(context)
-        shared = self.shared_staging(context, run, resumed=True)
+        try:
+            shared = self.shared_staging(context, run, resumed=True)
+        except BaseException:
+            self.end_watched_job(event)  # its result cannot be collected here: it must not outlive the task
+            raise
         if shared is None:
             return self.on_event(context=context, run=run, event=event)
         return self.through_shared(
@@ -464,13 +468,17 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
         failed: Exception = site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]")
         if not shared.has_result and shared.root.is_dir():
             failed = self.fail(context, shared.local, rc, reason)
+        self.send_failure_out(shared)
+        return failed
+
+    def send_failure_out(self, shared: SharedLinksStaging) -> None:
+        """Best effort: the task fails with its reason (in its log and XCom) even when the store is away."""
         try:
             shared.stage_out()
         except Exception as exc:
             self.host.log.warning(
                 "site %s round %d: the failure record was not uploaded: %s", self.site, self.round_num, exc
             )
-        return failed
 
     def fail_through_links(
         self, context: Context, run: SiteRun, links: SiteLinks, rc: JobReturnCode, reason: str
@@ -537,9 +545,4 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
             return
         if not shared.has_result:
             write_failure(path_from_uri(shared.local.output), JobReturnCode.ABORTED, "the site task was killed")
-        try:
-            shared.stage_out()
-        except Exception as exc:
-            self.host.log.warning(
-                "site %s round %d: the failure record was not uploaded: %s", self.site, self.round_num, exc
-            )
+        self.send_failure_out(shared)

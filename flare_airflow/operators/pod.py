@@ -318,6 +318,10 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
     def end_job(self, handle: k8s.V1Pod) -> None:
         self._delete_pod_quietly()
 
+    def end_watched_job(self, event: dict[str, Any]) -> None:
+        """The pod an event names, when the resumed task cannot go on to the stock re-entry (which deletes it)."""
+        self._delete_pod_quietly(event)
+
     def delete_earlier_tries(self, context: Context) -> list[str]:
         """Delete the pods of this site job's earlier tries (found by their labels) before this try
         creates its own: a try whose worker was killed left its pod running, unwatched.

@@ -453,6 +453,7 @@ def test_every_failure_of_a_shared_staging_sends_its_failure_record_and_removes_
     else:  # the deferred task's folder is not on the worker that resumes it
         with pytest.raises(SiteJobFailed, match=r"same store_mount folder.*\[CONFIG_ERROR\]"):
             task.resume(context(PushingTI()), {"status": "success"})
+        assert task.ended_by_event == [{"status": "success"}], "the job the event names is ended"
     (upload,) = shared_links.uploads
     expected = {"failed_job": "EXECUTION_ERROR", "killed": "ABORTED", "resumed_elsewhere": "CONFIG_ERROR"}[how]
     assert upload.startswith("failure:") and expected in upload, upload
