@@ -260,8 +260,7 @@ class SharedLinksStaging:
                 "this worker: every worker serving the site's queue must see the same store_mount folder (a "
                 "shared volume mounted at the same path), or run the site's pod tasks with deferrable=False"
             )
-        local = local_run(run, root) if resumed else dataclasses.replace(run)  # paths only once staged in
-        return cls(links=links, mount=mount, root=root, local=local)
+        return cls(links=links, mount=mount, root=root, local=local_run(run, root, create=False))
 
     def stage_in(self) -> None:
         """Clear earlier tries' folders (a try whose worker died left its own), then download the
@@ -272,13 +271,13 @@ class SharedLinksStaging:
                 if other.name.startswith("try-") and other != self.root:
                     shutil.rmtree(other, ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
-        self.local = local_run(self.local, self.root)
+        Path(self.local.output).parent.mkdir(parents=True)
         stage_in_through_links(self.local, self.links)
 
     @property
     def has_result(self) -> bool:
         """Whether the runner left a result to upload: an accepted update or a failure record."""
-        output = path_from_uri(self.local.output)
+        output = path_from_uri(self.local.output)  # a local path: made so by of()
         return record_path(output).exists() or failure_path(output).exists()
 
     def stage_out(self) -> None:

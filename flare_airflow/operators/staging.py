@@ -109,12 +109,13 @@ def upload_through_links(local_output: pathlib.Path, links: SiteLinks) -> None:
         upload(Upload(url=links.failure), failure, f"{what}: the failure record")
 
 
-def local_run(run: SiteRun, root: pathlib.Path) -> SiteRun:
-    """``run`` with its store paths in the local folder ``root`` (created if missing): the input
-    global model under ``global/``, the update under ``out/``, the try's staging under ``staging/``."""
+def local_run(run: SiteRun, root: pathlib.Path, *, create: bool = True) -> SiteRun:
+    """``run`` with its store paths in the local folder ``root`` (created if missing and ``create``):
+    the input global model under ``global/``, the update under ``out/``, the try's staging under ``staging/``."""
     local_global = root / "global" / pathlib.PurePosixPath(run.global_model).name
     local_output = root / "out" / pathlib.PurePosixPath(run.output).name
-    local_output.parent.mkdir(parents=True, exist_ok=True)
+    if create:
+        local_output.parent.mkdir(parents=True, exist_ok=True)
     local_staging = None
     if run.staging:
         parts = pathlib.PurePosixPath(run.staging).parts
