@@ -469,12 +469,19 @@ def test_a_malicious_site_attacks_the_data_plane_each_is_refused_and_the_run_pub
     site2 = deployment.workers["site-2"]
     site2_keys = str(site2.root / "keys")
     store_at_site2 = f"http://{site2.central}:{s3.port}"  # the store as site-2's namespace reaches it
-    # A worker may not register for no queue (edge3 alone would take it as "every queue").
-    state = {"state": "starting", "jobs_active": 0, "queues": [], "sysinfo": {}}
-    _refused(
-        _as_site(deployment, "site-2", "POST", "worker/site-2-worker", state),
-        "site 'site-2' must name its queues to register or heartbeat for",
-    )
+    # A worker may not register or heartbeat for no queue: a well-formed call (edge3 alone takes a
+    # heartbeat with no queues; a second registration of an active worker it refuses as a duplicate).
+    from airflow import __version__ as airflow_version
+    from airflow.providers.edge3 import __version__ as edge_version
+
+    sysinfo = {"airflow_version": airflow_version, "edge_provider_version": edge_version, "concurrency": 2}
+    no_queue = {"state": "idle", "jobs_active": 0, "queues": [], "sysinfo": sysinfo}
+    calls = {verb: _as_site(deployment, "site-2", verb, "worker/site-2-worker", no_queue) for verb in ("POST", "PATCH")}
+    reason = "site 'site-2' must name its queues to register or heartbeat for"
+    assert {v: (r.status_code, reason in r.text) for v, r in calls.items()} == {
+        "POST": (403, True),
+        "PATCH": (403, True),
+    }, {v: r.text for v, r in calls.items()}
 
     _maintenance(deployment, "site-2", on=True)
     with CreatedContainers(JOB_LABEL) as containers:
