@@ -40,7 +40,7 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.lineage import LineageMixin
-from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
+from flare_airflow.operators.links import LINKS_KEY, abort_site_uploads, sealed_round_links
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
@@ -241,6 +241,9 @@ class AggregateOperator(LineageMixin, BaseOperator):
         except TrustError as exc:
             raise AirflowFailException(f"round {r}: the global model cannot be signed: {exc}") from None
         links = sealed_round_links(job, store, run_id, r + 1, record.size, self.log) if r < params.rounds else None
+        # The round is read and its model written: every site task of it is done (checked above),
+        # so an upload still open is one nobody completes.
+        abort_site_uploads(job, run_id, self.log, store=store, round_num=r)
         summary: dict[str, Any] = {
             "round": r,
             "global_uri": str(global_out),

@@ -17,9 +17,10 @@ from typing import Any
 from flare_airflow.core import envvars
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.store import ModelStore
-from flare_airflow.core.store_links import LinksError, SiteLinks, mint_site_links
+from flare_airflow.core.store_links import LinksError, SiteLinks, abort_unfinished_uploads, mint_site_links
 from flare_airflow.core.trust import TrustError
 from flare_airflow.core.trust.sealed import links_context, load_box_key, open_sealed, seal
+from flare_airflow.operators.common import store_for
 from flare_airflow.operators.staging import is_local
 from flare_airflow.operators.trust import trust_settings
 
@@ -83,6 +84,9 @@ def mint_round_links(
     registry, grants = read_registry(Path(settings.registry_path))
     seconds = link_seconds()
     clients: dict[str | None, Any] = {None: client if client is not None else central_client(job)}
+    # Links minted again (this task retried, or cleared to replace expired links) replace the
+    # round's earlier ones: an upload those opened is completed by no one.
+    abort_site_uploads(job, run_id, log, store=store, round_num=round_num, client=clients[None])
     sealed: dict[str, str] = {}
     for site in sorted(job.sites):
         try:
@@ -122,6 +126,43 @@ def sealed_round_links(
             f"round {round_num}: the sites' store links cannot be minted with the central store connection "
             f"{job.store_conn_id or 'aws_default'!r}: {type(exc).__name__}: {detail}; check it on the central side"
         ) from None
+
+
+def abort_site_uploads(
+    job: JobConfig,
+    run_id: str,
+    log: Any,
+    *,
+    store: ModelStore | None = None,
+    round_num: int | None = None,
+    client: Any = None,
+) -> list[str]:
+    """End the multipart uploads the sites left unfinished in ``run_id`` (round ``round_num``'s
+    only when given): called by a round's aggregation once it read the round, and by the run's
+    verdict for the whole run. Links are minted -- and uploads opened -- only for a presigning store
+    in strict mode; elsewhere there is nothing of ours to end. Best effort: the round's or run's
+    outcome does not depend on it, a failure is logged (the parts stay until a later call or the
+    bucket's lifecycle rule, docs/model-store.md). ``store``: the job's by default."""
+    where = f"round {round_num}" if round_num is not None else f"run {run_id}"
+    try:
+        store = store if store is not None else store_for(job)
+        if not presigns(store) or not trust_settings().strict:
+            return []
+        aborted = abort_unfinished_uploads(
+            client if client is not None else central_client(job), store,
+            job=job.job, run_id=run_id, sites=job.sites, round_num=round_num,
+        )  # fmt: skip
+    except Exception as exc:  # botocore raises many types: a wrong central credential, a store away
+        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+        log.warning(
+            "%s: the sites' unfinished uploads were not aborted with the central store connection %r: %s: %s; "
+            "their parts stay in the store until the run's end or the bucket's lifecycle rule removes them",
+            where, job.store_conn_id or "aws_default", type(exc).__name__, detail,
+        )  # fmt: skip
+        return []
+    if aborted:
+        log.info("%s: aborted %d unfinished site upload(s): %s", where, len(aborted), aborted)
+    return aborted
 
 
 def open_site_links(

@@ -34,7 +34,7 @@ from flare_airflow.operators.common import (
 from flare_airflow.operators.data_ready import announcement_verifier
 from flare_airflow.operators.data_watch import read_history
 from flare_airflow.operators.lineage import LineageMixin
-from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
+from flare_airflow.operators.links import LINKS_KEY, abort_site_uploads, sealed_round_links
 from flare_airflow.operators.sweep import SweepOperator
 from flare_airflow.operators.tracking import track_publish, track_run_start
 from flare_airflow.operators.trust import open_site_metrics, sign_global
@@ -540,6 +540,9 @@ class RunVerdictOperator(BaseOperator):
     @failure_to_xcom
     def execute(self, context: Context) -> dict[str, Any]:
         ti = context["ti"]
+        # The run is over: an upload still open is one nobody completes (a site task run again
+        # later is refused by the store and told to have new links minted).
+        abort_site_uploads(self.job, run_id_of(context), self.log)
         states = task_states(context, [self.prepare_task_id, *self.aggregate_task_ids, self.publish_task_id])
         published = ti.xcom_pull(task_ids=self.publish_task_id)
         publish_state = states.get(self.publish_task_id, "success")
