@@ -5,9 +5,9 @@ sealed to the site's box key; the site reads the global model and writes its own
 them and reaches nothing else. Where links cannot be presigned, a generated per-site policy grants
 the same -- tested on the emulator with IAM enforced, both what it allows and what it denies.
 
-moto 5.2 cannot check a presigned link's signature (with IAM on it answers them HTTP 500, with IAM
-off it accepts any), so the links are tested for what they name and reach, and their refusals
-(another site's, last round's, expired, replaced global) are the site's own checks.
+The emulator runs with IAM enforced and checks presigned links too (flare_airflow_testing/moto_presigned.py):
+a link edited to name another key, an expired one and an unsigned request are refused by the store
+itself; the site's own checks (another site's links, last round's, a replaced global) come first.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 from urllib.parse import unquote, urlparse
 
 import httpx
@@ -62,7 +63,7 @@ class Log:
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server(enforce_iam=False)
+    server = S3Server()
     try:
         yield server
     finally:
@@ -409,23 +410,51 @@ def _put_part(up, n: int, piece: bytes) -> None:
     httpx.put(up.parts[n - 1], content=piece, timeout=60).raise_for_status()
 
 
-@pytest.fixture(scope="module")
-def s3_iam():
-    server = S3Server()
-    try:
-        yield server
-    finally:
-        server.stop()
+def test_the_store_checks_each_link_it_serves(s3, round_2):
+    """Allow and deny at the store (IAM on): a site's genuine links read the global model and
+    write its slot; the same links edited to name another key (another site's slot, another round's,
+    another run's global), expired, or a request with no signature at all are refused."""
+    job, store, run_id, _ = round_2
+    links = mint_site_links(
+        s3.client(), store, job=job.job, run_id=run_id, round_num=2, site="site-2", expires_in=600, update_size=64
+    )
+    put = str(links.update.url)
+    assert httpx.get(links.global_model, timeout=30).read() == get(s3, store.global_model(job.job, run_id, 1))
+    assert httpx.put(put, content=b"site-2's update", timeout=30).status_code == 200
+    other_run = store.run_dir(job.job, run_id).name
+    refused = {
+        "site-1's slot": ("PUT", put.replace("/sites/site-2.", "/sites/site-1.")),
+        "round 3's slot": ("PUT", put.replace("/round-0002/", "/round-0003/")),
+        "another run's global": ("GET", links.global_model.replace(other_run, "another-run")),
+        "no signature": ("GET", put.split("?", 1)[0]),
+    }
+    codes = {}
+    for what, (verb, url) in refused.items():
+        r = httpx.request(verb, url, content=b"-10x" if verb == "PUT" else None, timeout=30)
+        codes[what] = (r.status_code, r.text.partition("<Code>")[2].partition("</Code>")[0] or r.reason_phrase)
+    assert codes == {
+        "site-1's slot": (403, "SignatureDoesNotMatch"),
+        "round 3's slot": (403, "SignatureDoesNotMatch"),
+        "another run's global": (403, "SignatureDoesNotMatch"),
+        "no signature": (403, "FORBIDDEN"),  # moto's ACL check for an existing object, before IAM
+    }
+    assert not s3.keys(bucket_key(store.site_update(job.job, run_id, 2, "site-1"))[1])
+    expired = mint_site_links(
+        s3.client(), store, job=job.job, run_id=run_id, round_num=2, site="site-2", expires_in=1, update_size=64
+    )
+    time.sleep(2)
+    r = httpx.get(expired.global_model, timeout=30)
+    assert (r.status_code, "Request has expired" in r.text) == (403, True), r.text
 
 
-def test_a_per_site_policy_allows_its_slot_and_the_global_and_denies_the_rest(s3_iam):
+def test_a_per_site_policy_allows_its_slot_and_the_global_and_denies_the_rest(s3):
     store = ModelStore.from_uri(STORE)
-    admin = s3_iam.client()
+    admin = s3.client()
     slots = {s: bucket_key(store.site_update("unit", RUN, 1, s))[1] for s in SITES}
     global_key = bucket_key(store.global_model("unit", RUN, 0))[1]
     admin.put_object(Bucket=BUCKET, Key=global_key, Body=b"global")
     admin.put_object(Bucket=BUCKET, Key=slots["site-2"], Body=b"site-2's update")
-    site_1 = s3_iam.client(*s3_iam.user_key("site-1", site_bucket_policy(store, job="unit", site="site-1")))
+    site_1 = s3.client(*s3.user_key("site-1", site_bucket_policy(store, job="unit", site="site-1")))
 
     def denied(call, **kw) -> bool:
         try:
