@@ -28,7 +28,7 @@ from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
 from flare_airflow.operators.prepare import PrepareRunOperator
 from flare_airflow.operators.publish import PublishOperator
 from flare_airflow.operators.sweep import sweep_groups
-from flare_airflow.operators.tracking import with_deployment_tracking
+from flare_airflow.operators.tracking_target import with_deployment_tracking
 from flare_airflow.operators.verdict import RunVerdictOperator
 
 AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
