@@ -21,7 +21,7 @@ from typing import Any
 from airflow.sdk import DAG, Param, TaskGroup
 
 from flare_airflow.core.config import JobConfig, load_job
-from flare_airflow.core.config.job import HparamRange
+from flare_airflow.core.config.trainer import HparamRange
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.bindings import binding, sweeps
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
