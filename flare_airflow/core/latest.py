@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
+from flare_airflow.core.digests import HEX_DIGEST
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import Params, read_artifact
 from flare_airflow.core.store import ModelStore
@@ -17,7 +17,8 @@ _POINTER_KEYS = {"run_id": str, "model_uri": str, "sha256": str, "round": int}
 
 
 def parse_latest_pointer(data: bytes, where: str) -> dict[str, Any]:
-    """The job's ``latest.json`` (written by :class:`PublishOperator`), checked key by key."""
+    """The job's ``latest.json`` (written by :class:`~flare_airflow.operators.publish.PublishOperator`),
+    checked key by key."""
     try:
         latest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -31,7 +32,7 @@ def parse_latest_pointer(data: bytes, where: str) -> dict[str, Any]:
                 f"{where}: {key!r} is {'missing' if key not in latest else 'not a ' + kind.__name__} "
                 f"(expected keys: {', '.join(_POINTER_KEYS)})"
             )
-    if not re.fullmatch(r"[0-9a-f]{64}", latest["sha256"]):
+    if not HEX_DIGEST.match(latest["sha256"]):
         raise FlareAirflowError(f"{where}: 'sha256' is not 64 hex digits")
     return latest
 
