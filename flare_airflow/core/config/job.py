@@ -28,6 +28,7 @@ from flare_airflow.core.config.validators import (
     Strict,
     conn_id_name,
     no_nul,
+    not_blank,
 )
 from flare_airflow.core.config.yaml_loader import KeyLines, read_job_yaml_with_lines
 from flare_airflow.core.errors import ConfigError
@@ -146,9 +147,7 @@ class JobConfig(Strict):
     @field_validator("initial_model", "base_dir")
     @classmethod
     def _path(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must name a file (paths are relative to the job file)")
-        return no_nul(value, "path")
+        return not_blank(value, "path", "must name a file (paths are relative to the job file)")
 
     @field_validator("job")
     @classmethod

@@ -18,6 +18,7 @@ from flare_airflow.core.config.validators import (
     Strict,
     argv,
     no_nul,
+    not_blank,
 )
 
 _HPARAM_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}\Z")
@@ -90,9 +91,9 @@ class TrainerSpec(Strict):
     @field_validator("script")
     @classmethod
     def _script(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must name the trainer script, e.g. 'train.py' (relative to the job file)")
-        return no_nul(value, "trainer.script")
+        return not_blank(
+            value, "trainer.script", "must name the trainer script, e.g. 'train.py' (relative to the job file)"
+        )
 
     @field_validator("hparams", mode="before")
     @classmethod

@@ -20,20 +20,9 @@ from flare_airflow.operators.tracking_target import (
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
-def _job(tmp_path: pathlib.Path, **spec: str):
-    (tmp_path / "train.py").write_text("")
-    return job_from_dict(
-        {
-            "job": "demo",
-            "rounds": 1,
-            "min_clients": 1,
-            "initial_model": str(REPO / "examples" / "digits" / "initial_model.safetensors"),
-            "trainer": {"script": "train.py"},
-            "tracking": {"backend": "mlflow", **spec},
-            "sites": {"site-1": {}},
-        },
-        base_dir=str(tmp_path),
-    )
+def tracked_job(tmp_path: pathlib.Path, **spec: str):
+    """A one-site job tracked by MLflow with ``spec`` (the tests of the writes use it too)."""
+    return _untracked(tmp_path, tracking={"backend": "mlflow", **spec})
 
 
 def _connections(monkeypatch: pytest.MonkeyPatch, **uris: str) -> None:
@@ -43,7 +32,7 @@ def _connections(monkeypatch: pytest.MonkeyPatch, **uris: str) -> None:
 
 
 def test_the_embedded_store_is_a_sqlite_file_at_the_model_stores_root(tmp_path: pathlib.Path) -> None:
-    uri, env, artifacts = tracking_target(_job(tmp_path), ModelStore(tmp_path / "store"))
+    uri, env, artifacts = tracking_target(tracked_job(tmp_path), ModelStore(tmp_path / "store"))
     assert uri == f"sqlite:///{tmp_path}/store/mlflow.db" and env == {}
     assert artifacts == f"file://{tmp_path}/store/mlflow-artifacts"
 
@@ -52,7 +41,7 @@ def test_an_object_store_needs_a_server(tmp_path: pathlib.Path) -> None:
     from airflow.sdk import ObjectStoragePath
 
     with pytest.raises(TrackingConfigError, match="not on this machine's file system; name a tracking server"):
-        tracking_target(_job(tmp_path), ModelStore(ObjectStoragePath("memory://bucket/store")))
+        tracking_target(tracked_job(tmp_path), ModelStore(ObjectStoragePath("memory://bucket/store")))
 
 
 @pytest.mark.parametrize(
@@ -73,7 +62,7 @@ def test_a_server_connection_gives_uri_and_credentials(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, conn: str, uri: str, env: dict[str, str]
 ) -> None:
     _connections(monkeypatch, mlflow_team=conn)
-    got = tracking_target(_job(tmp_path, conn_id="mlflow_team"), ModelStore(tmp_path))
+    got = tracking_target(tracked_job(tmp_path, conn_id="mlflow_team"), ModelStore(tmp_path))
     assert got == (uri, env, None)
 
 
@@ -161,15 +150,16 @@ def test_a_job_uri_is_one_the_deployment_lists(tmp_path: pathlib.Path, monkeypat
     monkeypatch.delenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", raising=False)
     store = ModelStore(tmp_path)
     assert (
-        tracking_target(_job(tmp_path, uri="http://mlflow.internal:5000/"), store)[0] == "http://mlflow.internal:5000/"
+        tracking_target(tracked_job(tmp_path, uri="http://mlflow.internal:5000/"), store)[0]
+        == "http://mlflow.internal:5000/"
     )
-    assert tracking_target(_job(tmp_path, uri="sqlite:////srv/m.db"), store)[0] == "sqlite:////srv/m.db"
+    assert tracking_target(tracked_job(tmp_path, uri="sqlite:////srv/m.db"), store)[0] == "sqlite:////srv/m.db"
     with pytest.raises(TrackingConfigError, match="not a tracking destination this deployment allows"):
-        tracking_target(_job(tmp_path, uri="http://elsewhere:5000"), store)
+        tracking_target(tracked_job(tmp_path, uri="http://elsewhere:5000"), store)
     # the deployment's own default block names an allowed uri too
     monkeypatch.delenv("AIRFLOW__FLARE_AIRFLOW__TRACKING_URIS")
     monkeypatch.setenv("AIRFLOW__FLARE_AIRFLOW__TRACKING", '{"backend": "mlflow", "uri": "http://team:5000"}')
-    assert tracking_target(_job(tmp_path, uri="http://team:5000"), store)[0] == "http://team:5000"
+    assert tracking_target(tracked_job(tmp_path, uri="http://team:5000"), store)[0] == "http://team:5000"
 
 
 def test_user_info_in_a_connections_host_becomes_basic_auth(
@@ -177,7 +167,7 @@ def test_user_info_in_a_connections_host_becomes_basic_auth(
 ) -> None:
     """The URI MLflow is given (and that error messages repeat) carries no password."""
     _connections(monkeypatch, mlflow_team='{"conn_type": "http", "host": "https://alice:p%40ss@m.example:5000/x"}')
-    got = tracking_target(_job(tmp_path, conn_id="mlflow_team"), ModelStore(tmp_path))
+    got = tracking_target(tracked_job(tmp_path, conn_id="mlflow_team"), ModelStore(tmp_path))
     assert got == (
         "https://m.example:5000/x",
         {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "p@ss"},
