@@ -38,6 +38,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskD
 
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import ConfigError, FlareAirflowError, StoreError
+from flare_airflow.core.failure_record import write_failure
 from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobLauncherSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.core.store_links import LinksError, SiteLinks
@@ -58,7 +59,6 @@ from flare_airflow.operators.site_steps import (
     try_number_of,
 )
 from flare_airflow.operators.staging import check_connection, is_local, local_run, staged
-from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
 
 if TYPE_CHECKING:

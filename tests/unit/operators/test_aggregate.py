@@ -174,8 +174,8 @@ def test_the_round_aborts_its_sites_unfinished_uploads_once_its_model_is_written
 
 def test_the_runs_verdict_aborts_every_unfinished_upload_of_the_run(job, monkeypatch) -> None:
     """The run's end, published or not: the verdict (its teardown) ends what any round left open."""
-    from flare_airflow.operators import run
-    from flare_airflow.operators.run import RunVerdictOperator
+    from flare_airflow.operators import verdict as verdict_module
+    from flare_airflow.operators.verdict import RunVerdictOperator
 
     calls: list[tuple[str, int | None]] = []
 
@@ -183,7 +183,7 @@ def test_the_runs_verdict_aborts_every_unfinished_upload_of_the_run(job, monkeyp
         calls.append((run_id, round_num))
         return []
 
-    monkeypatch.setattr(run, "abort_site_uploads", abort)
+    monkeypatch.setattr(verdict_module, "abort_site_uploads", abort)
     verdict = RunVerdictOperator(
         task_id="verdict", job=job, prepare_task_id="prepare", aggregate_task_ids=["round_1.global_model"],
         publish_task_id="publish",

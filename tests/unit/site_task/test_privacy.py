@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.model import read_artifact
 from flare_airflow.core.privacy.filters import l2_norm
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import record_path
 from flare_airflow.launchers.process import ProcessLauncher
-from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 from flare_airflow.site_task.spec import NOISE_SECRET_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
 
