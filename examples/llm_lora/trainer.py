@@ -7,6 +7,11 @@ Only the adapter tensors (PEFT's ``lora_A`` / ``lora_B`` per target module) are 
 
 Data: each site's text is the source of different Python standard-library packages (non-IID by
 construction: e-mail parsing, asyncio, unittest); every 8th file of a site is its held-out text.
+``--text-root DIR`` reads those packages from DIR instead of this Python's stdlib (a site whose
+trainer runs in an image mounts its data there: another Python's stdlib is other text).
+
+Reproducible: one torch thread (``FLARE_LM_THREADS``), seeded, deterministic algorithms: the same
+job gives the same adapter bit for bit as a process and in the LM trainer image (tested).
 
 Tasks: ``train`` (``steps_per_round`` AdamW steps from the global adapter; metrics: the held-out
 loss of the received adapter and of the trained one) and ``evaluate`` (the global adapter's held-out
@@ -65,6 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-modules", default="q_proj,v_proj")
     p.add_argument("--tiny-base", help="write a random 2-layer LLaMA base model into this directory and exit")
     p.add_argument("--prepare-base", help="dequantize this GGUF base model into the site's cache and exit")
+    p.add_argument("--text-root", help="the directory holding the sites' packages (default: this Python's stdlib)")
     return p.parse_args(argv)
 
 
@@ -180,11 +186,11 @@ def load_adapters(model: Any, params: dict[str, np.ndarray]) -> None:
         raise SystemExit(f"the global adapter has tensors this model has no place for: {unexpected[:3]}")
 
 
-def site_text(site: str, max_chars: int) -> tuple[str, str]:
+def site_text(site: str, max_chars: int, root: str | None = None) -> tuple[str, str]:
     """(training text, held-out text) of ``site``: its packages' sources, every 8th file held out."""
     if site not in SITE_PACKAGES:
         raise SystemExit(f"site name {site!r} must be one of {', '.join(SITE_PACKAGES)} for this example")
-    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    stdlib = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     files = sorted(f for pkg in SITE_PACKAGES[site] for f in (stdlib / pkg).rglob("*.py") if "test" not in f.parts)
     train, held = [], []
     for i, f in enumerate(files):
@@ -285,6 +291,9 @@ def main(argv: list[str]) -> int:
         return count_cuda(torch)
     # One thread per trainer: the sites of a host share its cores (and results stay reproducible).
     torch.set_num_threads(int(os.environ.get("FLARE_LM_THREADS", "1")))
+    # Same job, same adapter, wherever it runs; warn_only: a GPU op without a deterministic kernel
+    # warns instead of failing the site job.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if args.tiny_base:
         write_tiny_base(pathlib.Path(args.tiny_base))
         return 0
@@ -317,7 +326,7 @@ def main(argv: list[str]) -> int:
     if flare.is_evaluate():
         metrics: dict[str, float] = {}
         for site in args.sites.split(","):
-            held = windows(tokenizer, site_text(site, args.max_chars)[1], seq_len)[:eval_windows]
+            held = windows(tokenizer, site_text(site, args.max_chars, args.text_root)[1], seq_len)[:eval_windows]
             metrics[f"heldout_loss/{site}"] = mean_loss(model, held, batch_size)
             if received.current_round == 1:  # the base model's loss does not change: once is enough
                 with model.disable_adapter():
@@ -327,7 +336,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     site = received.site or ""
-    train_text, held_text = site_text(site, args.max_chars)
+    train_text, held_text = site_text(site, args.max_chars, args.text_root)
     train, held = windows(tokenizer, train_text, seq_len), windows(tokenizer, held_text, seq_len)[:eval_windows]
     before = mean_loss(model, held, batch_size)
     frozen = [n for n, p in model.named_parameters() if any(fnmatch.fnmatchcase(n, f) for f in lora["frozen"])]
