@@ -133,6 +133,9 @@ def _upload(fs: Any, bucket: str, key: str, local: Path, size: int, state: _Uplo
     if noted is not None and int(noted["part_size"]) == part_size:
         arrived = _arrived(fs, bucket, key, str(noted["upload_id"]))
     if noted is None or arrived is None:
+        if noted is not None:  # another part size: its parts cannot be reused, and an open upload is billed
+            with contextlib.suppress(Exception):
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=str(noted["upload_id"]))
         upload_id = str(fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"])
         state.write(upload_id, part_size)  # before the first part: a writer cut off after it resumes
         arrived = {}

@@ -121,3 +121,29 @@ def test_small_updates_and_other_stores_are_left_to_the_plain_copy(s3, conn_env,
     local.write_bytes(b"x" * 1024)
     assert resumable_upload(local, slot(tmp_path), part_size=PART, single_put_limit=PART) is None
     assert resumable_upload(local, tmp_path / "elsewhere.bin") is None
+
+
+def test_an_upload_noted_with_another_part_size_is_aborted_and_started_again(s3, conn_env, tmp_path, monkeypatch):
+    from flare_airflow.core import store_resume
+
+    dst, state = slot(tmp_path), tmp_path / "uploads"
+    local = tmp_path / "update.bin"
+    local.write_bytes(np.random.default_rng(3).bytes(2 * PART + 1))
+    real = store_resume._upload_part
+
+    def die_after_one(*a):
+        real(*a)
+        raise ConnectionError("network lost")
+
+    monkeypatch.setattr(store_resume, "_upload_part", die_after_one)
+    with pytest.raises(StoreError):
+        resumable_upload(local, dst, state_dir=state, part_size=PART, single_put_limit=PART)
+    [noted] = state.glob("*.json")
+    old_id = json.loads(noted.read_text())["upload_id"]
+    monkeypatch.setattr(store_resume, "_upload_part", real)
+    assert (
+        resumable_upload(local, dst, state_dir=state, part_size=2 * PART, single_put_limit=PART) == local.stat().st_size
+    )
+    assert get(s3, dst) == local.read_bytes()
+    uploads = s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+    assert old_id not in {u["UploadId"] for u in uploads}  # the abandoned upload was aborted, not left billed
