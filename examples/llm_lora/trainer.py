@@ -260,6 +260,21 @@ def mean_loss(model: Any, batches: np.ndarray, batch_size: int) -> float:
     return total / len(batches)
 
 
+def window_losses(model: Any, batches: np.ndarray, batch_size: int) -> np.ndarray:
+    """The mean token loss of each window (as the model's own loss: next-token cross-entropy)."""
+    import torch
+
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(batches), batch_size):
+            x = torch.from_numpy(batches[s : s + batch_size]).to(model.device)
+            logits = model(input_ids=x).logits[:, :-1].float()
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            out.append(losses.mean(dim=1).cpu().numpy().astype(np.float64))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
 def write_tiny_base(directory: pathlib.Path) -> None:
     """A random 2-layer LLaMA (seeded) with the packaged SmolLM2 tokenizer: the fast tests' base model."""
     import torch
@@ -324,13 +339,26 @@ def main(argv: list[str]) -> int:
     loaded = time.monotonic() - started
 
     if flare.is_evaluate():
+        # The last round's evaluation, what a claim "better than the base model" rests on, reads
+        # heldout_windows windows (default eval_windows) with the base model on the same windows:
+        # the gain window by window and its standard error, the noise of that text.
+        last = received.current_round == flare.get_total_rounds()
+        n_windows = int(hp.get("heldout_windows", eval_windows)) if last else eval_windows
         metrics: dict[str, float] = {}
         for site in args.sites.split(","):
-            held = windows(tokenizer, site_text(site, args.max_chars, args.text_root)[1], seq_len)[:eval_windows]
-            metrics[f"heldout_loss/{site}"] = mean_loss(model, held, batch_size)
-            if received.current_round == 1:  # the base model's loss does not change: once is enough
+            held = windows(tokenizer, site_text(site, args.max_chars, args.text_root)[1], seq_len)[:n_windows]
+            adapted = window_losses(model, held, batch_size)
+            metrics[f"heldout_loss/{site}"] = float(adapted.mean())
+            if received.current_round == 1 or last:  # the base model's loss does not change
                 with model.disable_adapter():
-                    metrics[f"base_loss/{site}"] = mean_loss(model, held, batch_size)
+                    base = window_losses(model, held, batch_size)
+                if received.current_round == 1:
+                    metrics[f"base_loss/{site}"] = float(base.mean())
+                if last:
+                    gain = base - adapted
+                    metrics[f"heldout_gain/{site}"] = float(gain.mean())
+                    if len(gain) > 1:
+                        metrics[f"heldout_gain_se/{site}"] = float(gain.std(ddof=1) / math.sqrt(len(gain)))
         print(f"global adapter after round {received.current_round}: {metrics}", flush=True)
         flare.send(flare.FLModel(metrics=metrics))
         return 0

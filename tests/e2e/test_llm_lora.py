@@ -222,16 +222,20 @@ def test_tiny_llama_gives_the_same_adapter_bit_for_bit_on_process_and_container_
     }
     at_sites = {s: apply_site_policy(job, s, site_policy_from_dict(policy, source="site.yaml")) for s in sites}
 
+    # A run id of this test's own: its containers' names and labels come from it (another checkout may
+    # run this test on the same engine at the same time).
+    run_id = f"manual__tiny-{tmp_path.name}"
+
     def container_site_job(site: str, round_num: int) -> tuple[bool, Any]:
         op = SiteContainerOperator(
             task_id=f"round_{round_num}.{site}", job=at_sites[site], site=site, round_num=round_num
         )
         try:
-            return True, op.execute(task_context(op))
+            return True, op.execute(task_context(op, run_id))
         except Exception as exc:  # the site task's own failure, with its reason
             return False, f"{type(exc).__name__}: {exc}"
 
-    _, by_container, container_metrics = federate(job, ModelStore(store_dir), container_site_job)
+    _, by_container, container_metrics = federate(job, ModelStore(store_dir), container_site_job, run_id)
     by_process = tiny_process_run.final
     assert sorted(by_container) == sorted(by_process)
     differing = [n for n in by_process if by_process[n].tobytes() != by_container[n].tobytes()]
@@ -267,7 +271,12 @@ def test_smollm2_three_sites_learn_and_a_site_with_another_base_is_refused(
     # Small on purpose (the suite's budget): 2 optimizer steps of 2 x 32 tokens per site and round.
     job["lora"].update(seq_len=32, steps_per_round=2)
     job["trainer"].update(script=str(TRAINER), command=[str(lm.python)], args=["--max-chars", "40000"])
-    job["trainer"]["hparams"].update(lr=0.005, batch_size=2, eval_windows=3)
+    # Held-out text where the claim is made, not elsewhere (the suite's budget): the site jobs' own
+    # before/after and round 1's evaluation read 1 window, the last round's evaluation 8 windows with
+    # the base model on the same ones. On the 3 windows used before, site-2's gain was 0.013 ± 0.046
+    # (measured: luck of the draw); on 8 it is 0.12 ± 0.05, the others' 0.11 ± 0.03 -- about as many
+    # forward passes in all as before.
+    job["trainer"]["hparams"].update(lr=0.005, batch_size=2, eval_windows=1, heldout_windows=8)
     job["sites"]["site-4"] = {"base_model": str(other)}
     (folder / "llm_job.yaml").write_text(yaml.safe_dump(job))
     dag_file = folder / "llm_dag.py"
@@ -284,7 +293,9 @@ def test_smollm2_three_sites_learn_and_a_site_with_another_base_is_refused(
     rows = result.metrics()["rounds"]
     assert [r["accepted"] for r in rows] == [["site-1", "site-2", "site-3"]] * 2
     last = rows[-1]["evaluation"]
-    base = {k: v for row in rows for k, v in row["evaluation"].items() if k.startswith("base_loss/")}
     for site in ("site-1", "site-2", "site-3"):
-        assert last[f"heldout_loss/{site}"] < base[f"base_loss/{site}"], (last, base)
+        # The global adapter against the base model on the same 8 windows of the site's held-out text:
+        # better on average, by more than one standard error of that paired gain.
+        gain, se = last[f"heldout_gain/{site}"], last[f"heldout_gain_se/{site}"]
+        assert gain > se > 0, (site, gain, se, last)
     shutil.rmtree(folder)
