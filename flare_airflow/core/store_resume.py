@@ -25,10 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flare_airflow.core import envvars
 from flare_airflow.core.errors import StoreError
 from flare_airflow.core.store_links import PART_SIZE, SINGLE_PUT_LIMIT, _same_part, bucket_key
 
-STATE_DIR_ENV = "FLARE_UPLOAD_STATE_DIR"
+STATE_DIR_ENV = envvars.FLARE_UPLOAD_STATE_DIR
 MAX_PARTS = 10_000  # S3's limit: beyond 640 GB the parts grow instead
 
 
