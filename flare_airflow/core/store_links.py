@@ -281,7 +281,7 @@ def arrived_parts(upload: Upload, what: str) -> dict[int, tuple[str, int]]:
     return arrived
 
 
-def _same_part(listed: tuple[str, int] | None, piece: bytes) -> bool:
+def same_part(listed: tuple[str, int] | None, piece: bytes) -> bool:
     """Whether the store's part is ``piece``: S3's ETag of a part is the MD5 of its bytes (not under
     SSE-KMS or SSE-C -- there it never matches and the part is sent again, which is still correct)."""
     if listed is None or listed[1] != len(piece):
@@ -311,7 +311,7 @@ def upload(upload: Upload, local: Path, what: str) -> int:
             piece = fh.read(upload.part_size)
             if not piece and n > 1:
                 break
-            if _same_part(arrived.get(n), piece):
+            if same_part(arrived.get(n), piece):
                 etags.append((n, arrived[n][0]))
                 continue
             etags.append((n, _put(url, piece, len(piece), f"{what} (part {n})")))

@@ -26,6 +26,7 @@ from typing import Any
 from flare_airflow.core.errors import StoreError
 from flare_airflow.core.store import ModelStore, failure_path, record_path
 from flare_airflow.core.store_links import SiteLinks, Upload, download, upload
+from flare_airflow.core.store_resume import resumable_upload
 from flare_airflow.site_task.checks import clear_outputs
 from flare_airflow.site_task.spec import SiteRun
 
@@ -87,7 +88,9 @@ def upload_result(local_output: Any, remote_output: Any) -> None:
     """What the runner left at ``local_output`` to the store: tensors, then record, or the failure record."""
     if record_path(local_output).exists() and local_output.exists():
         remote_output.parent.mkdir(parents=True, exist_ok=True)
-        _copy(local_output, remote_output)
+        # A large update on S3 goes up resumably, the upload's id kept at the site (core/store_resume.py).
+        if resumable_upload(pathlib.Path(local_output), remote_output) is None:
+            _copy(local_output, remote_output)
         _copy(record_path(local_output), record_path(remote_output))  # last: the artifact is complete
     if failure_path(local_output).exists():
         _copy(failure_path(local_output), failure_path(remote_output))

@@ -350,6 +350,8 @@ def apply_privacy(
         round_num=run.round,
         key=key,
         where=where,
+        # The strategy's frozen tensors (FFA-LoRA's A): checked unchanged, then left out of clip and noise.
+        frozen=tuple((run.lora or {}).get("frozen") or ()),
     )
     try:
         validate_update(run.site, record.tensors, out.params)
