@@ -27,7 +27,7 @@ from typing import Any
 
 from flare_airflow.core import envvars
 from flare_airflow.core.errors import StoreError
-from flare_airflow.core.store_links import PART_SIZE, SINGLE_PUT_LIMIT, same_part, bucket_key
+from flare_airflow.core.store_links import PART_SIZE, SINGLE_PUT_LIMIT, bucket_key, same_part
 
 STATE_DIR_ENV = envvars.FLARE_UPLOAD_STATE_DIR
 MAX_PARTS = 10_000  # S3's limit: beyond 640 GB the parts grow instead
