@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup system-deps system-packages control-plane pytest images demo airflow test unit lint bench clean lm-env llm-demo llm-demo-gpu
+.PHONY: setup system-deps system-packages control-plane pytest images demo airflow test unit lint bench clean lm-env lm-image llm-demo llm-demo-gpu
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -79,6 +79,11 @@ demo: setup
 # Measured cold: 108 s on a quiet 2-core machine, 368 s with five other builds running.
 lm-env: $(VENV)/.installed
 	$(BIN)/python -m flare_airflow_testing.side_venvs lm
+
+# The language-model trainer image (docker/Dockerfile.lm-trainer) from .lm-venv's exact wheels, on the
+# trainer image; cached by content. Measured cold: 126 s (+24 s for the trainer image), 1.33 GB.
+lm-image: lm-env
+	$(PYTHON) docker/images.py --base-image $(BASE_IMAGE) lm-trainer
 
 # LoRA fine-tuning of SmolLM2-135M across 3 sites through Airflow (dags/llm_lora.yaml), then the
 # per-site held-out loss table and plot. The site's base model is dequantized once into its cache

@@ -162,8 +162,9 @@ def data_plane(s3: S3Server, tmp: Path, reps: int, size_mib: int) -> tuple[Table
             f"{(new - today) * 1e3:+.1f}", f"{median(crypto) * 1e3:.2f}",
         )  # fmt: skip
     table.notes.append(
-        f"{reps} repetitions, cases alternating, one moto S3 server (IAM off: moto cannot serve presigned links with "
-        "IAM on). Both run the site task's `staged()`: 'today' with the site's connection (s3fs through Airflow's "
+        f"{reps} repetitions, cases alternating, one moto S3 server (IAM off: its signature checks are the "
+        "emulator's cost, not a store's). Both run the site task's `staged()`: 'today' with the site's "
+        "connection (s3fs through Airflow's "
         "ObjectStoragePath: clear the slot, download, upload); 'new' mints one site's links (a presigned URL each), "
         "seals and opens them, stages through them with the standard library's HTTP client, signs the update "
         "record, seals the site's report and opens it, and verifies the signature."

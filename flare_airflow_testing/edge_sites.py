@@ -276,9 +276,9 @@ class EdgeDeployment:
         port = free_port()
         self.central_root = root / "central"
         try:
-            # Sites reach the store only through the links the central side presigned (strict mode):
-            # moto with IAM on answers presigned URLs with HTTP 500 (flare_airflow_testing/s3_server.py).
-            self.s3 = S3Server(host, prefix=central, enforce_iam=False)
+            # Sites reach the store only through the links the central side presigned (strict mode),
+            # and the store checks them: IAM on, every request signed by a known key, links too.
+            self.s3 = S3Server(host, prefix=central)
             self.pg = Postgres(prefix=central)
             extra = central_env(f"http://{host}:{port}", self.central_root)
             self.stack = AirflowStack(root, self.pg.url, extra_env=extra, prefix=central, host=host, port=port)

@@ -4,7 +4,9 @@ PyPI, ``moto[server]``), on loopback on a free port, with request signing enforc
 Why moto: it installs from the registries here (no MinIO binary can be fetched), speaks the S3 REST
 API that s3fs/aiobotocore use, and checks signatures when ``INITIAL_NO_AUTH_ACTION_COUNT`` is set:
 the first requests create an IAM user and its access key, every later request must be signed with
-it, so a site with a wrong secret gets a real 403 (SignatureDoesNotMatch / InvalidAccessKeyId).
+it, so a site with a wrong secret gets a real 403 (SignatureDoesNotMatch / InvalidAccessKeyId), an
+anonymous request AccessDenied, and a presigned link edited to name another key SignatureDoesNotMatch
+(moto itself reads only header signatures: flare_airflow_testing/moto_presigned.py adds the query-string ones).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import httpx
 from flare_airflow_testing.ports import free_port
 
 BIN = Path(sys.executable).parent
+# moto's server, checking presigned links too (``moto_server`` checks header signatures only).
+_MOTO = Path(__file__).with_name("moto_presigned.py")
 BUCKET = "flare"
 # Requests moto serves before it enforces signatures: the setup below makes exactly these.
 _SETUP_REQUESTS = 4
@@ -34,9 +38,9 @@ class S3Server:
     def __init__(self, host: str = "127.0.0.1", prefix: list[str] | None = None, *, enforce_iam: bool = True) -> None:
         # ``prefix`` (e.g. ``ip netns exec NS``): the server runs in that network namespace on all
         # of its addresses, and the test process reaches it at ``host``.
-        # ``enforce_iam=False``: moto 5.2 with IAM on answers presigned URLs with HTTP 500 (it reads
-        # an Authorization header they do not have), and with IAM off it checks no signature at
-        # all -- so presigned links are tested for what they reach, never for a refused signature.
+        # ``enforce_iam=False``: every request is served, signed or not. With IAM on (the default)
+        # every request after the setup below must be signed -- presigned links too, checked for
+        # signature, expiry and their signer's policy (flare_airflow_testing/moto_presigned.py).
         self.host = host
         self.port = free_port()
         self.endpoint = f"http://{host}:{self.port}"
@@ -45,7 +49,7 @@ class S3Server:
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
             env.pop(name, None)
         self.proc = subprocess.Popen(
-            [*(prefix or []), str(BIN / "moto_server"), "-H", bind, "-p", str(self.port)],
+            [*(prefix or []), sys.executable, str(_MOTO), "-H", bind, "-p", str(self.port)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

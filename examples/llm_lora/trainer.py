@@ -7,6 +7,11 @@ Only the adapter tensors (PEFT's ``lora_A`` / ``lora_B`` per target module) are 
 
 Data: each site's text is the source of different Python standard-library packages (non-IID by
 construction: e-mail parsing, asyncio, unittest); every 8th file of a site is its held-out text.
+``--text-root DIR`` reads those packages from DIR instead of this Python's stdlib (a site whose
+trainer runs in an image mounts its data there: another Python's stdlib is other text).
+
+Reproducible: one torch thread (``FLARE_LM_THREADS``), seeded, deterministic algorithms: the same
+job gives the same adapter bit for bit as a process and in the LM trainer image (tested).
 
 Tasks: ``train`` (``steps_per_round`` AdamW steps from the global adapter; metrics: the held-out
 loss of the received adapter and of the trained one) and ``evaluate`` (the global adapter's held-out
@@ -65,6 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-modules", default="q_proj,v_proj")
     p.add_argument("--tiny-base", help="write a random 2-layer LLaMA base model into this directory and exit")
     p.add_argument("--prepare-base", help="dequantize this GGUF base model into the site's cache and exit")
+    p.add_argument("--text-root", help="the directory holding the sites' packages (default: this Python's stdlib)")
     return p.parse_args(argv)
 
 
@@ -180,11 +186,11 @@ def load_adapters(model: Any, params: dict[str, np.ndarray]) -> None:
         raise SystemExit(f"the global adapter has tensors this model has no place for: {unexpected[:3]}")
 
 
-def site_text(site: str, max_chars: int) -> tuple[str, str]:
+def site_text(site: str, max_chars: int, root: str | None = None) -> tuple[str, str]:
     """(training text, held-out text) of ``site``: its packages' sources, every 8th file held out."""
     if site not in SITE_PACKAGES:
         raise SystemExit(f"site name {site!r} must be one of {', '.join(SITE_PACKAGES)} for this example")
-    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    stdlib = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     files = sorted(f for pkg in SITE_PACKAGES[site] for f in (stdlib / pkg).rglob("*.py") if "test" not in f.parts)
     train, held = [], []
     for i, f in enumerate(files):
@@ -254,6 +260,21 @@ def mean_loss(model: Any, batches: np.ndarray, batch_size: int) -> float:
     return total / len(batches)
 
 
+def window_losses(model: Any, batches: np.ndarray, batch_size: int) -> np.ndarray:
+    """The mean token loss of each window (as the model's own loss: next-token cross-entropy)."""
+    import torch
+
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(batches), batch_size):
+            x = torch.from_numpy(batches[s : s + batch_size]).to(model.device)
+            logits = model(input_ids=x).logits[:, :-1].float()
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            out.append(losses.mean(dim=1).cpu().numpy().astype(np.float64))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
 def write_tiny_base(directory: pathlib.Path) -> None:
     """A random 2-layer LLaMA (seeded) with the packaged SmolLM2 tokenizer: the fast tests' base model."""
     import torch
@@ -285,6 +306,9 @@ def main(argv: list[str]) -> int:
         return count_cuda(torch)
     # One thread per trainer: the sites of a host share its cores (and results stay reproducible).
     torch.set_num_threads(int(os.environ.get("FLARE_LM_THREADS", "1")))
+    # Same job, same adapter, wherever it runs; warn_only: a GPU op without a deterministic kernel
+    # warns instead of failing the site job.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if args.tiny_base:
         write_tiny_base(pathlib.Path(args.tiny_base))
         return 0
@@ -315,19 +339,32 @@ def main(argv: list[str]) -> int:
     loaded = time.monotonic() - started
 
     if flare.is_evaluate():
+        # The last round's evaluation, what a claim "better than the base model" rests on, reads
+        # heldout_windows windows (default eval_windows) with the base model on the same windows:
+        # the gain window by window and its standard error, the noise of that text.
+        last = received.current_round == flare.get_total_rounds()
+        n_windows = int(hp.get("heldout_windows", eval_windows)) if last else eval_windows
         metrics: dict[str, float] = {}
         for site in args.sites.split(","):
-            held = windows(tokenizer, site_text(site, args.max_chars)[1], seq_len)[:eval_windows]
-            metrics[f"heldout_loss/{site}"] = mean_loss(model, held, batch_size)
-            if received.current_round == 1:  # the base model's loss does not change: once is enough
+            held = windows(tokenizer, site_text(site, args.max_chars, args.text_root)[1], seq_len)[:n_windows]
+            adapted = window_losses(model, held, batch_size)
+            metrics[f"heldout_loss/{site}"] = float(adapted.mean())
+            if received.current_round == 1 or last:  # the base model's loss does not change
                 with model.disable_adapter():
-                    metrics[f"base_loss/{site}"] = mean_loss(model, held, batch_size)
+                    base = window_losses(model, held, batch_size)
+                if received.current_round == 1:
+                    metrics[f"base_loss/{site}"] = float(base.mean())
+                if last:
+                    gain = base - adapted
+                    metrics[f"heldout_gain/{site}"] = float(gain.mean())
+                    if len(gain) > 1:
+                        metrics[f"heldout_gain_se/{site}"] = float(gain.std(ddof=1) / math.sqrt(len(gain)))
         print(f"global adapter after round {received.current_round}: {metrics}", flush=True)
         flare.send(flare.FLModel(metrics=metrics))
         return 0
 
     site = received.site or ""
-    train_text, held_text = site_text(site, args.max_chars)
+    train_text, held_text = site_text(site, args.max_chars, args.text_root)
     train, held = windows(tokenizer, train_text, seq_len), windows(tokenizer, held_text, seq_len)[:eval_windows]
     before = mean_loss(model, held, batch_size)
     frozen = [n for n, p in model.named_parameters() if any(fnmatch.fnmatchcase(n, f) for f in lora["frozen"])]

@@ -23,8 +23,10 @@ from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.model import read_artifact
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.common import FINISHED_STATES, store_for
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
+from flare_airflow.operators.prepare import PrepareRunOperator
+from flare_airflow.operators.publish import PublishOperator
 from flare_airflow.operators.site_job import SiteJobLaunchOperator
+from flare_airflow.operators.verdict import RunVerdictOperator
 
 
 class ResumeError(FlareAirflowError):

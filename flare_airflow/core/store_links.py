@@ -28,7 +28,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,10 +186,42 @@ def mint_site_links(
     )
 
 
+def abort_unfinished_uploads(
+    client: Any, store: ModelStore, *, job: str, run_id: str, sites: Iterable[str], round_num: int | None = None
+) -> list[str]:
+    """Abort the multipart uploads still open on the update slots of ``sites`` in ``run_id`` (only
+    round ``round_num``'s when given): their parts would otherwise stay in the store, billed and
+    unaccounted for, after every writer that could complete them is gone. Returns the keys aborted.
+
+    Only the central side calls this, with the store's credential, once no site task of that round
+    (or run) can write any more; until then a retried writer resumes from the parts that arrived."""
+    top = store.run_dir(job, run_id) if round_num is None else store.round_dir(job, run_id, round_num)
+    bucket, prefix = bucket_key(top)
+    prefix = prefix.rstrip("/") + "/"  # run "r-1" is not a prefix of run "r-10"
+    slots = {store.site_update(job, run_id, 1, site).name for site in sites}
+    aborted: list[str] = []
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+        for pending in page.get("Uploads", []):
+            key = str(pending["Key"])
+            parent, _, name = key[len(prefix) :].rpartition("/")
+            # A site's update slot (round-NNNN/sites/<site>.safetensors); anything else is not ours to end.
+            if not key.startswith(prefix) or name not in slots or not parent.endswith("sites"):
+                continue
+            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=pending["UploadId"])
+            aborted.append(key)
+    return aborted
+
+
 def _refusal(exc: urllib.error.HTTPError, what: str) -> LinksError:
     body = exc.read(4096).decode(errors="replace") if exc.fp is not None else ""
     found = re.search(r"<Code>([A-Za-z]{1,64})</Code>", body)  # S3's error code, e.g. AccessDenied
     code = f" {found.group(1)}" if found else ""
+    if code == " NoSuchUpload":
+        return LinksError(
+            f"{what}: the store refused the link (HTTP {exc.code}{code}): the central side aborted this round's "
+            "upload once the round was aggregated or the run ended; clear the task that published this round's "
+            "input global model (prepare, or the previous round's aggregation) to mint new links"
+        )
     return LinksError(f"{what}: the store refused the link (HTTP {exc.code}{code})")
 
 
@@ -249,7 +281,7 @@ def arrived_parts(upload: Upload, what: str) -> dict[int, tuple[str, int]]:
     return arrived
 
 
-def _same_part(listed: tuple[str, int] | None, piece: bytes) -> bool:
+def same_part(listed: tuple[str, int] | None, piece: bytes) -> bool:
     """Whether the store's part is ``piece``: S3's ETag of a part is the MD5 of its bytes (not under
     SSE-KMS or SSE-C -- there it never matches and the part is sent again, which is still correct)."""
     if listed is None or listed[1] != len(piece):
@@ -279,7 +311,7 @@ def upload(upload: Upload, local: Path, what: str) -> int:
             piece = fh.read(upload.part_size)
             if not piece and n > 1:
                 break
-            if _same_part(arrived.get(n), piece):
+            if same_part(arrived.get(n), piece):
                 etags.append((n, arrived[n][0]))
                 continue
             etags.append((n, _put(url, piece, len(piece), f"{what} (part {n})")))

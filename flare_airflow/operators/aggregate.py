@@ -10,7 +10,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from flare_airflow.core.aggregation.engine import aggregate_from_store
-from flare_airflow.core.aggregation.round import previous_server_state, record_central_release
+from flare_airflow.core.aggregation.round import previous_server_state, record_central_release, round_inputs
 from flare_airflow.core.aggregation.strategies import StepContext
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.config.privacy import CENTRAL_NOISE_SECRET_VARIABLE
@@ -40,12 +40,11 @@ from flare_airflow.operators.common import (
     task_states,
 )
 from flare_airflow.operators.lineage import LineageMixin
-from flare_airflow.operators.links import LINKS_KEY, sealed_round_links
+from flare_airflow.operators.links import LINKS_KEY, abort_site_uploads, sealed_round_links
 from flare_airflow.operators.site_steps import make_evaluation_run, produced_sha256
 from flare_airflow.operators.staging import staged
 from flare_airflow.operators.tracking import track_round
 from flare_airflow.operators.trust import open_reports, seal_site_metrics, sign_global, verify_updates
-from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 
 
@@ -151,28 +150,11 @@ class AggregateOperator(LineageMixin, BaseOperator):
         sat_out = sat_out_sites(context, self.prepare_task_id)
         self._check_sites_done(context, params.rounds, sat_out)
         accepted, accepted_blake3, refused, vouched = self._accepted(context, run_id)
-        updates: list[tuple[str, WritablePath | None, str | None]] = []
-        for site in sorted(job.sites):
-            # The update's place comes from the site's name, never from its XCom (docs/threat-model.md).
-            path = store.site_update(job.job, run_id, r, site)
-            if site in sat_out:
-                updates.append((site, None, f"sat this run out: {sat_out[site]}"))
-            elif site in refused:
-                updates.append((site, None, refused[site]))
-            elif accepted is not None and site not in accepted:
-                # Only what the site task itself accepted counts: a failed task's trainer may have
-                # written a file (late, or before failing), and it must not count.
-                reason = (
-                    self._task_failure(context, site)
-                    or read_failure(path)
-                    or "no accepted update: the site task failed, was skipped or never ran"
-                )
-                updates.append((site, None, reason))
-            elif record_path(path).exists():
-                updates.append((site, path, None))
-            else:
-                reason = read_failure(path) or "no update: the site task failed before its trainer ran, or never ran"
-                updates.append((site, None, reason))
+        updates = round_inputs(
+            store, job.job, run_id, r, sorted(job.sites),
+            sat_out=sat_out, refused=refused, accepted=accepted,
+            task_failure=lambda site: self._task_failure(context, site),
+        )  # fmt: skip
         strategy = job.round_strategy(lambda: central_noise_key(central_noise_secret(r), job.job, run_id, r))
         state, state_out = self._server_state(context, store, run_id) if strategy.stateful else ({}, None)
         try:
@@ -241,6 +223,9 @@ class AggregateOperator(LineageMixin, BaseOperator):
         except TrustError as exc:
             raise AirflowFailException(f"round {r}: the global model cannot be signed: {exc}") from None
         links = sealed_round_links(job, store, run_id, r + 1, record.size, self.log) if r < params.rounds else None
+        # The round is read and its model written: every site task of it is done (checked above),
+        # so an upload still open is one nobody completes.
+        abort_site_uploads(job, run_id, self.log, store=store, round_num=r)
         summary: dict[str, Any] = {
             "round": r,
             "global_uri": str(global_out),

@@ -68,7 +68,7 @@ def _process() -> BackendBinding:
 
 def _k8s() -> BackendBinding:
     from flare_airflow.operators.pod import SitePodOperator, kubernetes_launcher, pod_trigger
-    from flare_airflow.operators.run import SweepPodsOperator
+    from flare_airflow.operators.pod_sweep import SweepPodsOperator
 
     return BackendBinding(
         site_task=SitePodOperator,

@@ -6,22 +6,38 @@ with the store's credential -- which only the central side holds -- and seals ea
 site's box key in the registry. They travel in its XCom summary under ``links``: ciphertext, one
 entry per site, each useless to any other site. A site task opens its own with its box key, checks
 they are for this job, run, round and site and not expired, and stages through them.
+
+A pod site's job runs beyond its worker: the worker stages through the links into a folder it
+shares with the pod (:class:`SharedLinksStaging`, under the site's ``store_mount``), and the pod
+holds no key and no link at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from flare_airflow.core import envvars
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.store import ModelStore
-from flare_airflow.core.store_links import LinksError, SiteLinks, mint_site_links
+from flare_airflow.core.store import (
+    ModelStore,
+    failure_path,
+    path_from_uri,
+    record_path,
+    run_component,
+    safe_component,
+)
+from flare_airflow.core.store_links import LinksError, SiteLinks, abort_unfinished_uploads, mint_site_links
 from flare_airflow.core.trust import TrustError
 from flare_airflow.core.trust.sealed import links_context, load_box_key, open_sealed, seal
-from flare_airflow.operators.staging import is_local
+from flare_airflow.operators.common import store_for
+from flare_airflow.operators.staging import is_local, local_run, stage_in_through_links, stage_out_through_links
 from flare_airflow.operators.trust import trust_settings
+from flare_airflow.site_task.spec import SiteRun
 
 #: The key of the sealed links in the XCom summary of the task that published the input global model.
 LINKS_KEY = "links"
@@ -83,6 +99,9 @@ def mint_round_links(
     registry, grants = read_registry(Path(settings.registry_path))
     seconds = link_seconds()
     clients: dict[str | None, Any] = {None: client if client is not None else central_client(job)}
+    # Links minted again (this task retried, or cleared to replace expired links) replace the
+    # round's earlier ones: an upload those opened is completed by no one.
+    abort_site_uploads(job, run_id, log, store=store, round_num=round_num, client=clients[None])
     sealed: dict[str, str] = {}
     for site in sorted(job.sites):
         try:
@@ -124,6 +143,43 @@ def sealed_round_links(
         ) from None
 
 
+def abort_site_uploads(
+    job: JobConfig,
+    run_id: str,
+    log: Any,
+    *,
+    store: ModelStore | None = None,
+    round_num: int | None = None,
+    client: Any = None,
+) -> list[str]:
+    """End the multipart uploads the sites left unfinished in ``run_id`` (round ``round_num``'s
+    only when given): called by a round's aggregation once it read the round, and by the run's
+    verdict for the whole run. Links are minted -- and uploads opened -- only for a presigning store
+    in strict mode; elsewhere there is nothing of ours to end. Best effort: the round's or run's
+    outcome does not depend on it, a failure is logged (the parts stay until a later call or the
+    bucket's lifecycle rule, docs/model-store.md). ``store``: the job's by default."""
+    where = f"round {round_num}" if round_num is not None else f"run {run_id}"
+    try:
+        store = store if store is not None else store_for(job)
+        if not presigns(store) or not trust_settings().strict:
+            return []
+        aborted = abort_unfinished_uploads(
+            client if client is not None else central_client(job), store,
+            job=job.job, run_id=run_id, sites=job.sites, round_num=round_num,
+        )  # fmt: skip
+    except Exception as exc:  # botocore raises many types: a wrong central credential, a store away
+        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+        log.warning(
+            "%s: the sites' unfinished uploads were not aborted with the central store connection %r: %s: %s; "
+            "their parts stay in the store until the run's end or the bucket's lifecycle rule removes them",
+            where, job.store_conn_id or "aws_default", type(exc).__name__, detail,
+        )  # fmt: skip
+        return []
+    if aborted:
+        log.info("%s: aborted %d unfinished site upload(s): %s", where, len(aborted), aborted)
+    return aborted
+
+
 def open_site_links(
     summary: Any, *, job: str, run_id: str, round_num: int, site: str, key_dir: str | None = None
 ) -> SiteLinks | None:
@@ -158,3 +214,87 @@ def site_links(context: Any, job: JobConfig, site: str, round_num: int, global_t
         return open_site_links(summary, job=job.job, run_id=run_id_of(context), round_num=round_num, site=site)
     except (TrustError, LinksError) as exc:
         raise site_failed(context, site, round_num, f"{exc}; the trainer was not started [CONFIG_ERROR]") from None
+
+
+#: The folder of a site's shared mount (a pod site's ``store_mount``) where its workers stage through links.
+LINKS_STAGING_DIR = "links-staging"
+
+
+def staging_folder(mount: Path, run: SiteRun, try_number: int) -> Path:
+    """``<mount>/links-staging/<job>/<run>/round-NNNN/<site>/try-K``: derived from the site job's
+    identity alone, so that a resumed task (a new process) finds what the deferred one staged."""
+    return (
+        mount / LINKS_STAGING_DIR / safe_component(run.job, "job name") / run_component(run.run_id)
+        / f"round-{run.round:04d}" / safe_component(run.site, "site") / f"try-{try_number}"
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class SharedLinksStaging:
+    """A site run staged through its links in a folder this worker shares with the site job (a
+    pod's ``store_mount``), in two steps because the job outlives the process that launched it:
+    :meth:`stage_in` when the task starts; the folder stays across a deferral, found again by the
+    identity (:func:`staging_folder`) by the resumed task; :meth:`stage_out` when the task ends,
+    whichever way -- the accepted update or the failure record through the links, then the folder
+    removed. The job sees two read-only files and one writable folder: no key, no link.
+
+    Checks, privacy filters and signing stay on the worker: :attr:`local` is the run they work on.
+    """
+
+    links: SiteLinks
+    #: The shared mount as this worker sees it: the job's store root.
+    mount: Path
+    #: This try's folder under it.
+    root: Path
+    #: The run with its store paths in :attr:`root`.
+    local: SiteRun
+
+    @classmethod
+    def of(cls, run: SiteRun, links: SiteLinks, mount: Path, try_number: int, *, resumed: bool) -> SharedLinksStaging:
+        """``run`` staged under ``mount``; ``resumed``: the folder must exist already (it was staged
+        in by the deferred task), else :class:`LinksError` says why it may not."""
+        root = staging_folder(mount, run, try_number)
+        if resumed and not root.is_dir():
+            raise LinksError(
+                f"site {run.site!r} round {run.round}: the folder it staged its store links into, {root}, is not on "
+                "this worker: every worker serving the site's queue must see the same store_mount folder (a "
+                "shared volume mounted at the same path), or run the site's pod tasks with deferrable=False"
+            )
+        return cls(links=links, mount=mount, root=root, local=local_run(run, root, create=False))
+
+    def stage_in(self) -> None:
+        """Clear earlier tries' folders (a try whose worker died left its own), then download the
+        round's input global model and its record into this try's folder."""
+        site_dir = self.root.parent
+        if site_dir.is_dir():
+            for other in site_dir.iterdir():
+                if other.name.startswith("try-") and other != self.root:
+                    shutil.rmtree(other, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+        Path(self.local.output).parent.mkdir(parents=True)
+        stage_in_through_links(self.local, self.links)
+
+    @property
+    def has_result(self) -> bool:
+        """Whether the runner left a result to upload: an accepted update or a failure record."""
+        output = path_from_uri(self.local.output)  # a local path: made so by of()
+        return record_path(output).exists() or failure_path(output).exists()
+
+    def stage_out(self) -> None:
+        """Upload the result through the links, then remove the folder (and its emptied parents
+        up to ``links-staging``). Done once: a second call finds nothing and does nothing."""
+        if not self.root.is_dir():
+            return
+        try:
+            stage_out_through_links(self.local, self.links)
+        finally:
+            self.remove()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        top = self.mount / LINKS_STAGING_DIR
+        for parent in self.root.parents:
+            if parent == top or top not in parent.parents:
+                break
+            with contextlib.suppress(OSError):  # not empty: another site job's folder
+                parent.rmdir()

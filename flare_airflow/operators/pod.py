@@ -11,6 +11,7 @@ deleted unless the site keeps pods for debugging; the task log carries the pod's
 from __future__ import annotations
 
 import math
+import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,11 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
     # The pod reaches the store itself (a store_mount, or an object store with the pod's own
     # credentials): a copy staged on this worker would hand the pod paths that exist only here.
     stages_store = False
+    # With the round's store links (strict mode: no store credential at the site), this worker
+    # stages through them into the site's store_mount, which it shares with the pod; the pod then
+    # holds no key and no link (no native sidecars on k8s 1.20: a key in the pod would be the
+    # trainer's, who could write its slot past the checks and privacy filters).
+    stages_links_in_shared_folder = True
     # The stock operator re-enters (and re-defers) by this name: the lifecycle's resume.
     resume_method = "trigger_reentry"
     # The Rendered Templates tab: which site job this is, and where its pod runs. Of the stock
@@ -202,17 +208,36 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
             self._run = super().site_run(context)
         return self._run
 
+    def links_folder(self) -> pathlib.Path:
+        """The site's ``store_mount`` as this worker sees it: its host path (the worker runs on a
+        node that has it), or the PVC's ``mount_path`` (the worker mounts the PVC at that path too)."""
+        mount = self.job.sites[self.site].launcher_spec.k8s.store_mount
+        if mount is None:
+            raise ConfigError(
+                f"site {self.site!r} round {self.round_num}: this site reaches the model store only through its "
+                "round's store links (strict mode: it holds no store credential), which its worker opens and stages "
+                "for the pod in a folder both see; set launcher_spec.k8s.store_mount (a host_path on the worker's "
+                "node, or a PVC the worker mounts at the same mount_path), or give the site its own store "
+                "connection and no box key in the registry"
+            )
+        return pathlib.Path(mount.host_path or mount.mount_path)
+
+    def pod_run(self, context: Context) -> tuple[SiteRun, str]:
+        """The run as the pod sees it and its store root: staged in the shared folder, or the store's own."""
+        if self._shared is not None:
+            return self._shared.local, str(self._shared.mount)
+        return self.site_run(context), str(store_for(self.job).root)
+
     def build_pod_request_obj(self, context: Context | None = None, *, dry_run: bool = False) -> Any:
         if context is None:
             raise FlareAirflowError("a site pod is built for one task instance: a context is needed")
-        store = store_for(self.job)
-        run = self.site_run(context)
+        run, store_root = self.pod_run(context)
         try:
             pod = job_pod(
                 self.job,
                 self.site,
                 run.site_job(),
-                store_root=str(store.root),
+                store_root=store_root,
                 try_number=int(context["ti"].try_number or 1),
             )
         except FlareAirflowError as exc:  # site policy refused the pod (host paths, store): no pod exists
@@ -230,12 +255,13 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
         """Rank 0's pod, as the stock operator creates it; for several nodes the headless Service and
         the other ranks' pods first."""
         if self._group is not None:
+            run, store_root = self.pod_run(context)
             create_other_ranks(
                 self.client,
                 self.job,
                 self.site,
-                self.site_run(context),
-                store_root=str(store_for(self.job).root),
+                run,
+                store_root=store_root,
                 try_number=int(context["ti"].try_number or 1),
                 namespace=pod_request_obj.metadata.namespace,
                 labels=self._get_ti_pod_labels(context),
@@ -249,6 +275,7 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
     def on_kill(self) -> None:
         KubernetesPodOperator.on_kill(self)  # deletes the pod it created
         self._delete_group_quietly()
+        self.end_shared_on_kill()
 
     # ------------------------------------------------------------------ the lifecycle's hooks
 
@@ -290,6 +317,10 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
 
     def end_job(self, handle: k8s.V1Pod) -> None:
         self._delete_pod_quietly()
+
+    def end_watched_job(self, event: dict[str, Any]) -> None:
+        """The pod an event names, when the resumed task cannot go on to the stock re-entry (which deletes it)."""
+        self._delete_pod_quietly(event)
 
     def delete_earlier_tries(self, context: Context) -> list[str]:
         """Delete the pods of this site job's earlier tries (found by their labels) before this try

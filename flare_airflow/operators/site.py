@@ -23,6 +23,7 @@ from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.spec import JobLauncherSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.process.launcher import scratch_prefix
@@ -33,7 +34,6 @@ from flare_airflow.operators.site_steps import (
     noise_secret_for,
     site_failed,
 )
-from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.owners import owners_value
 from flare_airflow.site_task.spec import (
     NOISE_SECRET_ENV,

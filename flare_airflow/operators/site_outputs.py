@@ -13,10 +13,11 @@ from airflow.sdk import Context
 from airflow.sdk.bases.xcom import BaseXCom
 
 from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.failure_record import write_failure
 from flare_airflow.core.spec import JobHandleSpec, JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.operators.site_steps import SiteJobFailed, noise_secret_for, site_failed
-from flare_airflow.site_task.checks import check_result, clear_outputs, write_failure
+from flare_airflow.site_task.checks import check_result, clear_outputs
 from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.site_task.tries import Superseded, claim_try
 

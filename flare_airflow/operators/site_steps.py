@@ -26,6 +26,7 @@ from flare_airflow.core.config import (
     site_policy_from_text,
 )
 from flare_airflow.core.errors import ConfigError, FlareAirflowError
+from flare_airflow.core.failure_record import write_failure
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.trust import CENTRAL, TrustError
 from flare_airflow.hooks.secrets import secret_value
@@ -41,7 +42,7 @@ from flare_airflow.operators.common import (
 )
 from flare_airflow.operators.trust import trust_settings
 from flare_airflow.site_task.build import evaluation_run, train_run
-from flare_airflow.site_task.checks import budget_refusal, write_failure
+from flare_airflow.site_task.checks import budget_refusal
 from flare_airflow.site_task.spec import SiteRun
 
 if TYPE_CHECKING:

@@ -26,6 +26,7 @@ from typing import Any
 from flare_airflow.core.errors import StoreError
 from flare_airflow.core.store import ModelStore, failure_path, record_path
 from flare_airflow.core.store_links import SiteLinks, Upload, download, upload
+from flare_airflow.core.store_resume import resumable_upload
 from flare_airflow.site_task.checks import clear_outputs
 from flare_airflow.site_task.spec import SiteRun
 
@@ -87,7 +88,9 @@ def upload_result(local_output: Any, remote_output: Any) -> None:
     """What the runner left at ``local_output`` to the store: tensors, then record, or the failure record."""
     if record_path(local_output).exists() and local_output.exists():
         remote_output.parent.mkdir(parents=True, exist_ok=True)
-        _copy(local_output, remote_output)
+        # A large update on S3 goes up resumably, the upload's id kept at the site (core/store_resume.py).
+        if resumable_upload(pathlib.Path(local_output), remote_output) is None:
+            _copy(local_output, remote_output)
         _copy(record_path(local_output), record_path(remote_output))  # last: the artifact is complete
     if failure_path(local_output).exists():
         _copy(failure_path(local_output), failure_path(remote_output))
@@ -109,15 +112,32 @@ def upload_through_links(local_output: pathlib.Path, links: SiteLinks) -> None:
         upload(Upload(url=links.failure), failure, f"{what}: the failure record")
 
 
-def _local_run(run: SiteRun, root: pathlib.Path) -> SiteRun:
+def local_run(run: SiteRun, root: pathlib.Path, *, create: bool = True) -> SiteRun:
+    """``run`` with its store paths in the local folder ``root`` (created if missing and ``create``):
+    the input global model under ``global/``, the update under ``out/``, the try's staging under ``staging/``."""
     local_global = root / "global" / pathlib.PurePosixPath(run.global_model).name
     local_output = root / "out" / pathlib.PurePosixPath(run.output).name
-    local_output.parent.mkdir()
+    if create:
+        local_output.parent.mkdir(parents=True, exist_ok=True)
     local_staging = None
     if run.staging:
         parts = pathlib.PurePosixPath(run.staging).parts
         local_staging = str(root.joinpath("staging", *parts[-3:]))  # <site>/try-<n>/update.safetensors
     return dataclasses.replace(run, global_model=str(local_global), output=str(local_output), staging=local_staging)
+
+
+def stage_in_through_links(local: SiteRun, links: SiteLinks) -> None:
+    """The round's input global model and its record, through ``links``, to ``local``'s paths (a
+    missing object is left missing: the runner's input check says what is wrong)."""
+    what = f"site {links.site!r} round {links.round}: the input global model"
+    model = pathlib.Path(local.global_model)
+    download(links.global_record, _beside(record_path, model), f"{what}'s record")
+    download(links.global_model, model, what)
+
+
+def stage_out_through_links(local: SiteRun, links: SiteLinks) -> None:
+    """What the runner left at ``local``'s output (accepted update and record, or failure record), through ``links``."""
+    upload_through_links(pathlib.Path(local.output), links)
 
 
 @contextlib.contextmanager
@@ -126,19 +146,18 @@ def staged_through_links(run: SiteRun, links: SiteLinks) -> Iterator[SiteRun]:
 
     Nothing is cleared first (the links cannot delete): the aggregation counts only the update
     whose digests this site task signed and returned, so a slot's earlier content never counts.
+    A job that outlives this process (a deferred pod) stages in and out in two steps instead
+    (:class:`flare_airflow.operators.links.SharedLinksStaging`).
     """
     root = pathlib.Path(tempfile.mkdtemp(prefix=f"flare-{run.site}-r{run.round}-"))
-    local = _local_run(run, root)
-    what = f"site {links.site!r} round {links.round}: the input global model"
+    local = local_run(run, root)
     try:
-        # A missing object is left missing: the runner's input check says what is wrong.
-        download(links.global_record, _beside(record_path, pathlib.Path(local.global_model)), f"{what}'s record")
-        download(links.global_model, pathlib.Path(local.global_model), what)
+        stage_in_through_links(local, links)
         yield local
-        upload_through_links(pathlib.Path(local.output), links)
+        stage_out_through_links(local, links)
     except BaseException:
         with contextlib.suppress(Exception):
-            upload_through_links(pathlib.Path(local.output), links)
+            stage_out_through_links(local, links)
         raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -165,7 +184,7 @@ def staged(run: SiteRun, store: ModelStore, links: SiteLinks | None = None) -> I
         raise StoreError(f"cannot prepare {remote_output} in the model store: {exc}") from exc
     root = pathlib.Path(tempfile.mkdtemp(prefix=f"flare-{run.site}-r{run.round}-"))
     try:
-        local = _local_run(run, root)
+        local = local_run(run, root)
         _download(store, run.global_model, pathlib.Path(local.global_model))
         yield local
         upload_result(pathlib.Path(local.output), remote_output)

@@ -33,6 +33,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import ConfigError
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.model import read_artifact
 from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobReturnCode, JobState
 from flare_airflow.core.store import path_from_uri, record_path
@@ -49,7 +50,7 @@ from flare_airflow.operators.site_steps import (
     site_task_defaults,
     watchable,
 )
-from flare_airflow.site_task.checks import published_summary, read_failure
+from flare_airflow.site_task.checks import published_summary
 from flare_airflow.site_task.spec import SiteRun
 
 

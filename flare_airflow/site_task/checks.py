@@ -3,8 +3,8 @@
 Before the launch, the input global model against its record; after it, what the trainer sent:
 an update must exist, be safetensors with a valid checksum, and match the global model's names,
 shapes and dtypes with finite values. Only then is it published. A failed job leaves a failure
-record next to the update (:func:`~flare_airflow.core.store.failure_path`), read by the
-aggregation task to say why the site did not count.
+record next to the update (:mod:`flare_airflow.core.failure_record`), read by the aggregation
+task to say why the site did not count.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import json
 import os
 import pathlib
 import stat
-import sys
 from typing import Any, cast
 
 from flare_airflow.core.errors import FlareAirflowError
-from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import (
     MAX_RECORD_BYTES,
     WritablePath,
@@ -153,31 +151,6 @@ def clear_outputs(output: WritablePath) -> None:
     """Remove a previous try's result so that a re-run overwrites only this site's round."""
     for path in (output, record_path(output), failure_path(output)):
         path.unlink(missing_ok=True)
-
-
-def write_failure(output: WritablePath, rc: JobReturnCode, reason: str) -> None:
-    """Leave the reason for the aggregation; best effort: a full or read-only store must not hide
-    the reason, which also goes to this task's log and error. Written whole or not at all (a full
-    store leaves no empty record), on a local store and an object store alike."""
-    from flare_airflow.core.model import atomic_write  # numpy + safetensors: only when a record is written
-
-    path = failure_path(output)
-    try:
-        atomic_write(path, json.dumps({"return_code": int(rc), "name": rc.name, "reason": reason}).encode())
-    except OSError as exc:
-        print(f"cannot write the failure record {path} ({exc.strerror or exc}): {reason}", file=sys.stderr, flush=True)
-
-
-def read_failure(output: WritablePath) -> str | None:
-    path = failure_path(output)
-    if not path.exists():
-        return None
-    try:
-        with path.open("r") as fh:
-            data = json.loads(fh.read(1 << 16))
-        return f"{str(data.get('reason', 'failed'))[:2000]} [{data.get('name', '?')}]"
-    except (OSError, ValueError, AttributeError, RecursionError) as exc:
-        return f"the site's failure record {path} is unreadable ({type(exc).__name__})"
 
 
 def check_result(run: SiteRun, output: WritablePath, noise_secret: str | None = None) -> dict[str, Any]:
@@ -377,6 +350,8 @@ def apply_privacy(
         round_num=run.round,
         key=key,
         where=where,
+        # The strategy's frozen tensors (FFA-LoRA's A): checked unchanged, then left out of clip and noise.
+        frozen=tuple((run.lora or {}).get("frozen") or ()),
     )
     try:
         validate_update(run.site, record.tensors, out.params)

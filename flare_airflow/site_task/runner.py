@@ -30,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 from flare_airflow.core.errors import FlareAirflowError
+from flare_airflow.core.failure_record import write_failure
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import path_from_uri
 from flare_airflow.launchers.gpus import GpuAllocationError, GpuAllocator, GpuLease
@@ -49,7 +50,6 @@ from flare_airflow.site_task.checks import (
     check_result,
     clear_outputs,
     model_fingerprint,
-    write_failure,
 )
 from flare_airflow.site_task.confinement import ConfinementRefused, confinement_hint, site_sandbox
 from flare_airflow.site_task.owners import end_orphans, parse_owners, watch_owners

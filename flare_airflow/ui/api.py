@@ -11,17 +11,11 @@ database.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import json
 import logging
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
-from urllib.parse import urlparse
 
-import httpx
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.core_api.security import GetUserDep, requires_access_dag
 from airflow.configuration import conf
@@ -31,17 +25,15 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flare_airflow.core.data_ready import SITE_DATA_ASSET, WATCH_SUFFIX
-from flare_airflow.core.errors import FlareAirflowError, ReportError
 from flare_airflow.core.model import read_record
-from flare_airflow.core.page_paths import file_path, segment
-from flare_airflow.core.report import read_metrics
-from flare_airflow.core.store import ModelStore, run_component
-from flare_airflow.operators.common import FAILURE_XCOM_KEY, default_store_uri
+from flare_airflow.core.page_paths import segment
+from flare_airflow.core.store import run_component
 from flare_airflow.operators.trust import open_run_xcoms
 from flare_airflow.ui import page
+from flare_airflow.ui.files import FILES, chunks, describe_downloads, metrics_of, published_outputs
+from flare_airflow.ui.reads import AirflowAPI, read_run, ui_base
 from flare_airflow.ui.view import (
     FEDERATED_TAG,
-    FINISHED_RUN_STATES,
     RunView,
     build_run_view,
     federated_prefix,
@@ -51,15 +43,6 @@ from flare_airflow.ui.view import (
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20
-MAX_CONCURRENT_CALLS = 8
-FILES = {
-    # name -> (publish XCom key, label, media type)
-    "model": ("final_model", "final model (safetensors)", "application/octet-stream"),
-    "metrics": ("metrics", "metrics.json", "application/json"),
-    "plot": ("plot", "metrics.png", "image/png"),
-}
-COOKIE = "_token"  # Airflow's session cookie (base_auth_manager.COOKIE_NAME_JWT_TOKEN)
 
 app = FastAPI(title="flare-airflow: Federated runs", docs_url=None, redoc_url=None, openapi_url=None)
 read_runs = Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))
@@ -67,245 +50,12 @@ read_runs = Depends(requires_access_dag(method="GET", access_entity=DagAccessEnt
 read_xcoms = Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.XCOM))
 
 
-def ui_base() -> str:
-    """The path Airflow's UI lives under (``[api] base_url``'s path, usually empty)."""
-    return urlparse(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
-
-
-def store_roots() -> list[ModelStore]:
-    """The stores the page may read from: ``[flare_airflow] store_roots`` (comma-separated URIs),
-    else the default store under AIRFLOW_HOME. A URI from an XCom outside them is refused."""
-    configured = conf.get("flare_airflow", "store_roots", fallback="") or ""
-    uris = [u.strip() for u in configured.split(",") if u.strip()] or [default_store_uri()]
-    return [ModelStore.from_uri(u) for u in uris]
-
-
-class AirflowAPI:
-    """Airflow's public REST API (``/api/v2``), called as the user who called us."""
-
-    def __init__(self, request: Request) -> None:
-        configured = conf.get("flare_airflow", "api_url", fallback="") or ""
-        if configured:
-            base = configured.rstrip("/")
-        else:
-            # The socket this request came in on: the same api-server, on loopback here.
-            host, port = request.scope["server"]
-            host = f"[{host}]" if ":" in host else host
-            base = f"{request.url.scheme}://{host}:{port}{ui_base()}"
-        header = request.headers.get("authorization")
-        if not header and (cookie := request.cookies.get(COOKIE)):
-            header = f"Bearer {cookie}"
-        self.client = httpx.AsyncClient(base_url=f"{base}/api/v2", headers={"Authorization": header or ""}, timeout=30)
-        # A run page reads one XCom per finished task (sites x rounds): a few at a time, so that
-        # a large job's page does not flood the api-server that serves it.
-        self.slots = asyncio.Semaphore(MAX_CONCURRENT_CALLS)
-
-    async def __aenter__(self) -> AirflowAPI:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.client.aclose()
-
-    async def get(self, path: str, missing_ok: bool = False, **params: Any) -> Any:
-        async with self.slots:
-            r = await self.client.get(path, params=params or None)
-        if r.status_code == 404 and missing_ok:
-            return None
-        if r.status_code >= 400:
-            try:
-                detail = r.json().get("detail", r.text)
-            except ValueError:
-                detail = r.text
-            raise HTTPException(r.status_code, f"Airflow API {path}: {detail}")
-        return r.json()
-
-    async def task_instances(self, dag_id: str, run_id: str) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        while True:
-            body = await self.get(
-                f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}/taskInstances",
-                limit=100,
-                offset=len(out),
-            )
-            out.update((ti["task_id"], ti) for ti in body["task_instances"] if ti.get("map_index", -1) == -1)
-            if not body["task_instances"] or len(out) >= body["total_entries"]:
-                return out
-
-    async def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
-        path = (
-            f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}/taskInstances/"
-            f"{segment(task_id)}/xcomEntries/{segment(key)}"
-        )
-        body = await self.get(path, missing_ok=True)
-        value = None if body is None else body.get("value")
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                value = json.loads(value)
-        return value
-
-
-def _final_path(uri: Any, run_id: str, name: str) -> Any:
-    """The path of a published output named in the publish task's XCom, if it is where publish
-    writes (``<store>/<job>/<run>/final/<name>`` in a configured store); else None."""
-    if not isinstance(uri, str):
-        return None
-    for store in store_roots():
-        try:
-            path = store.resolve_uri(uri)
-        except FlareAirflowError:
-            continue
-        if path.name == name and path.parent.name == "final" and path.parent.parent.name == run_component(run_id):
-            return path
-    return None
-
-
-_NAMES = {"model": "model.safetensors", "metrics": "metrics.json", "plot": "metrics.png"}
-
-
-def _sha256_of(path: Any) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with path.open("rb") as fh:
-        while piece := fh.read(CHUNK):
-            digest.update(piece)
-            size += len(piece)
-    return digest.hexdigest(), size
-
-
-def _outputs(run_id: str, published: Any) -> dict[str, Any]:
-    """name -> path of the run's published outputs that exist in a configured store."""
-    if not isinstance(published, Mapping):
-        return {}
-    found = {}
-    for name, (key, _, _) in FILES.items():
-        path = _final_path(published.get(key), run_id, _NAMES[name])
-        if path is not None and path.exists():
-            found[name] = path
-    return found
-
-
-def _describe(base: str, dag_id: str, run_id: str, outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Download links with sha256: the model's from its record (what the store vouches for), the
-    others hashed now."""
-    out = []
-    for name, path in outputs.items():
-        if name == "model":
-            try:
-                record = read_record(path)
-            except FlareAirflowError as exc:
-                raise HTTPException(500, f"the final model's record is unusable: {exc}") from None
-            sha, size, source = record.sha256, path.stat().st_size, "record (model.json)"
-        else:
-            (sha, size), source = _sha256_of(path), "computed now"
-        out.append(
-            {
-                "name": name,
-                "label": FILES[name][1],
-                "href": file_path(dag_id, run_id, name, base),
-                "sha256": sha,
-                "sha256_from": source,
-                "size": size,
-            }
-        )
-    return out
-
-
-def _read_metrics(path: Any) -> dict[str, Any]:
-    try:
-        return {"rounds": read_metrics(path)}
-    except ReportError as exc:
-        raise HTTPException(500, str(exc)) from None
-
-
-@dataclass(frozen=True)
-class RunReads:
-    """What a run's page reads from Airflow's REST API."""
-
-    run: Mapping[str, Any]
-    task_instances: Mapping[str, Mapping[str, Any]]
-    xcoms: Mapping[str, Any]  # task id -> its return_value (tasks that have one)
-    failures: Mapping[str, str]  # task id -> the reason it left in its XCom ``failure``
-
-
-class ReadCache:
-    """XComs the page has read, so that a render reads only what changed (issue 37 #5).
-
-    A finished task's XCom does not change while the task stays as it finished: its value is kept
-    under (dag, run, task, key, try, state, end) -- a retry or a clear changes the key. A finished
-    run's reads are kept whole under its REST answer: a render of it reads the run only (a clear
-    changes its state). Bounded (least recently used out). Served only behind the routes' checks
-    that the caller may read the DAG's runs and XComs, and after the caller read the run itself.
-    """
-
-    def __init__(self, runs: int = 64, xcoms: int = 4096) -> None:
-        self._runs: OrderedDict[tuple[str, str], RunReads] = OrderedDict()
-        self._xcoms: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-        self._sizes = (runs, xcoms)
-
-    @staticmethod
-    def _put(store: OrderedDict[Any, Any], key: Any, value: Any, size: int) -> None:
-        store[key] = value
-        store.move_to_end(key)
-        while len(store) > size:
-            store.popitem(last=False)
-
-    def finished_run(self, dag_id: str, run_id: str, run: Mapping[str, Any]) -> RunReads | None:
-        found = self._runs.get((dag_id, run_id))
-        if found is None or found.run != run:
-            return None
-        self._runs.move_to_end((dag_id, run_id))
-        return found
-
-    def keep_run(self, dag_id: str, run_id: str, reads: RunReads) -> None:
-        if reads.run.get("state") in FINISHED_RUN_STATES:
-            self._put(self._runs, (dag_id, run_id), reads, self._sizes[0])
-
-    async def xcom(self, api: AirflowAPI, dag_id: str, run_id: str, ti: Mapping[str, Any], key: str) -> Any:
-        task_id = ti["task_id"]
-        if ti.get("state") not in FINISHED_TASK_STATES:
-            return await api.xcom(dag_id, run_id, task_id, key=key)
-        cache_key = (dag_id, run_id, task_id, key, ti.get("try_number"), ti.get("state"), ti.get("end_date"))
-        if cache_key in self._xcoms:
-            self._xcoms.move_to_end(cache_key)
-            return self._xcoms[cache_key]
-        value = await api.xcom(dag_id, run_id, task_id, key=key)
-        self._put(self._xcoms, cache_key, value, self._sizes[1])
-        return value
-
-
-CACHE = ReadCache()
-FINISHED_TASK_STATES = frozenset({"success", "failed", "upstream_failed", "skipped"})
-
-
-async def read_run(api: AirflowAPI, dag_id: str, run_id: str, cache: ReadCache = CACHE) -> RunReads:
-    """The run, its task instances and their XComs: one call for a finished run read before,
-    otherwise the run, its task instances and the XComs not read yet."""
-    run = await api.get(f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}")
-    if (kept := cache.finished_run(dag_id, run_id, run)) is not None:
-        return kept
-    tis = await api.task_instances(dag_id, run_id)
-    prefix = federated_prefix(list(tis))
-    wanted = [t for t, ti in tis.items() if ti.get("state") in ("success", "failed") or t == prefix + "prepare"]
-    failed = [t for t, ti in tis.items() if ti.get("state") in ("failed", "up_for_retry")]
-    values = await asyncio.gather(
-        *(cache.xcom(api, dag_id, run_id, tis[t], "return_value") for t in wanted),
-        *(cache.xcom(api, dag_id, run_id, tis[t], FAILURE_XCOM_KEY) for t in failed),
-    )
-    reads = RunReads(
-        run=run,
-        task_instances=tis,
-        xcoms={t: v for t, v in zip(wanted, values[: len(wanted)], strict=True) if v is not None},
-        failures={t: str(v) for t, v in zip(failed, values[len(wanted) :], strict=True) if v},
-    )
-    cache.keep_run(dag_id, run_id, reads)
-    return reads
-
-
 async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView, list[dict[str, Any]]]:
     async with AirflowAPI(request) as api:
         reads = await read_run(api, dag_id, run_id)
     prefix = federated_prefix(list(reads.task_instances))
-    outputs = await run_in_threadpool(_outputs, run_id, reads.xcoms.get(prefix + "publish"))
-    metrics = await run_in_threadpool(_read_metrics, outputs["metrics"]) if "metrics" in outputs else None
+    outputs = await run_in_threadpool(published_outputs, run_id, reads.xcoms.get(prefix + "publish"))
+    metrics = await run_in_threadpool(metrics_of, outputs["metrics"]) if "metrics" in outputs else None
     mlflow_ui = (conf.get("flare_airflow", "mlflow_ui_url", fallback="") or "").strip() or None
     # Strict mode: the sites' reports and the rounds' per-site metrics are sealed to the central box
     # key in XCom; this page runs on the central API server, which opens them (sites cannot).
@@ -313,7 +63,7 @@ async def _run_data(request: Request, dag_id: str, run_id: str) -> tuple[RunView
     for problem in unopened:
         log.warning("runs page: %s/%s: %s", dag_id, run_id, problem)
     view = build_run_view(dag_id, reads.run, reads.task_instances, xcoms, metrics, reads.failures, mlflow_ui)
-    downloads = await run_in_threadpool(_describe, ui_base(), dag_id, run_id, outputs)
+    downloads = await run_in_threadpool(describe_downloads, ui_base(), dag_id, run_id, outputs)
     return view, downloads
 
 
@@ -446,12 +196,6 @@ async def run_json(request: Request, dag_id: str, run_id: str) -> JSONResponse:
     )
 
 
-def _chunks(path: Any) -> Iterator[bytes]:
-    with path.open("rb") as fh:
-        while piece := fh.read(CHUNK):
-            yield piece
-
-
 @app.get("/api/dags/{dag_id}/runs/{run_id}/files/{name}", dependencies=[read_runs])
 @app.get("/api/file", dependencies=[read_runs])
 async def download(request: Request, dag_id: str, run_id: str, name: str) -> StreamingResponse:
@@ -462,16 +206,18 @@ async def download(request: Request, dag_id: str, run_id: str, name: str) -> Str
         await api.get(f"/dags/{segment(dag_id)}/dagRuns/{segment(run_id)}")
         prefix = federated_prefix(list(await api.task_instances(dag_id, run_id)))
         published = await api.xcom(dag_id, run_id, prefix + "publish")
-    outputs = await run_in_threadpool(_outputs, run_id, published)
+    outputs = await run_in_threadpool(published_outputs, run_id, published)
     if name not in outputs:
-        raise HTTPException(404, f"run {run_id} of {dag_id} has no published {FILES[name][1]} (did publish succeed?)")
+        raise HTTPException(
+            404, f"run {run_id} of {dag_id} has no published {FILES[name].label} (did publish succeed?)"
+        )
     path = outputs[name]
-    headers = {"Content-Disposition": f'attachment; filename="{run_component(run_id)}-{_NAMES[name]}"'}
+    headers = {"Content-Disposition": f'attachment; filename="{run_component(run_id)}-{FILES[name].file_name}"'}
     if name == "model":
         headers["X-Flare-Sha256"] = (await run_in_threadpool(read_record, path)).sha256
 
     async def body() -> AsyncIterator[bytes]:
-        async for piece in iterate_in_threadpool(_chunks(path)):
+        async for piece in iterate_in_threadpool(chunks(path)):
             yield piece
 
-    return StreamingResponse(body(), media_type=FILES[name][2], headers=headers)
+    return StreamingResponse(body(), media_type=FILES[name].media_type, headers=headers)

@@ -17,7 +17,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from flare_airflow.core.config import job_from_dict
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.operators import tracking
-from flare_airflow.operators.tracking import track_run_start, with_deployment_tracking
+from flare_airflow.operators.tracking import track_run_start
+from flare_airflow.operators.tracking_target import with_deployment_tracking
 from tests.bad_inputs.cases import Case, assert_clear
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -17,11 +17,11 @@ import textwrap
 import numpy as np
 import pytest
 
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import failure_path, record_path
 from flare_airflow.launchers.process import ProcessLauncher
-from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 from flare_airflow.site_task.spec import SiteRun
 from tests.bad_inputs.cases import Case, assert_clear

@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from flare_airflow.builder import job_params
 from flare_airflow.core.config import load_job
 from flare_airflow.operators.common import RunParamsError, run_params
-from flare_airflow.operators.run import PrepareRunOperator
+from flare_airflow.operators.prepare import PrepareRunOperator
 from tests.bad_inputs.cases import Case, assert_clear
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

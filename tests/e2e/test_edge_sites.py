@@ -364,3 +364,274 @@ def test_a_site_task_cannot_resolve_central_secrets_a_central_task_can(deploymen
     logs = (deployment.stack.root / "api-server.log").read_text()
     for kind, name in (("variable", "flare_central_noise_secret"), ("connection", "flare_store")):
         assert f"a task of site 'site-1' may not resolve the central {kind} '{name}'" in logs
+
+
+# What site-2 sends to the S3 endpoint from its own network namespace, with what its worker holds:
+# no store credential, a made-up one, and its own presigned links edited to name other keys.
+_STORE_PROBE = r"""
+import json, sys
+import boto3, httpx
+from botocore.config import Config
+
+spec = json.loads(sys.argv[1])
+out = {}
+for name, (verb, url) in spec["raw"].items():
+    r = httpx.request(verb, url, content=b"forged by site-2" if verb == "PUT" else None, timeout=60)
+    # An S3 error code, or the status's own phrase when the store answers with no body.
+    out[name] = [r.status_code, r.text.partition("<Code>")[2].partition("</Code>")[0] or r.reason_phrase]
+made_up = boto3.client(
+    "s3", endpoint_url=spec["endpoint"], region_name="us-east-1", aws_access_key_id="AKIAMADEUPBYSITE2000",
+    aws_secret_access_key="made-up-by-site-2", config=Config(signature_version="s3v4", retries={"max_attempts": 1}),
+)
+for name, (op, kw) in spec["made_up"].items():
+    try:
+        getattr(made_up, op)(Bucket=spec["bucket"], **kw)
+        out[name] = [200, ""]
+    except Exception as exc:
+        resp = getattr(exc, "response", {})
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        out[name] = [status, resp.get("Error", {}).get("Code", repr(exc))]
+print(json.dumps(out))
+"""
+
+
+def _from_site(dep: EdgeDeployment, site: str, spec: dict[str, Any]) -> dict[str, list[Any]]:
+    """Run :data:`_STORE_PROBE` in ``site``'s network namespace with no AWS configuration at all."""
+    import json
+
+    assert dep.ns is not None
+    env = {"PATH": "/usr/bin:/bin", "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    out = subprocess.run(
+        ["ip", "netns", "exec", dep.ns.site_ns[site], sys.executable, "-c", _STORE_PROBE, json.dumps(spec)],
+        capture_output=True, check=False, env=env, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    return dict(json.loads(out.stdout))
+
+
+def _maintenance(dep: EdgeDeployment, site: str, on: bool) -> None:
+    """The central operator holds ``site``'s worker (it finishes what it runs and fetches nothing new:
+    edge3's maintenance mode), or lets it go on; returns once the worker says so."""
+    import httpx
+
+    name = dep.workers[site].name
+    url = f"{dep.stack.base}/edge_worker/ui/worker/{name}/maintenance"
+    auth = {"Authorization": f"Bearer {dep.stack._token}"}
+    if on:
+        r = httpx.post(url, json={"maintenance_comment": "held by the attack test"}, headers=auth, timeout=60)
+    else:
+        r = httpx.delete(url, headers=auth, timeout=60)
+    r.raise_for_status()
+    deadline = time.monotonic() + 120
+    while True:
+        state = next(w.get("state") for w in dep.edge_workers() if w["worker_name"] == name)
+        if (state == "maintenance mode") if on else (state in ("idle", "running")):
+            return
+        assert time.monotonic() < deadline, (name, state)
+        time.sleep(0.5)
+
+
+def _wait_states(dep: EdgeDeployment, run_id: str, want: dict[str, str], timeout: float = 240) -> dict[str, Any]:
+    """Until each task of ``want`` is in its state (``a|b``: either)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tis = dep.stack.task_instances(DAG, run_id)
+        if all(tis.get(t, {}).get("state") in s.split("|") for t, s in want.items()):
+            return tis
+        assert time.monotonic() < deadline, {t: tis.get(t, {}).get("state") for t in want}
+        time.sleep(0.5)
+
+
+def _set_xcom(dep: EdgeDeployment, run_id: str, task_id: str, value: Any) -> None:
+    from urllib.parse import quote
+
+    path = f"/dags/{DAG}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/xcomEntries/return_value"
+    dep.stack.api("PATCH", path, json={"value": value, "map_index": -1})
+
+
+def test_a_malicious_site_attacks_the_data_plane_each_is_refused_and_the_run_publishes(
+    deployment: EdgeDeployment,
+) -> None:
+    """Site-2, with exactly what its worker holds (its keys, its files, the ciphertext in XCom, its
+    network namespace), attacks the store during a real 2-round run; an insider with the store's
+    credential swaps an update and replaces a global model. Each is refused with its reason, the
+    run finishes within quorum and publishes.
+
+    Site-2's worker is held (edge3 maintenance mode) while the attacks run, so that they happen at
+    a known point of the run: round 1 after the other sites trained, round 2 before site-2 trains."""
+    import hashlib
+
+    from flare_airflow.core.store_links import LinksError
+    from flare_airflow.core.trust.sealed import SealedOpenError
+    from flare_airflow.operators.links import LINKS_KEY, open_site_links
+
+    s3, bucket = deployment.s3, "flare"
+    site2 = deployment.workers["site-2"]
+    site2_keys = str(site2.root / "keys")
+    store_at_site2 = f"http://{site2.central}:{s3.port}"  # the store as site-2's namespace reaches it
+    # A worker may not register or heartbeat for no queue: a well-formed call (edge3 alone takes a
+    # heartbeat with no queues; a second registration of an active worker it refuses as a duplicate).
+    from airflow import __version__ as airflow_version
+    from airflow.providers.edge3 import __version__ as edge_version
+
+    sysinfo = {"airflow_version": airflow_version, "edge_provider_version": edge_version, "concurrency": 2}
+    no_queue = {"state": "idle", "jobs_active": 0, "queues": [], "sysinfo": sysinfo}
+    calls = {verb: _as_site(deployment, "site-2", verb, "worker/site-2-worker", no_queue) for verb in ("POST", "PATCH")}
+    reason = "site 'site-2' must name its queues to register or heartbeat for"
+    assert {v: (r.status_code, reason in r.text) for v, r in calls.items()} == {
+        "POST": (403, True),
+        "PATCH": (403, True),
+    }, {v: r.text for v, r in calls.items()}
+
+    _maintenance(deployment, "site-2", on=True)
+    with CreatedContainers(JOB_LABEL) as containers:
+        run_id = deployment.stack.trigger(DAG, {"rounds": 2})
+        try:
+            _wait_states(deployment, run_id, {f"round_1.{s}": "success" for s in ("site-1", "site-3", "site-4")})
+            keys = {k.split("/round-", 1)[1]: k for k in s3.keys("store/digits/") if run_id_part(run_id) in k}
+            site1_update, global_0 = keys["0001/sites/site-1.safetensors"], keys["0000/global.safetensors"]
+            sealed = _xcom(deployment, run_id, "prepare", "return_value")[LINKS_KEY]
+
+            # 1. Site-1's sealed links do not open with site-2's box key.
+            with pytest.raises(SealedOpenError, match="not to this worker's box key"):
+                open_site_links(
+                    {LINKS_KEY: {"site-2": sealed["site-1"]}}, job="digits", run_id=run_id, round_num=1,
+                    site="site-2", key_dir=site2_keys,
+                )  # fmt: skip
+            # 3. Its own round-1 links, replayed in round 2: they open only for round 1.
+            with pytest.raises(SealedOpenError, match="another job, run, round or party"):
+                open_site_links({LINKS_KEY: sealed}, job="digits", run_id=run_id, round_num=2, site="site-2",
+                                key_dir=site2_keys)  # fmt: skip
+            own = open_site_links({LINKS_KEY: sealed}, job="digits", run_id=run_id, round_num=1, site="site-2",
+                                  key_dir=site2_keys)  # fmt: skip
+            assert own is not None and own.update.url is not None
+            with pytest.raises(LinksError, match="for round 1, not 2"):
+                own.check(job="digits", run_id=run_id, round_num=2, site="site-2")
+            other_run, put = own.global_model.replace(run_id_part(run_id), "another-run"), own.update.url
+            before = {k: hashlib.sha256(_get(s3, k)).hexdigest() for k in (site1_update, global_0)}
+            # 2. The store itself, from site-2's namespace: its own links edited to name other keys,
+            # no credential, a made-up one.
+            got = _from_site(
+                deployment,
+                "site-2",
+                {
+                    "endpoint": store_at_site2,
+                    "bucket": bucket,
+                    "raw": {
+                        "own link: the global model": ("GET", own.global_model),
+                        "own link -> site-1's slot": ("PUT", put.replace("/sites/site-2.", "/sites/site-1.")),
+                        "own link -> another run's global": ("GET", other_run),
+                        "last round's link -> this round's slot": ("PUT", put.replace("/round-0001/", "/round-0002/")),
+                        "no credential: list": ("GET", f"{store_at_site2}/{bucket}?list-type=2&prefix=store/"),
+                        "no credential: read site-1's update": ("GET", f"{store_at_site2}/{bucket}/{site1_update}"),
+                        "no credential: write site-1's slot": ("PUT", f"{store_at_site2}/{bucket}/{site1_update}"),
+                        "no credential: overwrite the global": ("PUT", f"{store_at_site2}/{bucket}/{global_0}"),
+                    },
+                    "made_up": {
+                        "made-up key: list": ("list_objects_v2", {"Prefix": "store/"}),
+                        "made-up key: read site-1's update": ("get_object", {"Key": site1_update}),
+                        "made-up key: write site-1's slot": ("put_object", {"Key": site1_update, "Body": "x"}),
+                        "made-up key: overwrite the global": ("put_object", {"Key": global_0, "Body": "x"}),
+                    },
+                },
+            )
+            assert got.pop("own link: the global model") == [200, "OK"]  # its genuine link works
+            denied = {
+                "own link -> site-1's slot": "SignatureDoesNotMatch",
+                "own link -> another run's global": "SignatureDoesNotMatch",
+                "last round's link -> this round's slot": "SignatureDoesNotMatch",
+                "no credential: list": "AccessDenied",
+                # moto refuses an unsigned request for an existing object by its ACL, before IAM.
+                "no credential: read site-1's update": "FORBIDDEN",
+                "no credential: write site-1's slot": "FORBIDDEN",
+                "no credential: overwrite the global": "FORBIDDEN",
+                "made-up key: list": "InvalidAccessKeyId",
+                "made-up key: read site-1's update": "InvalidAccessKeyId",
+                "made-up key: write site-1's slot": "InvalidAccessKeyId",
+                "made-up key: overwrite the global": "InvalidAccessKeyId",
+            }
+            assert got == {k: [403, code] for k, code in denied.items()}, got
+            # ... while the central side's own credential lists and reads (the run goes on with it too).
+            assert before == {k: hashlib.sha256(_get(s3, k)).hexdigest() for k in (site1_update, global_0)}
+
+            # 4. An insider with the store's credential swaps site-1's update (site-3's, a valid
+            # model) and overwrites site-1's XCom digest to match: refused at the aggregation.
+            site3_update = keys["0001/sites/site-3.safetensors"]
+            for src, dst in ((site3_update, site1_update), (_record(site3_update), _record(site1_update))):
+                s3.client().put_object(Bucket=bucket, Key=dst, Body=_get(s3, src))
+            summary = _xcom(deployment, run_id, "round_1.site-1", "return_value")
+            swapped = _xcom(deployment, run_id, "round_1.site-3", "return_value")["sha256"]
+            _set_xcom(deployment, run_id, "round_1.site-1", {**summary, "sha256": swapped})
+
+            # Round 2: site-2 is held again once it took its round-1 task.
+            _maintenance(deployment, "site-2", on=False)
+            _wait_states(deployment, run_id, {"round_1.site-2": "running|success"})
+            _maintenance(deployment, "site-2", on=True)
+            _wait_states(deployment, run_id, {f"round_2.{s}": "success" for s in ("site-1", "site-3", "site-4")})
+            # 5. The round-1 global model replaced (tensors and record) after the others trained on
+            # it: site-2 refuses it before its trainer starts. The DAG is paused meanwhile so that
+            # the round's aggregation (which refuses it too) reads the genuine one, put back after.
+            global_1 = keys["0000/global.safetensors"].replace("round-0000", "round-0001")
+            genuine = {k: _get(s3, k) for k in (global_1, _record(global_1))}
+            deployment.stack.api("PATCH", f"/dags/{DAG}", json={"is_paused": True})
+            try:
+                for src, dst in ((global_0, global_1), (_record(global_0), _record(global_1))):
+                    s3.client().put_object(Bucket=bucket, Key=dst, Body=_get(s3, src))
+                _maintenance(deployment, "site-2", on=False)
+                _wait_states(deployment, run_id, {"round_2.site-2": "failed|success"})
+                for k, body in genuine.items():
+                    s3.client().put_object(Bucket=bucket, Key=k, Body=body)
+            finally:
+                deployment.stack.api("PATCH", f"/dags/{DAG}", json={"is_paused": False})
+            deployment.stack.wait_for_run(DAG, run_id, timeout=240)
+        finally:
+            _maintenance(deployment, "site-2", on=False)
+    tis = deployment.stack.task_instances(DAG, run_id)
+    sweep = f"sweep_containers_{site2.queue}"
+    expected = dict.fromkeys(
+        {"prepare", "publish", "verdict", sweep, "round_1.global_model", "round_2.global_model"}
+        | {f"round_{r}.{s}" for r in (1, 2) for s in SITES},
+        "success",
+    )
+    expected.update({"round_2.site-2": "failed", **{f"round_3.{s}": "skipped" for s in [*SITES, "global_model"]}})
+    round_1 = _xcom(deployment, run_id, "round_1.global_model", "return_value")
+    round_2 = _xcom(deployment, run_id, "round_2.global_model", "return_value")
+    failure = (
+        str(_xcom(deployment, run_id, "round_2.site-2", "failure"))
+        if tis["round_2.site-2"]["state"] == "failed"
+        else ""
+    )
+    ours = [c for c in containers.created if c["labels"].get("flare-airflow.run-id") == run_id]
+    # One comparison, so that a defence taken away shows every assertion it breaks.
+    assert {
+        "states": {t: ti["state"] for t, ti in tis.items()},
+        "round 1 counted": round_1["accepted"],
+        "round 1 refused site-1, saying": "its signed record says sha256" in round_1["rejected"].get("site-1", ""),
+        "round 2 counted": round_2["accepted"],
+        "site-2 refused the replaced global, saying": "it was replaced" in failure,
+        # Its trainer never started: site-2's containers in this run are its round 1's only.
+        "site-2 containers, by round": sorted({c["id"]: c["labels"]["flare-airflow.round"] for c in ours}.values()),
+    } == {
+        "states": expected,
+        "round 1 counted": ["site-2", "site-3", "site-4"],
+        "round 1 refused site-1, saying": True,
+        "round 2 counted": ["site-1", "site-3", "site-4"],
+        "site-2 refused the replaced global, saying": True,
+        "site-2 containers, by round": ["1"],
+    }, (round_1["rejected"], failure)
+    assert _xcom(deployment, run_id, "publish", "return_value")["final_model"].startswith("s3://")
+
+
+def run_id_part(run_id: str) -> str:
+    """How the store names ``run_id``'s folder (core/store.py: the run directory's name)."""
+    from flare_airflow.core.store import ModelStore
+
+    return ModelStore.from_uri("s3://flare/store").run_dir("digits", run_id).name
+
+
+def _record(key: str) -> str:
+    return key.removesuffix(".safetensors") + ".json"
+
+
+def _get(s3: Any, key: str) -> bytes:
+    return bytes(s3.client().get_object(Bucket="flare", Key=key)["Body"].read())

@@ -6,8 +6,10 @@ import pytest
 
 from flare_airflow.builder import AGGREGATE_TASK, build_dag
 from flare_airflow.operators.aggregate import AggregateOperator
-from flare_airflow.operators.run import PrepareRunOperator, PublishOperator, RunVerdictOperator
+from flare_airflow.operators.prepare import PrepareRunOperator
+from flare_airflow.operators.publish import PublishOperator
 from flare_airflow.operators.site import SiteTrainOperator
+from flare_airflow.operators.verdict import RunVerdictOperator
 from tests.unit.airflow_layer import make_job
 
 GPU_SITE = {"resource_spec": {"num_of_gpus": 2}, "resource_manager": {"type": "gpu", "num_of_gpus": 4}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import pathlib
 from types import SimpleNamespace
 from typing import Any
@@ -25,10 +26,9 @@ from flare_airflow.core.trust import TrustError, generate_keys, sign_record
 from flare_airflow.core.trust.keys import party_dir
 from flare_airflow.core.trust.settings import TrustSettings
 from flare_airflow.operators import data_ready as data_ready_ops
-from flare_airflow.operators import run as run_module
+from flare_airflow.operators import participants
 from flare_airflow.operators.data_ready import site_data_asset
 from flare_airflow.operators.data_watch import DataHistory
-from flare_airflow.operators.run import PrepareRunOperator
 from tests.unit.airflow_layer import make_job
 
 SITES = ["site-1", "site-2", "site-3", "site-4"]
@@ -130,6 +130,10 @@ def _context(events: list[dict], dag_params: dict | None = None) -> dict:
     return {"triggering_asset_events": {site_data_asset(): refs}, **_form(dag_params)}
 
 
+def _participants(job: Any, context: dict, chosen: tuple[str, ...] | None, min_clients: int) -> dict:
+    return participants.run_participants(job, context, chosen, min_clients, task_id="prepare", log=logging.getLogger())
+
+
 def _form(dag_params: dict | None = None) -> dict:
     """A run's context as prepare reads it, without the data's events."""
     return {"params": dag_params or {}, "ti": SimpleNamespace(dag_id="flare_j"), "run_id": "this"}
@@ -139,17 +143,16 @@ def _form(dag_params: dict | None = None) -> dict:
 def history(monkeypatch) -> DataHistory:
     """What the REST API says the job's earlier runs did: nothing, unless a test says otherwise."""
     found = DataHistory()
-    monkeypatch.setattr(run_module, "read_history", lambda *a, **kw: found)
+    monkeypatch.setattr(participants, "read_history", lambda *a, **kw: found)
     return found
 
 
 def test_prepare_trains_on_the_fresh_sites_and_records_their_data(tmp_path, keys, monkeypatch) -> None:
     monkeypatch.setattr(data_ready_ops, "trust_settings", lambda: keys)
     job = data_job(tmp_path)
-    prepare = PrepareRunOperator(task_id="prepare", job=job)
     events = [announce(keys, s, f"v-{s}", ago_s=30) for s in SITES[:3]]
-    monkeypatch.setattr(run_module, "_now", lambda: NOW)
-    out = prepare._participants(_context(events), None, 2)
+    monkeypatch.setattr(participants, "_now", lambda: NOW)
+    out = _participants(job, _context(events), None, 2)
     assert out["participants"] == SITES[:3]
     assert out["sat_out"] == {"site-4": "no data announced since its last run"}
     assert out["data"]["site-2"]["version"] == "v-site-2"
@@ -157,23 +160,23 @@ def test_prepare_trains_on_the_fresh_sites_and_records_their_data(tmp_path, keys
 
 def test_prepare_refuses_a_run_with_fewer_fresh_sites_than_the_quorum(tmp_path, keys, monkeypatch) -> None:
     monkeypatch.setattr(data_ready_ops, "trust_settings", lambda: keys)
-    monkeypatch.setattr(run_module, "_now", lambda: NOW)
-    prepare = PrepareRunOperator(task_id="prepare", job=data_job(tmp_path))
+    monkeypatch.setattr(participants, "_now", lambda: NOW)
+    job = data_job(tmp_path)
     events = [announce(keys, "site-1", "v1"), announce(keys, "site-2", "x", signer="site-1")]
     with pytest.raises(AirflowFailException, match=r"only 1 site\(s\) have fresh, signed data \(site-1\)"):
-        prepare._participants(_context(events), None, 2)
+        _participants(job, _context(events), None, 2)
 
 
 def test_a_form_run_trains_on_the_sites_it_names(tmp_path) -> None:
-    prepare = PrepareRunOperator(task_id="prepare", job=data_job(tmp_path))
-    out = prepare._participants(_form(), ("site-1", "site-3"), 2)
+    job = data_job(tmp_path)
+    out = _participants(job, _form(), ("site-1", "site-3"), 2)
     assert out["participants"] == ["site-1", "site-3"]
     assert set(out["sat_out"]) == {"site-2", "site-4"}
 
 
 def test_a_job_without_on_data_records_nothing_new(tmp_path) -> None:
-    prepare = PrepareRunOperator(task_id="prepare", job=make_job(tmp_path))
-    assert prepare._participants(_form(), None, 1) == {}
+    job = make_job(tmp_path)
+    assert _participants(job, _form(), None, 1) == {}
 
 
 def test_the_cli_cannot_sign_for_a_site_whose_key_is_elsewhere(tmp_path, monkeypatch) -> None:
@@ -292,22 +295,22 @@ def test_a_data_run_handed_announcements_a_watch_run_used_does_not_train_on_them
     """Airflow's queue still holds site-1 and site-2 after the wait's run used them; site-3 then
     completes Airflow's count of 3: prepare refuses rather than train on site-1/site-2 twice."""
     monkeypatch.setattr(data_ready_ops, "trust_settings", lambda: keys)
-    monkeypatch.setattr(run_module, "_now", lambda: NOW)
+    monkeypatch.setattr(participants, "_now", lambda: NOW)
     events = [announce(keys, s, "v1") for s in SITES[:3]]
     for e in events[:2]:
         history.used[announcement_id(e["partition_key"], "v1", e["extra"]["announced_at"])] = "manual__wait"
-    prepare = PrepareRunOperator(task_id="prepare", job=data_job(tmp_path))
+    job = data_job(tmp_path)
     with pytest.raises(AirflowFailException, match=r"only 1 site\(s\) have fresh, signed data \(site-3\)") as err:
-        prepare._participants(_context(events), None, 2)
+        _participants(job, _context(events), None, 2)
     assert "site-1: its data v1 announced at" in str(err.value) and "was used by run manual__wait" in str(err.value)
 
 
 def test_a_run_the_watch_started_records_the_unused_data_of_its_sites(tmp_path, keys, monkeypatch, history) -> None:
     monkeypatch.setattr(data_ready_ops, "trust_settings", lambda: keys)
-    monkeypatch.setattr(run_module, "_now", lambda: NOW)
+    monkeypatch.setattr(participants, "_now", lambda: NOW)
     history.events += [announce(keys, "site-2", "v3"), announce(keys, "site-4", "v9")]
-    prepare = PrepareRunOperator(task_id="prepare", job=data_job(tmp_path, wait="6h"))
-    out = prepare._participants(_form(), ("site-2", "site-4"), 2)
+    job = data_job(tmp_path, wait="6h")
+    out = _participants(job, _form(), ("site-2", "site-4"), 2)
     assert out["participants"] == ["site-2", "site-4"]
     assert {s: d["version"] for s, d in out["data"].items()} == {"site-2": "v3", "site-4": "v9"}
     assert "reason" not in out["data"]["site-2"]

@@ -48,6 +48,11 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
     (r"^flare-airflow resume\b", RunBy("tests/e2e/test_resume.py", '"resume", dag_id, run_id')),
     (r"^flare-airflow pools sync\b", RunBy("tests/integration/test_gpu_pools.py", '"pools", "sync"')),
     (r"^flare-airflow doctor\b", RunBy("tests/unit/test_cli_doctor.py", '"doctor"')),
+    # `make lm-image` is `docker/images.py lm-trainer`; the container-site LoRA test builds it the same way
+    (
+        r"^(python docker/images.py lm-trainer|make lm-image)$",
+        RunBy("tests/e2e/test_llm_lora.py", 'build_images("lm-trainer")'),
+    ),
     (
         r"^flare-airflow (site keygen|central keygen|registry (add|revoke|grant))\b",
         RunBy("tests/unit/test_cli_keys.py", '"registry", "revoke"'),

@@ -8,10 +8,11 @@ turns :class:`~flare_airflow.core.errors.RoundInputError` into a failed task.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from flare_airflow.core.digests import BLAKE3, available
 from flare_airflow.core.errors import FlareAirflowError, RoundInputError
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.model import Params, WritablePath, atomic_write, read_record, read_verified
 from flare_airflow.core.privacy.central import CENTRAL_RELEASES_FILE, central_release_id
 from flare_airflow.core.store import ModelStore, record_path
@@ -103,3 +104,48 @@ def record_central_release(
     return len(ids) + sum(
         len(_release_ids(store.round_dir(job, run_id, k) / CENTRAL_RELEASES_FILE)) for k in range(1, r)
     )
+
+
+def round_inputs(
+    store: ModelStore,
+    job: str,
+    run_id: str,
+    round_num: int,
+    sites: Sequence[str],
+    *,
+    sat_out: Mapping[str, str],
+    refused: Mapping[str, str],
+    accepted: Mapping[str, str] | None,
+    task_failure: Callable[[str], str | None],
+) -> list[tuple[str, WritablePath | None, str | None]]:
+    """``(site, update, why not)`` of each site for the aggregation: its update's place, or None and
+    the reason it does not count.
+
+    ``sat_out``: sites that sit the run out; ``refused``: sites whose signed record was refused;
+    ``accepted``: site -> the digest its site task accepted (None: rounds aggregated without task
+    ids, where a published update counts); ``task_failure``: the reason a site task gave when it
+    failed, read before the site's failure record (the store may not have taken it).
+    """
+    updates: list[tuple[str, WritablePath | None, str | None]] = []
+    for site in sites:
+        # The update's place comes from the site's name, never from its XCom (docs/threat-model.md).
+        path = store.site_update(job, run_id, round_num, site)
+        if site in sat_out:
+            updates.append((site, None, f"sat this run out: {sat_out[site]}"))
+        elif site in refused:
+            updates.append((site, None, refused[site]))
+        elif accepted is not None and site not in accepted:
+            # Only what the site task itself accepted counts: a failed task's trainer may have
+            # written a file (late, or before failing), and it must not count.
+            reason = (
+                task_failure(site)
+                or read_failure(path)
+                or "no accepted update: the site task failed, was skipped or never ran"
+            )
+            updates.append((site, None, reason))
+        elif record_path(path).exists():
+            updates.append((site, path, None))
+        else:
+            reason = read_failure(path) or "no update: the site task failed before its trainer ran, or never ran"
+            updates.append((site, None, reason))
+    return updates

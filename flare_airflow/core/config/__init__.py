@@ -4,8 +4,8 @@ A job names its trainer, its rounds, its quorum and its sites. Sites follow NVID
 meta: a ``@default`` site entry, ``resource_spec`` (``num_of_gpus``, ``num_of_cpus``, ``memory``)
 and ``launcher_spec`` blocks per backend, merged shallowly (:mod:`.site`).
 
-One module per concern: :mod:`.yaml_loader` reads the file, :mod:`.job` holds the job and its
-trainer, :mod:`.site` the sites, :mod:`.resources` what a site job asks for, :mod:`.process` and
+One module per concern: :mod:`.yaml_loader` reads the file, :mod:`.job` holds the job, :mod:`.trainer`
+its trainer, :mod:`.site` the sites, :mod:`.resources` what a site job asks for, :mod:`.process` and
 :mod:`.kubernetes` (with :mod:`.volumes`) and :mod:`.slurm` each backend's site policy, :mod:`.describe` turns
 validation errors into short messages, :mod:`.checks` reads the initial model and the store backend.
 The names below are the public ones; import them from here.
@@ -14,7 +14,7 @@ The names below are the public ones; import them from here.
 from flare_airflow.core.config.checks import check_store_backend, load_initial_model, load_model_file
 from flare_airflow.core.config.container import ContainerLaunchSpec, ContainerVolume
 from flare_airflow.core.config.describe import MAX_ERROR_LINE, MAX_ERROR_LINES, MAX_REPR, reprlib_repr, short_repr
-from flare_airflow.core.config.job import STORE_SCHEMES, AggregatorSpec, JobConfig, TrainerSpec, job_from_dict, load_job
+from flare_airflow.core.config.job import STORE_SCHEMES, AggregatorSpec, JobConfig, job_from_dict, load_job
 from flare_airflow.core.config.kubernetes import (
     MANAGED_BY_LABEL,
     RESERVED_LABEL_PREFIX,
@@ -48,6 +48,7 @@ from flare_airflow.core.config.site import (
 )
 from flare_airflow.core.config.slurm import SlurmLaunchSpec
 from flare_airflow.core.config.tracking import TRACKING_BACKENDS, TrackingSpec, deployment_tracking
+from flare_airflow.core.config.trainer import TrainerSpec
 from flare_airflow.core.config.validators import (
     MAX_FORM_INT,
     MAX_SECONDS,

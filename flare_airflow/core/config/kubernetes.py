@@ -18,7 +18,7 @@ from flare_airflow.core.config.validators import (
     env_or_secret,
     env_values,
     label_value,
-    no_nul,
+    not_blank,
     positive_seconds,
     qualified_name,
     secret_env_names,
@@ -205,9 +205,8 @@ class KubernetesLaunchSpec(Strict):
     @field_validator("kubernetes_conn_id", "config_file", "cluster_context", "trainer_script")
     @classmethod
     def _non_empty(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("must not be empty (leave it out for the default)")
-        return None if value is None else no_nul(value, str(info.field_name))
+        blank = "must not be empty (leave it out for the default)"
+        return None if value is None else not_blank(value, str(info.field_name), blank)
 
     @field_validator("image_pull_secrets")
     @classmethod

@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from flare_airflow.core.config.validators import Strict, no_nul
+from flare_airflow.core.config.validators import Strict, not_blank
+from flare_airflow.core.digests import HEX_DIGEST
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,127}\Z")
 
 
@@ -29,14 +29,14 @@ class BaseModelSpec(Strict):
     @field_validator("file")
     @classmethod
     def _file(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must name the base model file (relative to the job file, or absolute)")
-        return no_nul(value, "lora.base_model.file")
+        return not_blank(
+            value, "lora.base_model.file", "must name the base model file (relative to the job file, or absolute)"
+        )
 
     @field_validator("sha256")
     @classmethod
     def _sha256(cls, value: str) -> str:
-        if not _HEX64.match(value):
+        if not HEX_DIGEST.match(value):
             raise ValueError(f"sha256 must be 64 lowercase hex digits (`sha256sum FILE`), got {value[:80]!r}")
         return value
 

@@ -123,6 +123,13 @@ def no_nul(value: str, what: str) -> str:
     return value
 
 
+def not_blank(value: str, what: str, blank: str) -> str:
+    """``value``, which must hold more than white space (``blank`` says what to write) and no NUL."""
+    if not value.strip():
+        raise ValueError(blank)
+    return no_nul(value, what)
+
+
 def argv(value: Any) -> Any:
     """An exact argv: a list of strings (numbers are turned into strings), never one shell string."""
     if isinstance(value, str):

@@ -28,6 +28,7 @@ difference of two releases of one try and the global model would be the raw upda
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
 import json
@@ -293,6 +294,37 @@ def site_filter(spec: Mapping[str, Any], where: str = "plan") -> SiteFilter:
     return cls(**params)
 
 
+def frozen_unchanged(
+    params: Params,
+    global_params: Params,
+    *,
+    diff_update: bool,
+    frozen: Sequence[str],
+    exclude: frozenset[str] | set[str],
+    where: str,
+) -> frozenset[str]:
+    """The float tensors of ``params`` that ``frozen`` (glob patterns) names, each checked unchanged:
+    the global model's bytes (FULL) or all zero (DIFF). A frozen tensor the trainer moved is refused
+    here, at the site (fail closed): outside the filters, its change would leave unclipped and unnoised."""
+    names = sorted(
+        n
+        for n, a in params.items()
+        if n not in exclude and is_float(a.dtype) and any(fnmatch.fnmatchcase(n, p) for p in frozen)
+    )
+    for name in names:
+        arr = params[name]
+        moved = (
+            bool(np.any(arr.astype(np.float64) != 0)) if diff_update else arr.tobytes() != global_params[name].tobytes()
+        )
+        if moved:
+            raise PrivacyRefused(
+                f"{where}: tensor {name!r} differs from the global model's, but the job's strategy keeps it frozen "
+                f"(patterns {', '.join(map(repr, frozen))}); the update is not published. Freeze those tensors in "
+                "the trainer (the Client API's get_lora()['frozen'] names them)"
+            )
+    return frozenset(names)
+
+
 @dataclass
 class FilterResult:
     """A filtered update and what was done to it (kept in the update's record and the site's summary)."""
@@ -312,6 +344,7 @@ def apply_filters(
     steps: Sequence[SiteFilter],
     key: bytes | None,
     public_tensors: Sequence[str] = (),
+    frozen: Sequence[str] = (),
     where: str = "update",
 ) -> FilterResult:
     """Apply ``steps`` in order to an update (FULL: ``diff_update`` False; DIFF: True).
@@ -321,6 +354,13 @@ def apply_filters(
     ``key`` (:func:`noise_key`): each noising step draws from :func:`release_noise_key` of it and
     the digest of the clipped update it noises. The result has the update's names, shapes and
     dtypes; an update no filter changed is returned as the very same arrays.
+
+    ``frozen`` (glob patterns, the strategy's frozen tensors: FFA-LoRA's A matrices) are tensors the
+    strategy does not train: each must equal the global model's bit for bit (FULL) or be all zero
+    (DIFF), else :class:`PrivacyRefused`; they then leave as they are, outside the filters. Clipping
+    is unchanged by that (their difference is zero) and noise goes only to the trained tensors --
+    noised, a frozen tensor would move and the strategy would reject the whole update. Leaving them
+    out is safe only because they are checked: what leaves of them is the global model's own values.
     """
     exclude: set[str] = set()
     for step in steps:
@@ -336,10 +376,11 @@ def apply_filters(
         )
     if any(s.noise() is not None for s in steps) and key is None:
         raise PrivacyRefused(f"{where}: the plan adds noise but no noise key was given (the site's noise secret)")
+    kept = frozen_unchanged(params, global_params, diff_update=diff_update, frozen=frozen, exclude=exclude, where=where)
     # The float64 difference to the global model; excluded tensors are zero from the start.
     diff: dict[str, np.ndarray] = {}
     for name, arr in params.items():
-        if name in exclude:
+        if name in exclude or name in kept:
             continue
         if is_float(arr.dtype):
             d = arr.astype(np.float64)
@@ -356,6 +397,8 @@ def apply_filters(
     for name, arr in params.items():
         if name in exclude:
             out[name] = np.zeros_like(arr) if diff_update else np.array(global_params[name], copy=True)
+        elif name in kept:
+            out[name] = arr
         elif is_float(arr.dtype):
             d = diff[name] if diff_update else diff[name] + global_params[name].astype(np.float64)
             out[name] = d.astype(arr.dtype)

@@ -8,7 +8,7 @@ spec, applied by :func:`release` after the trainer sent its update and before it
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -97,9 +97,11 @@ def release(
     round_num: int,
     key: bytes | None,
     where: str,
+    frozen: Sequence[str] = (),
 ) -> Release:
     """Apply ``plan`` to an update. Raises :class:`PrivacyRefused` (fail closed) for metrics or meta
-    keys not declared public, private non-float tensors, or a noising plan without its ``key``."""
+    keys not declared public, private non-float tensors, a noising plan without its ``key``, or a
+    ``frozen`` tensor (the strategy's, glob patterns) that moved; the filters skip the frozen ones."""
     private = sorted(set(metrics) - set(plan.public_metrics))
     if private:
         raise PrivacyRefused(
@@ -139,6 +141,7 @@ def release(
         steps=plan.steps(),
         key=key,
         public_tensors=plan.public_tensors,
+        frozen=frozen,
         where=where,
     )
     epsilon = plan.epsilon_after(round_num)

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 from flare_airflow.core.model import read_record
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.pod import SitePodOperator
-from flare_airflow.operators.run import SweepPodsOperator
+from flare_airflow.operators.pod_sweep import SweepPodsOperator
 from flare_airflow_testing.harness import tiny_model
 from flare_airflow_testing.k8s.kube import wait_for
 from flare_airflow_testing.k8s.node_agent import NodeAgent

@@ -27,7 +27,7 @@ from flare_airflow.core.spec import JobState
 from flare_airflow.core.store import ModelStore
 from flare_airflow.launchers.kubernetes import NODE_RANK_LABEL, KubernetesJobHandle
 from flare_airflow.operators.pod import SitePodOperator
-from flare_airflow.operators.run import SweepPodsOperator
+from flare_airflow.operators.pod_sweep import SweepPodsOperator
 from flare_airflow.operators.site_steps import SiteJobFailed
 from flare_airflow_testing.harness import REPO
 from flare_airflow_testing.k8s.kube import pod_dict, wait_for

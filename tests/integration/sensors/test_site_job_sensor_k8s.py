@@ -20,11 +20,11 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, T
 from kubernetes import client as k8s
 from safetensors.numpy import load_file
 
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.spec import JobIdentity
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.site_job import SiteJobLaunchOperator
 from flare_airflow.sensors.site_job import SiteJobSensor
-from flare_airflow.site_task.checks import read_failure
 from flare_airflow_testing.k8s.kube import wait_for
 from tests.integration.k8s.test_site_pod_operator import RUN_ID, make_op, pods
 

@@ -5,9 +5,9 @@ sealed to the site's box key; the site reads the global model and writes its own
 them and reaches nothing else. Where links cannot be presigned, a generated per-site policy grants
 the same -- tested on the emulator with IAM enforced, both what it allows and what it denies.
 
-moto 5.2 cannot check a presigned link's signature (with IAM on it answers them HTTP 500, with IAM
-off it accepts any), so the links are tested for what they name and reach, and their refusals
-(another site's, last round's, expired, replaced global) are the site's own checks.
+The emulator runs with IAM enforced and checks presigned links too (flare_airflow_testing/moto_presigned.py):
+a link edited to name another key, an expired one and an unsigned request are refused by the store
+itself; the site's own checks (another site's links, last round's, a replaced global) come first.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 from urllib.parse import unquote, urlparse
 
 import httpx
@@ -38,7 +39,7 @@ from flare_airflow.core.store_links import (
 from flare_airflow.core.trust import CENTRAL, generate_keys
 from flare_airflow.core.trust.keys import party_dir
 from flare_airflow.core.trust.sealed import SealedOpenError
-from flare_airflow.operators.links import LINKS_KEY, mint_round_links, open_site_links
+from flare_airflow.operators.links import LINKS_KEY, abort_site_uploads, mint_round_links, open_site_links
 from flare_airflow.operators.staging import staged
 from flare_airflow.site_task.build import train_run
 from flare_airflow.site_task.checks import GlobalModelUnusable, check_global_model
@@ -57,10 +58,12 @@ class Log:
     def warning(self, msg: str, *args: object) -> None:
         self.lines.append(msg % args)
 
+    info = warning
+
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server(enforce_iam=False)
+    server = S3Server()
     try:
         yield server
     finally:
@@ -286,27 +289,172 @@ def test_a_resumed_upload_sends_again_a_part_whose_bytes_changed(s3, round_2, tm
     assert get(s3, store.site_update(job.job, run_id, 2, "site-2")) == second
 
 
+def _open_uploads(s3: S3Server) -> set[str]:
+    return {u["Key"] for u in s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])}
+
+
+def test_unfinished_uploads_resume_within_the_round_and_are_aborted_after_it(s3, keys, tmp_path, monkeypatch) -> None:
+    """Site-1's writer is killed after two of its three parts and its retry resumes; site-2's
+    stops for good after one. The round's real aggregation (strict mode, the central connection)
+    counts site-1 and aborts what is left of round 2 -- not another run's upload; the run's
+    verdict would end the rest (test_aggregate.py checks it calls the same)."""
+    from flare_airflow.core.store_links import Upload
+    from flare_airflow.operators.aggregate import AggregateOperator
+    from flare_airflow.operators.trust import sign_global
+    from tests.unit.airflow_layer import FakeTI, context
+
+    monkeypatch.setenv("AIRFLOW_CONN_FLARE_STORE", s3.connection())
+    job = make_job(tmp_path, store=STORE, store_conn_id="flare_store", rounds=2, min_clients=1,
+                   sites={s: {} for s in SITES})  # fmt: skip
+    store = ModelStore.from_uri(STORE)
+    run_id = f"{RUN}-{tmp_path.name}"
+    part, n = 5 << 20, (10 << 20) // 4  # 10 MiB of float32: with the header, three 5 MiB parts
+    global_1 = FLModel(params={"w": np.zeros(n, np.float32)})
+    record = put_model(s3, store.global_model(job.job, run_id, 1), global_1, tmp_path)
+
+    def slot(site: str, run: str = run_id) -> str:
+        return bucket_key(store.site_update(job.job, run, 2, site))[1]
+
+    def mint(site: str) -> SiteLinks:
+        return mint_site_links(
+            s3.client(), store, job=job.job, run_id=run_id, round_num=2, site=site, expires_in=600,
+            update_size=record.size, single_put_limit=part, part_size=part,
+        )  # fmt: skip
+
+    links = {site: mint(site) for site in SITES}
+    local = tmp_path / "update.safetensors"
+    update = write_artifact(local, FLModel(params={"w": np.ones(n, np.float32)}, meta={"num_samples": 10}))
+    assert len(links["site-1"].update.parts) == 3 and update.size > 2 * part
+    (tmp_path / "links.json").write_text(links["site-1"].to_json())
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "links.json"), str(local)], check=False, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL
+    _put_part(links["site-2"].update, 1, local.read_bytes()[:part])
+    # Another run whose id starts with this one's: none of its uploads is this run's to end.
+    other_run = s3.client().create_multipart_upload(Bucket=BUCKET, Key=slot("site-1", f"{run_id}0"))
+    assert {slot("site-1"), slot("site-2")} <= _open_uploads(s3)
+
+    # site-1's task retried within the round: the upload is still open and resumes.
+    assert upload(links["site-1"].update, local, "the retried writer") == update.size - 2 * part
+    upload(Upload(url=links["site-1"].update_record), record_path(local), "its record")
+
+    ti = FakeTI(run_id=run_id)
+    ti.xcoms[("round_1.global_model", "return_value")] = {
+        "sha256": record.sha256, "signed": sign_global(job.job, run_id, 1, record),
+    }  # fmt: skip
+    aggregation = AggregateOperator(task_id="round_2.global_model", job=job, round_num=2,
+                                    global_task_id="round_1.global_model")  # fmt: skip
+    summary = aggregation.execute({**context(ti), "run_id": run_id})
+    assert summary["accepted"] == ["site-1"] and "site-2" in summary["rejected"]
+    assert slot("site-2") not in _open_uploads(s3), "the round's unfinished upload was aborted"
+    assert slot("site-1", f"{run_id}0") in _open_uploads(s3)
+    # A site-2 task run again after its round was aggregated is told why and what to clear.
+    with pytest.raises(LinksError, match=r"NoSuchUpload\).*aborted this round's upload.*mint new links"):
+        upload(links["site-2"].update, local, "a late writer")
+    s3.client().abort_multipart_upload(Bucket=BUCKET, Key=other_run["Key"], UploadId=other_run["UploadId"])
+
+
+def test_the_runs_end_aborts_every_round_the_aggregations_did_not(s3, round_2, keys):
+    """A round that failed (no aggregation ended it) and the next round's upload: the verdict's call."""
+    job, store, run_id, _ = round_2
+    for r in (2, 3):
+        mint_site_links(
+            s3.client(), store, job=job.job, run_id=run_id, round_num=r, site="site-1", expires_in=600,
+            update_size=2 << 20, single_put_limit=1 << 20, part_size=5 << 20,
+        )  # fmt: skip
+    log = Log()
+    aborted = abort_site_uploads(job, run_id, log, store=store, client=s3.client())
+    assert sorted(aborted) == sorted(bucket_key(store.site_update(job.job, run_id, r, "site-1"))[1] for r in (2, 3))
+    assert f"run {run_id}: aborted 2 unfinished site upload(s)" in log.lines[-1]
+    assert not any(key.startswith(bucket_key(store.run_dir(job.job, run_id))[1] + "/") for key in _open_uploads(s3))
+
+
+def test_links_minted_again_abort_the_uploads_of_the_links_they_replace(s3, round_2):
+    """The publishing task retried (or cleared for fresh links): each site's earlier upload of the
+    round is ended, only the new links' upload stays open."""
+    job, store, run_id, _ = round_2
+    size = 200 << 20  # the global model's size: beyond one PUT, so each site's update is an upload in parts
+    first = mint_round_links(job, store, run_id, 2, size, Log(), client=s3.client())
+    log = Log()
+    again = mint_round_links(job, store, run_id, 2, size, log, client=s3.client())
+    assert first and again
+    slots = {bucket_key(store.site_update(job.job, run_id, 2, site))[1]: site for site in SITES}
+    open_ids = {
+        u["UploadId"]: slots[u["Key"]]
+        for u in s3.client().list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
+        if u["Key"] in slots
+    }
+    assert sorted(open_ids.values()) == sorted(SITES), "one upload per site: the new links'"
+    for site in SITES:
+        links = open_site_links({LINKS_KEY: again}, job=job.job, run_id=run_id, round_num=2, site=site)
+        assert links is not None and any(upload_id in links.update.complete for upload_id in open_ids)
+    assert "round 2: aborted 2 unfinished site upload(s)" in log.lines[0]
+    assert abort_site_uploads(job, run_id, log, store=store, client=s3.client())  # the run's end, for the next test
+
+
+def test_uploads_are_aborted_only_where_links_were_minted(s3, round_2, monkeypatch):
+    """Outside strict mode no link opened an upload: nothing is listed or aborted (the store may
+    be the sites' own to manage); a store that cannot be reached is logged, not raised."""
+    job, store, run_id, _ = round_2
+    monkeypatch.delenv("FLARE_SITE_KEYS")
+
+    class Unused:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"the store was asked {name}")
+
+    assert abort_site_uploads(job, run_id, Log(), store=store, client=Unused()) == []
+
+
 def _put_part(up, n: int, piece: bytes) -> None:
     httpx.put(up.parts[n - 1], content=piece, timeout=60).raise_for_status()
 
 
-@pytest.fixture(scope="module")
-def s3_iam():
-    server = S3Server()
-    try:
-        yield server
-    finally:
-        server.stop()
+def test_the_store_checks_each_link_it_serves(s3, round_2):
+    """Allow and deny at the store (IAM on): a site's genuine links read the global model and
+    write its slot; the same links edited to name another key (another site's slot, another round's,
+    another run's global), expired, or a request with no signature at all are refused."""
+    job, store, run_id, _ = round_2
+    links = mint_site_links(
+        s3.client(), store, job=job.job, run_id=run_id, round_num=2, site="site-2", expires_in=600, update_size=64
+    )
+    put = str(links.update.url)
+    assert httpx.get(links.global_model, timeout=30).read() == get(s3, store.global_model(job.job, run_id, 1))
+    assert httpx.put(put, content=b"site-2's update", timeout=30).status_code == 200
+    other_run = store.run_dir(job.job, run_id).name
+    refused = {
+        "site-1's slot": ("PUT", put.replace("/sites/site-2.", "/sites/site-1.")),
+        "round 3's slot": ("PUT", put.replace("/round-0002/", "/round-0003/")),
+        "another run's global": ("GET", links.global_model.replace(other_run, "another-run")),
+        "no signature": ("GET", put.split("?", 1)[0]),
+    }
+    codes = {}
+    for what, (verb, url) in refused.items():
+        r = httpx.request(verb, url, content=b"-10x" if verb == "PUT" else None, timeout=30)
+        codes[what] = (r.status_code, r.text.partition("<Code>")[2].partition("</Code>")[0] or r.reason_phrase)
+    assert codes == {
+        "site-1's slot": (403, "SignatureDoesNotMatch"),
+        "round 3's slot": (403, "SignatureDoesNotMatch"),
+        "another run's global": (403, "SignatureDoesNotMatch"),
+        "no signature": (403, "FORBIDDEN"),  # moto's ACL check for an existing object, before IAM
+    }
+    assert not s3.keys(bucket_key(store.site_update(job.job, run_id, 2, "site-1"))[1])
+    expired = mint_site_links(
+        s3.client(), store, job=job.job, run_id=run_id, round_num=2, site="site-2", expires_in=1, update_size=64
+    )
+    time.sleep(2)
+    r = httpx.get(expired.global_model, timeout=30)
+    assert (r.status_code, "Request has expired" in r.text) == (403, True), r.text
 
 
-def test_a_per_site_policy_allows_its_slot_and_the_global_and_denies_the_rest(s3_iam):
+def test_a_per_site_policy_allows_its_slot_and_the_global_and_denies_the_rest(s3):
     store = ModelStore.from_uri(STORE)
-    admin = s3_iam.client()
+    admin = s3.client()
     slots = {s: bucket_key(store.site_update("unit", RUN, 1, s))[1] for s in SITES}
     global_key = bucket_key(store.global_model("unit", RUN, 0))[1]
     admin.put_object(Bucket=BUCKET, Key=global_key, Body=b"global")
     admin.put_object(Bucket=BUCKET, Key=slots["site-2"], Body=b"site-2's update")
-    site_1 = s3_iam.client(*s3_iam.user_key("site-1", site_bucket_policy(store, job="unit", site="site-1")))
+    site_1 = s3.client(*s3.user_key("site-1", site_bucket_policy(store, job="unit", site="site-1")))
 
     def denied(call, **kw) -> bool:
         try:

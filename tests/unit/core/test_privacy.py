@@ -197,6 +197,53 @@ def test_exclude_vars_keeps_the_previous_global_values_in_the_aggregate() -> Non
     assert not np.array_equal(result["w"], GLOBAL["w"])
 
 
+# FFA-LoRA's shape: A frozen at the shared initialisation, only B trained.
+LORA_GLOBAL = {
+    "m.lora_A.weight": np.linspace(-0.5, 0.5, 12, dtype=np.float32).reshape(3, 4),
+    "m.lora_B.weight": np.zeros((4, 3), np.float32),
+}
+
+
+@pytest.mark.parametrize("diff_update", [False, True])
+def test_under_ffa_lora_the_filters_noise_only_b_and_the_strategy_accepts_it(diff_update: bool) -> None:
+    rng = np.random.default_rng(5)
+    trained_b = (3.0 * rng.standard_normal((4, 3))).astype(np.float32)
+    sent = {"m.lora_A.weight": LORA_GLOBAL["m.lora_A.weight"].copy(), "m.lora_B.weight": trained_b}
+    if diff_update:
+        sent = {k: (v - LORA_GLOBAL[k]).astype(np.float32) for k, v in sent.items()}
+    steps = [GaussianFilter(clip=1.0, noise_multiplier=0.5)]
+    out = apply_filters(sent, LORA_GLOBAL, diff_update=diff_update, steps=steps, key=KEY, frozen=["*lora_A*"])
+    assert out.params["m.lora_A.weight"].tobytes() == sent["m.lora_A.weight"].tobytes()  # bit for bit, unnoised
+    b_diff = out.params["m.lora_B.weight"].astype(np.float64) - (0 if diff_update else LORA_GLOBAL["m.lora_B.weight"])
+    assert out.applied[0]["norm"] == pytest.approx(float(np.linalg.norm(trained_b.astype(np.float64))))
+    assert not np.allclose(b_diff, trained_b / np.linalg.norm(trained_b), atol=0.05)  # clipped to 1, then noised
+    kind = ParamsType.DIFF if diff_update else ParamsType.FULL
+    agg = aggregator_spec({"name": "ffa_lora"}).strategy().rule.start(LORA_GLOBAL, min_clients=1, site_weights={})
+    agg.add("site-1", out.params, record(10, kind))
+    assert list(agg.tally.accepted) == ["site-1"], agg.tally.rejected
+    # Without the strategy's frozen names the noise reaches A too, and FFA-LoRA refuses the site (the old limit).
+    unaware = apply_filters(sent, LORA_GLOBAL, diff_update=diff_update, steps=steps, key=KEY)
+    agg = aggregator_spec({"name": "ffa_lora"}).strategy().rule.start(LORA_GLOBAL, min_clients=1, site_weights={})
+    agg.add("site-1", unaware.params, record(10, kind))
+    assert "'m.lora_A.weight' differs" in agg.tally.rejected["site-1"]
+
+
+@pytest.mark.parametrize("diff_update", [False, True])
+def test_a_frozen_tensor_the_trainer_moved_is_refused_at_the_site(diff_update: bool) -> None:
+    sent = {
+        "m.lora_A.weight": LORA_GLOBAL["m.lora_A.weight"] + np.float32(1e-3),
+        "m.lora_B.weight": np.ones((4, 3), np.float32),
+    }
+    if diff_update:
+        sent = {k: (v - LORA_GLOBAL[k]).astype(np.float32) for k, v in sent.items()}
+    # Clip alone too: outside the filters a moved A would leave unclipped, so it never leaves.
+    for steps in ([GaussianFilter(clip=1.0, noise_multiplier=0.5)], [ClipFilter(clip=1.0)]):
+        with pytest.raises(
+            PrivacyRefused, match=r"'m.lora_A.weight' differs .* keeps it frozen \(patterns '\*lora_A\*'\)"
+        ):
+            apply_filters(sent, LORA_GLOBAL, diff_update=diff_update, steps=steps, key=KEY, frozen=["*lora_A*"])
+
+
 def test_private_non_float_tensors_and_metrics_are_refused() -> None:
     with pytest.raises(PrivacyRefused, match="'steps' are not floating-point"):
         apply_filters(update(1.0), GLOBAL, diff_update=False, steps=[ClipFilter(clip=1.0)], key=None)

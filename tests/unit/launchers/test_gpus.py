@@ -146,8 +146,8 @@ def test_every_exit_path_frees_the_gpu(tmp_path: pathlib.Path, how: str) -> None
 
 
 def test_site_runner_gives_the_trainer_its_devices_and_releases_them(tmp_path: pathlib.Path, monkeypatch) -> None:
+    from flare_airflow.core.failure_record import read_failure
     from flare_airflow.core.model import FLModel, write_artifact
-    from flare_airflow.site_task.checks import read_failure
     from flare_airflow.site_task.runner import run_site
     from flare_airflow.site_task.spec import SiteRun
 

@@ -152,3 +152,45 @@ def test_a_site_that_sat_the_run_out_is_not_a_skipped_site_to_clear(job) -> None
     assert summary["rejected"]["site-3"] == "sat this run out: no data announced since its last run"
     params, _ = read_artifact(store.global_model(job.job, RUN_ID, 1))
     np.testing.assert_allclose(params["w"], [2.0, 2.0, 2.0])
+
+
+def test_the_round_aborts_its_sites_unfinished_uploads_once_its_model_is_written(job, monkeypatch) -> None:
+    """An upload a site left open (a writer killed for good) is ended by the aggregation that read
+    its round -- after the site tasks are done (a retry still resumed it) and the model is written.
+    The store side of it runs on the S3 emulator: tests/integration/store/test_store_links.py."""
+    from flare_airflow.operators import aggregate
+
+    _, ti = setup_round(job, {"site-1": 1.0, "site-2": 3.0})
+    calls: list[tuple[str, int | None, bool]] = []
+
+    def abort(job_, run_id, log, *, store=None, round_num=None, client=None):
+        calls.append((run_id, round_num, store.global_model(job.job, run_id, 1).exists()))
+        return []
+
+    monkeypatch.setattr(aggregate, "abort_site_uploads", abort)
+    operator(job).execute(context(ti))
+    assert calls == [(RUN_ID, 1, True)]
+
+
+def test_the_runs_verdict_aborts_every_unfinished_upload_of_the_run(job, monkeypatch) -> None:
+    """The run's end, published or not: the verdict (its teardown) ends what any round left open."""
+    from flare_airflow.operators import verdict as verdict_module
+    from flare_airflow.operators.verdict import RunVerdictOperator
+
+    calls: list[tuple[str, int | None]] = []
+
+    def abort(job_, run_id, log, *, store=None, round_num=None, client=None):
+        calls.append((run_id, round_num))
+        return []
+
+    monkeypatch.setattr(verdict_module, "abort_site_uploads", abort)
+    verdict = RunVerdictOperator(
+        task_id="verdict", job=job, prepare_task_id="prepare", aggregate_task_ids=["round_1.global_model"],
+        publish_task_id="publish",
+    )  # fmt: skip
+    ti = FakeTI()
+    with pytest.raises(AirflowFailException, match="nothing published"):
+        verdict.execute(context(ti))
+    ti.xcoms[("publish", "return_value")] = {"round": 1, "sha256": "ab" * 32}
+    assert verdict.execute(context(ti))["published"] is True
+    assert calls == [(RUN_ID, None), (RUN_ID, None)]

@@ -359,3 +359,102 @@ def test_on_kill_ends_the_running_job_and_nothing_before_a_launch(
         task.execute(context(PushingTI()))
     task.on_kill()  # Airflow's SIGTERM while the task held the job
     assert task.ended == launcher.handles and launcher.handles[0].terminated
+
+
+# ---------------------------------------------------------------------------- links in a shared folder
+
+
+class FakeLinks:
+    """The fake backend's round links: stage-in copies the global model out of the store, stage-out
+    records what went up (the real links are tested on the S3 emulator and the control plane)."""
+
+    def __init__(self, store: ModelStore) -> None:
+        self.store = store
+        self.uploads: list[str] = []
+
+
+@pytest.fixture
+def shared_links(object_store: ModelStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> FakeLinks:
+    from flare_airflow.operators import links as links_module
+
+    fake = FakeLinks(object_store)
+
+    def stage_in(local: Any, links: FakeLinks) -> None:
+        src = links.store.global_model("unit", RUN_ID, 0)
+        model = pathlib.Path(local.global_model)
+        for src_path, dst in ((src, model), (record_path(src), pathlib.Path(str(record_path(model))))):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src_path.read_bytes())
+
+    def stage_out(local: Any, links: FakeLinks) -> None:
+        out = pathlib.Path(local.output)
+        for what, path in (("update", record_path(out)), ("failure", failure_path(out))):
+            if pathlib.Path(str(path)).exists():
+                links.uploads.append(f"{what}: {pathlib.Path(str(path)).read_text()}")
+
+    monkeypatch.setattr(links_module, "stage_in_through_links", stage_in)
+    monkeypatch.setattr(links_module, "stage_out_through_links", stage_out)
+    monkeypatch.setattr(lifecycle, "site_links", lambda *a: fake)
+    return fake
+
+
+def shared_task(tmp_path: pathlib.Path, launcher: FakeLauncher, **kwargs: Any) -> FakeSiteTask:
+    """A backend whose job runs beyond the worker but shares ``tmp_path/mount`` with it (as a pod)."""
+    mount = tmp_path / "mount"
+    cls = type(
+        "FakeSharedSiteTask",
+        (FakeSiteTask,),
+        {"stages_store": False, "stages_links_in_shared_folder": True, "links_folder": lambda self: mount},
+    )
+    task: FakeSiteTask = cls(job=make_job(tmp_path), site="site-1", round_num=1, fake_launcher=launcher, **kwargs)
+    return task
+
+
+def test_links_staged_in_a_shared_folder_outlive_a_deferral_and_go_out_once_on_resume(
+    shared_links: FakeLinks, tmp_path: pathlib.Path
+) -> None:
+    launcher = FakeLauncher(JobReturnCode.SUCCESS)
+    task = shared_task(tmp_path, launcher, event={"status": "success"})
+    task.deferrable = True
+    ti = PushingTI()
+    with pytest.raises(TaskDeferred) as deferred:
+        task.execute(context(ti))
+    (job,) = launcher.launched
+    folder = tmp_path / "mount" / "links-staging" / "unit"
+    assert (
+        job.env["FLARE_GLOBAL_MODEL"].startswith(str(folder)) and pathlib.Path(job.env["FLARE_GLOBAL_MODEL"]).exists()
+    )
+    assert shared_links.uploads == []  # the job runs on: nothing goes out, the folder stays
+    resumed = shared_task(tmp_path, launcher, event={"status": "success"})  # a new process
+    summary = getattr(resumed, deferred.value.method_name)(context(ti), {"status": "success"})
+    assert [u.split(":")[0] for u in shared_links.uploads] == ["update"]
+    assert summary["uri"] == str(shared_links.store.site_update("unit", RUN_ID, 1, "site-1"))
+    assert ti.xcoms[("self", "return_value")]["uri"] == summary["uri"]  # the store's slot, not the folder
+    assert list((tmp_path / "mount" / "links-staging").iterdir()) == [], (
+        "the folder and its emptied parents are removed"
+    )
+
+
+@pytest.mark.parametrize("how", ["failed_job", "killed", "resumed_elsewhere"])
+def test_every_failure_of_a_shared_staging_sends_its_failure_record_and_removes_the_folder(
+    how: str, shared_links: FakeLinks, tmp_path: pathlib.Path
+) -> None:
+    rc = JobReturnCode.EXECUTION_ERROR if how == "failed_job" else JobReturnCode.SUCCESS
+    event = None if how == "failed_job" else {"status": "success"}  # a failed job: watched by its handle
+    task = shared_task(tmp_path, FakeLauncher(rc), event=event)
+    if how == "failed_job":
+        with pytest.raises(SiteJobFailed, match=r"\[EXECUTION_ERROR\]"):
+            task.execute(context(PushingTI()))
+    elif how == "killed":
+        task.deferrable = True
+        with pytest.raises(TaskDeferred):
+            task.execute(context(PushingTI()))
+        task.on_kill()
+    else:  # the deferred task's folder is not on the worker that resumes it
+        with pytest.raises(SiteJobFailed, match=r"same store_mount folder.*\[CONFIG_ERROR\]"):
+            task.resume(context(PushingTI()), {"status": "success"})
+        assert task.ended_by_event == [{"status": "success"}], "the job the event names is ended"
+    (upload,) = shared_links.uploads
+    expected = {"failed_job": "EXECUTION_ERROR", "killed": "ABORTED", "resumed_elsewhere": "CONFIG_ERROR"}[how]
+    assert upload.startswith("failure:") and expected in upload, upload
+    assert not any((tmp_path / "mount").rglob("*.json")), "nothing left in the shared folder"

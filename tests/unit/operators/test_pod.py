@@ -96,9 +96,9 @@ def test_the_workers_site_policy_sets_the_pods_cluster_namespace_and_image(tmp_p
 
 
 def test_a_site_policy_whose_pods_cannot_reach_the_store_fails_the_site_before_any_pod(tmp_path, monkeypatch) -> None:
+    from flare_airflow.core.failure_record import read_failure
     from flare_airflow.operators.common import store_for
     from flare_airflow.operators.site_steps import SiteJobFailed
-    from flare_airflow.site_task.checks import read_failure
     from tests.unit.airflow_layer import RUN_ID
 
     job = make_job(tmp_path, sites=pod_sites(tmp_path), min_clients=1, evaluate=False)

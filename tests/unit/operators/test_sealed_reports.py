@@ -119,7 +119,7 @@ def test_publish_opens_the_sealed_per_site_metrics_into_metrics_json(job, keys) 
 
     from flare_airflow.core.store import path_from_uri
     from flare_airflow.operators.aggregate import AggregateOperator
-    from flare_airflow.operators.run import PublishOperator
+    from flare_airflow.operators.publish import PublishOperator
     from tests.unit.airflow_layer import context
 
     _, ti, _ = setup_round(job, keys)

@@ -101,8 +101,8 @@ def test_the_worker_applies_its_site_policy_at_run_time(tmp_path, monkeypatch) -
 def test_a_policy_the_job_does_not_fit_fails_the_site_with_its_failure_record(tmp_path, monkeypatch) -> None:
     import pytest
 
+    from flare_airflow.core.failure_record import read_failure
     from flare_airflow.operators.site_steps import SiteJobFailed, job_at_site
-    from flare_airflow.site_task.checks import read_failure
 
     job = make_job(tmp_path)
     policy = tmp_path / "site.yaml"

@@ -15,11 +15,11 @@ from airflow.sdk import ObjectStoragePath
 from upath import UPath
 
 from flare_airflow.core.errors import StoreError
+from flare_airflow.core.failure_record import write_failure
 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, failure_path, record_path
 from flare_airflow.operators.staging import check_connection, staged
-from flare_airflow.site_task.checks import write_failure
 from flare_airflow.site_task.spec import SiteRun
 
 

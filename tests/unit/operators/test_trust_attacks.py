@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.store import ModelStore
 from flare_airflow.core.trust import CENTRAL, generate_keys, global_payload, sign_record, update_payload
 from flare_airflow.core.trust.keys import load_signing_key, party_dir
 from flare_airflow.operators.aggregate import AggregateOperator
 from flare_airflow.operators.site_steps import SiteJobFailed, make_site_run
-from flare_airflow.site_task.checks import read_failure
 from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
 
 SITES = ("site-1", "site-2", "site-3")

@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 
+from flare_airflow.core.failure_record import read_failure
 from flare_airflow.core.model import read_artifact
 from flare_airflow.core.privacy.filters import l2_norm
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import record_path
 from flare_airflow.launchers.process import ProcessLauncher
-from flare_airflow.site_task.checks import read_failure
 from flare_airflow.site_task.runner import run_site
 from flare_airflow.site_task.spec import NOISE_SECRET_ENV, SPEC_ENV, SUMMARY_PREFIX, SiteRun
 
@@ -36,7 +36,9 @@ from flare_airflow.core.store import path_from_uri
 
 glob, _ = read_artifact(path_from_uri(os.environ["FLARE_GLOBAL_MODEL"]))
 print("noise secret visible:", "FLARE_SITE_NOISE_SECRET" in os.environ, flush=True)
-params = {"w": glob["w"] + np.float32(3.0), "b": glob["b"] - np.float32(4.0)}
+# "frozen_b": b left as received (a strategy that trains only w, as FFA-LoRA trains only B).
+b = glob["b"] if sys.argv[1] == "frozen_b" else glob["b"] - np.float32(4.0)
+params = {"w": glob["w"] + np.float32(3.0), "b": b}
 metrics = {"loss": 0.5, **({"patient_count": 17.0} if sys.argv[1] == "leak" else {})}
 model = FLModel(params=params, metrics=metrics, meta={"num_samples": 8})
 write_artifact(path_from_uri(os.environ["FLARE_OUTPUT"]), model)
@@ -54,7 +56,9 @@ def bypass(write_script) -> pathlib.Path:
     return write_script("bypass.py", BYPASS)
 
 
-def site_run(trainer: pathlib.Path, global_model: pathlib.Path, try_number: int, mode: str = "ok") -> SiteRun:
+def site_run(
+    trainer: pathlib.Path, global_model: pathlib.Path, try_number: int, mode: str = "ok", lora: dict | None = None
+) -> SiteRun:
     round_dir = global_model.parent.parent / "round-0001"
     return SiteRun(
         job="demo",
@@ -68,6 +72,7 @@ def site_run(trainer: pathlib.Path, global_model: pathlib.Path, try_number: int,
         output=str(round_dir / "sites" / "site-1.safetensors"),
         staging=str(round_dir / "staging" / "site-1" / f"try-{try_number}" / "update.safetensors"),
         privacy=PLAN,
+        lora=lora,
     )
 
 
@@ -128,3 +133,32 @@ def test_the_runner_command_keeps_the_noise_secret_from_the_trainer(bypass, glob
     assert SECRET not in proc.stdout + proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix(SUMMARY_PREFIX))
     assert summary["privacy"]["noise_multiplier"] == 0.5
+
+
+@pytest.mark.parametrize("mode", ["frozen_b", "ok"])
+def test_the_strategys_frozen_tensors_skip_the_noise_and_must_not_move(bypass, global_model, lines, mode) -> None:
+    base = global_model.parent / "base.gguf"
+    base.write_bytes(b"base model")
+    lora = {
+        "base_model": str(base),
+        "base_model_sha256": hashlib.sha256(base.read_bytes()).hexdigest(),
+        "target_modules": ["q_proj"],
+        "rank": 2,
+        "alpha": 4.0,
+        "seq_len": 16,
+        "steps_per_round": 1,
+        "frozen": ["b"],
+    }
+    run = site_run(bypass, global_model, 1, mode, lora=lora)
+    rc, summary = run_site(run, ProcessLauncher(sink=lines), handle_signals=False, noise_secret=SECRET)
+    out = pathlib.Path(run.output)
+    if mode == "ok":  # the trainer moved the frozen b: refused at the site, nothing published
+        assert rc is JobReturnCode.EXECUTION_ERROR
+        assert "tensor 'b' differs from the global model's, but the job's strategy keeps it frozen" in str(summary)
+        assert not out.exists()
+        return
+    assert rc is JobReturnCode.SUCCESS, summary
+    params, _ = read_artifact(out)
+    glob, _ = read_artifact(global_model)
+    assert params["b"].tobytes() == glob["b"].tobytes()  # unnoised: the global model's own values
+    assert not np.allclose(params["w"] - glob["w"], 3.0, atol=1.0)  # w clipped and noised

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from flare_airflow.ui.api import ReadCache, read_run
+from flare_airflow.ui.reads import ReadCache, read_run
 
 
 class FakeAPI:

@@ -83,3 +83,31 @@ def test_an_unwritable_store_releases_nothing(tmp_path: pathlib.Path) -> None:
     store.run_dir(JOB, RUN).write_text("not a folder")  # the round's folder cannot be made
     with pytest.raises(RoundInputError, match=r"cannot record the central-DP release .* nothing was released"):
         record_central_release(store, JOB, RUN, 1, {"a": "1" * 64})
+
+
+def test_each_site_counts_with_its_update_or_with_the_reason_it_does_not(tmp_path: pathlib.Path) -> None:
+    """Sat out, refused, not accepted by its task, published, missing: the reason each site gives."""
+    from flare_airflow.core.aggregation.round import round_inputs
+    from flare_airflow.core.failure_record import write_failure
+    from flare_airflow.core.spec import JobReturnCode
+
+    store = ModelStore(tmp_path)
+    sites = ["a-out", "b-refused", "c-failed", "d-failed-no-xcom", "e-ok", "f-missing"]
+    for site in ("c-failed", "d-failed-no-xcom", "e-ok"):
+        write_artifact(store.site_update("j", "r", 1, site), FLModel(params={"w": np.ones(2)}))
+    write_failure(store.site_update("j", "r", 1, "d-failed-no-xcom"), JobReturnCode.EXECUTION_ERROR, "exit 1")
+    got = round_inputs(
+        store, "j", "r", 1, sites,
+        sat_out={"a-out": "no fresh data"}, refused={"b-refused": "bad signature"},
+        accepted={"e-ok": "0" * 64, "f-missing": "1" * 64},
+        task_failure=lambda site: "OOM killed" if site == "c-failed" else None,
+    )  # fmt: skip
+    assert got == [
+        ("a-out", None, "sat this run out: no fresh data"),
+        ("b-refused", None, "bad signature"),
+        # A file the failed task's trainer left does not count: its task did not accept it.
+        ("c-failed", None, "OOM killed"),
+        ("d-failed-no-xcom", None, "exit 1 [EXECUTION_ERROR]"),
+        ("e-ok", store.site_update("j", "r", 1, "e-ok"), None),
+        ("f-missing", None, "no update: the site task failed before its trainer ran, or never ran"),
+    ]

@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client as k8s
 
 from flare_airflow.core.config import KubernetesLaunchSpec, ResourceSpec, TrainerSpec, job_from_dict
-from flare_airflow.core.config.job import NvflareCompat
+from flare_airflow.core.config.trainer import NvflareCompat
 from flare_airflow.launchers.kubernetes import (
     CONTAINER_NAME,
     build_pod,
