@@ -48,7 +48,7 @@ TENSOR = 64 * MIB
 AGGREGATE = """
 import json, sys, time
 from pathlib import Path
-from flare_airflow.core.aggregation import fedavg_from_store
+from flare_airflow.core.aggregation.streaming import fedavg_from_store
 from flare_airflow.core.model import read_artifact
 
 def status(key):
