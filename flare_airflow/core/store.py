@@ -16,10 +16,12 @@ Airflow's ``ObjectStoragePath`` in the Airflow layer (file://, s3://, gs://, ...
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pathlib
 import re
+import stat
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
@@ -67,6 +69,30 @@ def open_for_reading(path: WritablePath) -> Any:
     own ``open("rb")`` otherwise."""
     local = local_file(path)
     return open(local, "rb", buffering=0) if local is not None else path.open("rb")
+
+
+def open_regular(path: pathlib.Path) -> Any:
+    """``path`` opened for reading (binary), refused unless it is a regular file reached without a
+    final symbolic link: a site job that shares a writable folder with its worker (a pod's staging
+    folder) could leave a link there to any file the worker can read -- its private keys -- for the
+    worker to send to the store as the job's result. A FIFO would block the reader: it is refused
+    too (opened non-blocking, then checked). Raises ``OSError`` saying which."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(
+                errno.ELOOP, f"is a symbolic link (to {os.readlink(path)!r}), not a file", str(path)
+            ) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "is not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # A record lists names, shapes and a few metrics: far below this. Records are input (a site, or a

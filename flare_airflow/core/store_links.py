@@ -24,18 +24,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from flare_airflow.core.errors import StoreError
-from flare_airflow.core.store import ModelStore, failure_path, record_path
+from flare_airflow.core.store import ModelStore, failure_path, open_regular, record_path
 
 # S3 takes at most 5 GiB in one PUT, but a PUT cut off midway starts again from its first byte;
 # a multipart upload resumes from the parts that arrived (parts of 5 MiB to 5 GiB), so anything
@@ -157,7 +158,7 @@ def mint_site_links(
     if update_size + HEADER_SLACK <= single_put_limit:
         upload = Upload(url=link("put_object", slot))
     else:
-        size = max(part_size, MIN_PART_SIZE, math.ceil((update_size + HEADER_SLACK) / MAX_PARTS))
+        size = part_size_for(update_size + HEADER_SLACK, part_size)
         count = math.ceil((update_size + HEADER_SLACK) / size)
         bucket, key = bucket_key(slot)
         upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
@@ -281,6 +282,32 @@ def arrived_parts(upload: Upload, what: str) -> dict[int, tuple[str, int]]:
     return arrived
 
 
+def part_size_for(size: int, part_size: int = PART_SIZE) -> int:
+    """``part_size``, grown so that ``size`` bytes fit in S3's 10,000 parts (beyond 640 GB at 64 MiB)."""
+    return max(part_size, MIN_PART_SIZE, math.ceil(size / MAX_PARTS))
+
+
+def send_parts(
+    fh: Any, count: int, part_size: int, arrived: Mapping[int, tuple[str, int]], put: Callable[[int, bytes], str]
+) -> tuple[list[tuple[int, str]], int]:
+    """Read ``fh`` part by part (one in memory) and ``put(number, piece)`` each part the store does not
+    already hold with the same bytes (``arrived``: what a cut-off writer of this upload sent).
+    Returns ``(part number, ETag)`` of every part for the completion, and the bytes sent. Both ways
+    up a multipart upload use it: through links and through a site's own connection."""
+    etags: list[tuple[int, str]] = []
+    sent = 0
+    for n in range(1, count + 1):
+        piece = fh.read(part_size)
+        if not piece and n > 1:
+            break
+        if same_part(arrived.get(n), piece):
+            etags.append((n, arrived[n][0]))
+            continue
+        etags.append((n, put(n, piece)))
+        sent += len(piece)
+    return etags, sent
+
+
 def same_part(listed: tuple[str, int] | None, piece: bytes) -> bool:
     """Whether the store's part is ``piece``: S3's ETag of a part is the MD5 of its bytes (not under
     SSE-KMS or SSE-C -- there it never matches and the part is sent again, which is still correct)."""
@@ -292,11 +319,25 @@ def same_part(listed: tuple[str, int] | None, piece: bytes) -> bool:
 def upload(upload: Upload, local: Path, what: str) -> int:
     """``local`` to the object the links name: one PUT, or its parts and the completion. Parts the
     store already holds with the same bytes (an earlier writer of this upload was cut off) are not
-    sent again. Memory: one part at a time. Returns the bytes sent."""
-    size = local.stat().st_size
+    sent again. Memory: one part at a time. Returns the bytes sent. ``local`` must be a regular file
+    (:func:`~flare_airflow.core.store.open_regular`): a link to another file is never sent."""
+    with open_to_send(local, what) as fh:
+        return send(upload, fh, what)
+
+
+def open_to_send(local: Path, what: str) -> Any:
+    """``local`` opened for :func:`send`; :class:`LinksError` unless it is a regular file (not a link)."""
+    try:
+        return open_regular(local)
+    except OSError as exc:
+        raise LinksError(f"{what}: {local} {exc.strerror}; nothing was sent") from None
+
+
+def send(upload: Upload, fh: Any, what: str) -> int:
+    """The open file ``fh`` (from :func:`open_to_send`) to the object ``upload`` names; see :func:`upload`."""
+    size = os.fstat(fh.fileno()).st_size
     if upload.url:
-        with open(local, "rb") as fh:
-            _put(upload.url, fh, size, what)
+        _put(upload.url, fh, size, what)
         return size
     capacity = upload.capacity or 0
     if size > capacity:
@@ -304,18 +345,10 @@ def upload(upload: Upload, local: Path, what: str) -> int:
             f"{what}: {size} bytes, more than the {capacity} the round's links can write (an update much larger "
             "than the global model)"
         )
-    arrived = arrived_parts(upload, what)
-    etags, sent = [], 0
-    with open(local, "rb") as fh:
-        for n, url in enumerate(upload.parts, 1):
-            piece = fh.read(upload.part_size)
-            if not piece and n > 1:
-                break
-            if same_part(arrived.get(n), piece):
-                etags.append((n, arrived[n][0]))
-                continue
-            etags.append((n, _put(url, piece, len(piece), f"{what} (part {n})")))
-            sent += len(piece)
+    etags, sent = send_parts(
+        fh, len(upload.parts), upload.part_size, arrived_parts(upload, what),
+        lambda n, piece: _put(upload.parts[n - 1], piece, len(piece), f"{what} (part {n})"),
+    )  # fmt: skip
     body = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{tag}</ETag></Part>" for n, tag in etags)
     data = f"<CompleteMultipartUpload>{body}</CompleteMultipartUpload>".encode()
     assert upload.complete is not None

@@ -27,10 +27,10 @@ from typing import Any
 
 from flare_airflow.core import envvars
 from flare_airflow.core.errors import StoreError
-from flare_airflow.core.store_links import PART_SIZE, SINGLE_PUT_LIMIT, bucket_key, same_part
+from flare_airflow.core.store import open_regular
+from flare_airflow.core.store_links import PART_SIZE, SINGLE_PUT_LIMIT, bucket_key, part_size_for, send_parts
 
 STATE_DIR_ENV = envvars.FLARE_UPLOAD_STATE_DIR
-MAX_PARTS = 10_000  # S3's limit: beyond 640 GB the parts grow instead
 
 
 def default_state_dir() -> Path:
@@ -42,12 +42,6 @@ def default_state_dir() -> Path:
 def is_s3(fs: Any) -> bool:
     protocol = getattr(fs, "protocol", ())
     return bool({"s3", "s3a"} & set((protocol,) if isinstance(protocol, str) else protocol))
-
-
-def part_size_for(size: int, part_size: int = PART_SIZE) -> int:
-    """``part_size``, grown (in whole MiB) so that ``size`` fits in S3's 10,000 parts."""
-    needed = -(-size // MAX_PARTS)
-    return max(part_size, -(-needed // (1 << 20)) * (1 << 20))
 
 
 class _UploadState:
@@ -142,15 +136,12 @@ def _upload(fs: Any, bucket: str, key: str, local: Path, size: int, state: _Uplo
         arrived = {}
     else:
         upload_id = str(noted["upload_id"])
-    parts, sent = [], 0
-    with open(local, "rb") as fh:
-        for number in range(1, -(-size // part_size) + 1):
-            piece = fh.read(part_size)
-            if same_part(arrived.get(number), piece):
-                parts.append({"PartNumber": number, "ETag": arrived[number][0]})
-                continue
-            parts.append({"PartNumber": number, "ETag": _upload_part(fs, bucket, key, upload_id, number, piece)})
-            sent += len(piece)
+    with open_regular(local) as fh:
+        etags, sent = send_parts(
+            fh, -(-size // part_size), part_size, arrived,
+            lambda number, piece: _upload_part(fs, bucket, key, upload_id, number, piece),
+        )  # fmt: skip
+    parts = [{"PartNumber": number, "ETag": etag} for number, etag in etags]
     fs.call_s3(
         "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
     )

@@ -25,7 +25,7 @@ from typing import Any
 
 from flare_airflow.core.errors import StoreError
 from flare_airflow.core.store import ModelStore, failure_path, record_path
-from flare_airflow.core.store_links import SiteLinks, Upload, download, upload
+from flare_airflow.core.store_links import SiteLinks, Upload, download, open_to_send, send
 from flare_airflow.core.store_resume import resumable_upload
 from flare_airflow.site_task.checks import clear_outputs
 from flare_airflow.site_task.spec import SiteRun
@@ -105,11 +105,20 @@ def upload_through_links(local_output: pathlib.Path, links: SiteLinks) -> None:
     """What the runner left at ``local_output``, through the site's write links (as :func:`upload_result`)."""
     what = f"site {links.site!r} round {links.round}"
     record, failure = _beside(record_path, local_output), _beside(failure_path, local_output)
+    sends: list[tuple[Upload, pathlib.Path, str]] = []
     if record.exists() and local_output.exists():
-        upload(links.update, local_output, f"{what}: the update")
-        upload(Upload(url=links.update_record), record, f"{what}: the update's record")  # last: the update is complete
+        sends += [
+            (links.update, local_output, f"{what}: the update"),
+            (Upload(url=links.update_record), record, f"{what}: the update's record"),
+        ]  # last: the update is complete
     if failure.exists():
-        upload(Upload(url=links.failure), failure, f"{what}: the failure record")
+        sends.append((Upload(url=links.failure), failure, f"{what}: the failure record"))
+    with contextlib.ExitStack() as opened:
+        # Every file is checked before any byte leaves (a link or a FIFO where a result should be
+        # refuses the whole result): a job sharing the folder cannot have the worker send its files.
+        files = [(link, opened.enter_context(open_to_send(path, label)), label) for link, path, label in sends]
+        for link, fh, label in files:
+            send(link, fh, label)
 
 
 def local_run(run: SiteRun, root: pathlib.Path, *, create: bool = True) -> SiteRun:
