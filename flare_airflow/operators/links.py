@@ -220,6 +220,21 @@ def site_links(context: Any, job: JobConfig, site: str, round_num: int, global_t
 LINKS_STAGING_DIR = "links-staging"
 
 
+def sweep_staging(mount: Path, job: str, run_id: str, site: str) -> list[Path]:
+    """Remove what ``site``'s tries of ``run_id`` left in the shared folder under ``mount``: a try
+    killed outright (kill -9: no ``on_kill``) keeps its folder -- a copy of the round's global model
+    and perhaps an update -- until a later try of the same round clears it, and the last try has
+    none. For the run's teardown, once no task of the run can resume. Returns the folders removed."""
+    run_dir = mount / LINKS_STAGING_DIR / safe_component(job, "job name") / run_component(run_id)
+    removed = [d for d in sorted(run_dir.glob(f"round-*/{safe_component(site, 'site')}")) if d.is_dir()]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    for emptied in [*sorted(run_dir.glob("round-*")), run_dir, run_dir.parent]:
+        with contextlib.suppress(OSError):  # not empty: another site's or run's folder
+            emptied.rmdir()
+    return removed
+
+
 def staging_folder(mount: Path, run: SiteRun, try_number: int) -> Path:
     """``<mount>/links-staging/<job>/<run>/round-NNNN/<site>/try-K``: derived from the site job's
     identity alone, so that a resumed task (a new process) finds what the deferred one staged."""

@@ -220,7 +220,7 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
                 "node, or a PVC the worker mounts at the same mount_path), or give the site its own store "
                 "connection and no box key in the registry"
             )
-        return pathlib.Path(mount.host_path or mount.mount_path)
+        return pathlib.Path(mount.worker_path)
 
     def pod_run(self, context: Context) -> tuple[SiteRun, str]:
         """The run as the pod sees it and its store root: staged in the shared folder, or the store's own."""

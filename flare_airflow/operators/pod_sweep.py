@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from airflow.sdk import Context
 
 from flare_airflow.operators.common import (
@@ -23,7 +25,29 @@ class SweepPodsOperator(SweepOperator):
     sweep_doc = "Delete pods this run left behind."
 
     def execute(self, context: Context) -> list[str]:
-        return self.sweep_site_pods(context)
+        deleted = self.sweep_site_pods(context)
+        self.sweep_links_staging(context)
+        return deleted
+
+    def sweep_links_staging(self, context: Context) -> list[str]:
+        """The shared links folders of this run's pod sites (a try killed outright left its own):
+        removed, as this worker sees the site's ``store_mount``. Returns the folders removed."""
+        from flare_airflow.operators.links import sweep_staging
+
+        removed: list[str] = []
+        for site, spec in self.swept_sites().items():
+            mount = spec.launcher_spec.k8s.store_mount
+            if mount is None:
+                continue
+            try:
+                folders = sweep_staging(Path(mount.worker_path), self.job.job, run_id_of(context), site)
+            except (OSError, ValueError) as exc:
+                self.log.warning("could not sweep site %s's links staging folder: %s", site, exc)
+                continue
+            removed += [str(f) for f in folders]
+        if removed:
+            self.log.warning("removed links staging this run's killed tries left: %s", ", ".join(removed))
+        return removed
 
     def sweep_site_pods(self, context: Context) -> list[str]:
         """The pods deleted, as ``namespace/name``."""

@@ -152,3 +152,9 @@ class StoreMount(_Mounted):
     def _one_source(self) -> StoreMount:
         exactly_one("store_mount", pvc=self.pvc, host_path=self.host_path)
         return self
+
+    @property
+    def worker_path(self) -> str:
+        """Where the site's worker sees this folder: the host path (the worker runs on a node that
+        has it), or the PVC's ``mount_path`` (the worker mounts the PVC at the same path)."""
+        return self.host_path or self.mount_path
