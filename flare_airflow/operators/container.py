@@ -9,20 +9,18 @@ containers of earlier tries found by their labels and ended before a new one sta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.spec import JobHandleSpec, JobLauncherSpec
+from flare_airflow.core.spec import JobHandleSpec
 from flare_airflow.launchers.container import ContainerEngineError, ContainerJobHandle, ContainerLauncher
 from flare_airflow.operators.common import run_id_of
 from flare_airflow.operators.lifecycle import SiteTaskLifecycle
 from flare_airflow.operators.site_steps import site_argv
 from flare_airflow.operators.sweep import SweepOperator
-from flare_airflow.site_task.checks import check_global_model
-from flare_airflow.site_task.spec import SiteRun
 from flare_airflow.triggers.container_state import ContainerJobTrigger
 
 
@@ -70,22 +68,6 @@ class SiteContainerOperator(SiteTaskLifecycle[ContainerJobHandle], BaseOperator)
 
     def argv(self) -> list[str]:
         return site_argv(self.job, self.site)
-
-    def launch(
-        self,
-        *,
-        context: Context,
-        run: SiteRun,
-        launcher: JobLauncherSpec | None,
-        try_number: int,
-        secrets: Mapping[str, str],
-    ) -> ContainerJobHandle:
-        # A process site's runner checks its input global model before its trainer starts; a
-        # container runs the trainer itself, so the staged copy is checked here, before the
-        # container is created: a replaced global model never reaches the image (its Client API
-        # would refuse it too, but only once the trainer's code runs).
-        check_global_model(run)
-        return super().launch(context=context, run=run, launcher=launcher, try_number=try_number, secrets=secrets)
 
 
 class SweepContainersOperator(SweepOperator):

@@ -59,6 +59,7 @@ from flare_airflow.operators.site_steps import (
     try_number_of,
 )
 from flare_airflow.operators.staging import check_connection, is_local, local_run, staged
+from flare_airflow.site_task.checks import GlobalModelUnusable, check_global_model
 from flare_airflow.site_task.spec import SiteRun
 
 if TYPE_CHECKING:
@@ -117,6 +118,11 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
     #: The job sees the model store through a local copy staged on this worker (process and
     #: container jobs read the worker's files); a pod or a SLURM job reaches the store itself.
     stages_store: ClassVar[bool] = True
+
+    #: The site's own runner checks the input global model against its record before the trainer
+    #: starts (a process site); every other backend's job runs the trainer itself, so the worker
+    #: checks the copy it staged before the launch (:meth:`check_input`).
+    runner_checks_input: ClassVar[bool] = False
 
     #: The job runs beyond this worker (a pod) but shares a folder with it (:meth:`links_folder`):
     #: with the round's store links, the worker stages through them there, the job holds no link.
@@ -323,6 +329,7 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
             found = self.reattach(launcher=launcher, identity=identity)
         if found is None:
             self.check_privacy_budget(context, run)
+            self.check_input(context, run)
             self.claim(run)
             with self.launch_errors(context, run):
                 self.end_earlier_tries(context=context, launcher=launcher, identity=identity)
@@ -333,6 +340,20 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
             handle = found
         self._handle = handle
         return self.watch(context=context, run=run, handle=handle)
+
+    def check_input(self, context: Context, run: SiteRun) -> None:
+        """Before a job that runs the trainer itself (not the site's runner): the input global model
+        this worker staged -- the store's copy, or the one staged through links in a shared folder --
+        against its record and the digest its producer signed. A replaced model never reaches a
+        trainer (a trainer off the Client API would otherwise train on it); the site fails with the
+        reason (INFRASTRUCTURE_ERROR, as the runner says it). A job that reaches the store itself
+        (a pod or a cluster job on the store) is left to the Client API: nothing is staged here."""
+        if self.runner_checks_input or not (self.stages_store or self._shared is not None):
+            return
+        try:
+            check_global_model(run)
+        except GlobalModelUnusable as exc:
+            raise self.fail(context, run, JobReturnCode.INFRASTRUCTURE_ERROR, str(exc)) from None
 
     def watch(self, *, context: Context, run: SiteRun, handle: H) -> Any:
         """Wait for the job to end, then accept or fail; the task's XCom.

@@ -84,6 +84,7 @@ class SiteTrainOperator(SiteTaskLifecycle[None], BashOperator):
     """
 
     ui_color = "#d9f0d3"
+    runner_checks_input = True  # the runner it starts checks the input global model (site_task/runner.py)
     # The Rendered Templates tab: which site job this is, plus BashOperator's own fields (the
     # fixed runner command; ``env`` and ``cwd`` stay unset -- the site job's environment travels
     # in the runner's spec at execute time and secret values never reach a template field).

@@ -1,4 +1,5 @@
-"""The container site task (operators/container.py): what it checks before a container is created."""
+"""The container site task (operators/container.py): what it checks before a container is created
+(the lifecycle's check_input: a container runs the trainer itself, not the site's runner)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import numpy as np
 import pytest
 
 from flare_airflow.core.model import FLModel, write_artifact
-from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.container import SiteContainerOperator
+from flare_airflow.operators.site_steps import SiteJobFailed
 from flare_airflow.site_task.build import train_run
-from flare_airflow.site_task.checks import GlobalModelUnusable
 from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
-from tests.unit.operators.test_lifecycle import FakeLauncher
 
 CONTAINER = {"launcher": "container", "launcher_spec": {"container": {"image": "trainer:unit"}}}
 
@@ -39,15 +38,11 @@ def test_a_replaced_global_model_is_refused_before_the_container_is_created(tmp_
     (only the Client API inside the image refused it); the process runner's check now runs first."""
     genuine = FLModel(params={"w": np.ones(3, np.float32)})
     task, run = _task_and_run(tmp_path, genuine, FLModel(params={"w": np.full(3, -10.0, np.float32)}))
-    launcher = FakeLauncher(JobReturnCode.SUCCESS)
-    with pytest.raises(GlobalModelUnusable, match="it was replaced"):
-        task.launch(context=context(FakeTI()), run=run, launcher=launcher, try_number=1, secrets={})
-    assert launcher.launched == []
+    with pytest.raises(SiteJobFailed, match=r"it was replaced.*\[INFRASTRUCTURE_ERROR\]"):
+        task.check_input(context(FakeTI()), run)
 
 
 def test_the_genuine_global_model_is_launched(tmp_path: pathlib.Path) -> None:
     genuine = FLModel(params={"w": np.ones(3, np.float32)})
     task, run = _task_and_run(tmp_path, genuine, genuine)
-    launcher = FakeLauncher(JobReturnCode.SUCCESS)
-    task.launch(context=context(FakeTI()), run=run, launcher=launcher, try_number=1, secrets={})
-    assert [j.site for j in launcher.launched] == ["site-1"]
+    task.check_input(context(FakeTI()), run)  # no refusal: the lifecycle goes on to the launch

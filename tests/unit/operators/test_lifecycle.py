@@ -225,6 +225,25 @@ def test_launch_then_wait_then_finish_publishes_the_update(file_store: ModelStor
     assert task.ended == []  # a job that ended on its own is not ended again
 
 
+def test_a_replaced_input_global_model_is_refused_before_any_job_is_launched(
+    file_store: ModelStore, tmp_path: pathlib.Path
+) -> None:
+    """A backend whose job runs the trainer itself (not the site's runner) has the worker check the
+    staged global model first: a replaced one never reaches a trainer."""
+    model = pathlib.Path(str(file_store.global_model("unit", RUN_ID, 0)))
+    write_artifact(tmp_path / "other.safetensors", FLModel(params={"w": np.full(3, -10.0, np.float32)}))
+    model.write_bytes((tmp_path / "other.safetensors").read_bytes())  # its record still the genuine one's
+    launcher = FakeLauncher(JobReturnCode.SUCCESS)
+    with pytest.raises(SiteJobFailed, match=r"\[INFRASTRUCTURE_ERROR\]"):
+        fake_task(make_job(tmp_path), launcher).execute(context(PushingTI()))
+    assert launcher.launched == []
+    # A backend whose runner checks it itself is not checked twice (the runner hashes it once).
+    runner_task = type("RunnerChecks", (FakeSiteTask,), {"runner_checks_input": True})(
+        job=make_job(tmp_path), site="site-1", round_num=1, fake_launcher=launcher
+    )
+    runner_task.check_input(context(PushingTI()), runner_task.site_run(context(PushingTI())))
+
+
 def test_a_failed_job_fails_with_its_return_code_reason_and_last_lines(
     file_store: ModelStore, tmp_path: pathlib.Path
 ) -> None:
