@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         parser.error("no foreground command (give it after --)")
     directory = args.dir or pathlib.Path(tempfile.mkdtemp(prefix="flare-background-"))
-    return run(args.make, command, directory, make=os.environ.get("MAKE", "make"))
+    code = run(args.make, command, directory, make=os.environ.get("MAKE", "make"))
+    if code == 0 and args.dir is None:  # a failed run keeps the steps' logs (their path was printed)
+        shutil.rmtree(directory, ignore_errors=True)
+    return code
 
 
 if __name__ == "__main__":

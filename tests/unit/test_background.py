@@ -135,3 +135,21 @@ def sleeps_in(project: pathlib.Path) -> list[int]:
         if cmdline.startswith(b"sleep\0") and cwd == str(project) and alive(int(entry)):
             found.append(int(entry))
     return found
+
+
+def test_main_leaves_no_directory_of_its_own_after_a_passing_run_and_keeps_a_failed_ones(
+    project: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """``make test`` runs it without --dir: its temporary directory would pile up in /tmp run after
+    run; a failed run keeps it, for the logs whose path it printed."""
+    write_makefile(project, sleep=0)
+    monkeypatch.setenv("TMPDIR", str(project / "tmp"))
+    (project / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    assert background.main(["--make", "slow", "--", sys.executable, "-c", "pass"]) == 0
+    assert list((project / "tmp").iterdir()) == []
+    assert background.main(["--make", "broken", "--", sys.executable, "-c", "pass"]) == 1
+    (kept,) = (project / "tmp").iterdir()
+    assert (kept / "broken.log").exists()
