@@ -77,7 +77,7 @@ def _arrived(fs: Any, bucket: str, key: str, upload_id: str) -> dict[int, tuple[
             page = fs.call_s3(
                 "list_parts", Bucket=bucket, Key=key, UploadId=upload_id, PartNumberMarker=marker, MaxParts=1000
             )
-        except (FileNotFoundError, PermissionError, OSError):
+        except OSError:
             return None  # completed, aborted or expired: start again
         for part in page.get("Parts", []):
             arrived[int(part["PartNumber"])] = (str(part["ETag"]), int(part["Size"]))
