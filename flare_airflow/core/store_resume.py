@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,27 @@ def is_s3(fs: Any) -> bool:
     return bool({"s3", "s3a"} & set((protocol,) if isinstance(protocol, str) else protocol))
 
 
+def own_directory(path: Path) -> Path:
+    """``path`` made if missing (0700), and refused unless it is a directory of this user's that no one
+    else can write: the default lies in the shared temporary directory under a predictable name,
+    where another local user could have made it first -- and plant links for this worker to write
+    through, or notes naming uploads of theirs. Raises :class:`StoreError` saying what to set."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise StoreError(
+            f"the site's upload state directory {path} is not a directory of this user (uid {os.getuid()}) that "
+            f"only it can write (found uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); remove it, or set "
+            f"{STATE_DIR_ENV} on this worker to a directory of its own"
+        )
+    return path
+
+
 class _UploadState:
     """The site's note of one open multipart upload: which object, which id, which part size."""
 
     def __init__(self, state_dir: Path, uri: str) -> None:
-        self.path = state_dir / f"{hashlib.sha256(uri.encode()).hexdigest()[:32]}.json"
+        self.path = own_directory(state_dir) / f"{hashlib.sha256(uri.encode()).hexdigest()[:32]}.json"
         self.uri = uri
 
     def read(self) -> dict[str, Any] | None:
@@ -59,9 +76,10 @@ class _UploadState:
         return data if isinstance(data, dict) and data.get("uri") == self.uri else None
 
     def write(self, upload_id: str, part_size: int) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"uri": self.uri, "upload_id": upload_id, "part_size": part_size}))
+        # A fresh temporary file (O_EXCL: never a name someone could have planted), then renamed.
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".note-", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps({"uri": self.uri, "upload_id": upload_id, "part_size": part_size}))
         os.replace(tmp, self.path)
 
     def clear(self) -> None:
