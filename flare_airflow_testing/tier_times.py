@@ -24,10 +24,13 @@ class TierTimes:
     started: float = field(default_factory=time.monotonic)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     tests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: Seconds per test module (setup, tests and teardown of its stacks): where a tier's time goes.
+    module_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, report: pytest.TestReport) -> None:
         tier = tier_of(report.nodeid)
         self.seconds[tier] += report.duration
+        self.module_seconds[report.nodeid.split("::", 1)[0]] += report.duration
         if report.when == "call" or (report.when == "setup" and report.skipped):
             self.tests[tier] += 1
 
@@ -43,6 +46,12 @@ class TierTimes:
         wall = time.monotonic() - self.started
         lines.append(f"{'(sum)':<11} | {sum(self.tests.values()):>5} | {total / 60:>7.1f} | wall {wall / 60:.1f} min")
         return lines
+
+    def costliest_modules(self, count: int = 15) -> list[str]:
+        """The ``count`` modules that took the most test time, costliest first (minutes and share)."""
+        total = sum(self.module_seconds.values()) or 1.0
+        ranked = sorted(self.module_seconds.items(), key=lambda kv: kv[1], reverse=True)[:count]
+        return [f"{seconds / 60:>5.1f} min {seconds / total:>4.0%}  {module}" for module, seconds in ranked]
 
 
 def tier_of(nodeid: str) -> str:

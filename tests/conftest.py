@@ -38,6 +38,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section("time per tier (docs/testing.md gives each tier's budget)")
     for line in _TIER_TIMES.table():
         terminalreporter.write_line(line)
+    terminalreporter.section("costliest modules (test-minutes: setup, tests and teardown)")
+    for line in _TIER_TIMES.costliest_modules():
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

@@ -31,3 +31,14 @@ def test_setup_and_teardown_count_with_their_tier_and_each_test_once() -> None:
     assert rows[2].split("|")[0].strip() == "e2e", "the costliest tier comes first"
     assert "1.6" in rows[2] and "99%" in rows[2]
     assert rows[-1].startswith("(sum)") and "|     3 |" in rows[-1]
+
+
+def test_modules_are_ranked_by_the_time_their_stacks_and_tests_took() -> None:
+    times = TierTimes()
+    times.add(report("tests/e2e/test_a.py::t", "setup", 30.0))
+    times.add(report("tests/e2e/test_a.py::t", "call", 30.0))
+    times.add(report("tests/unit/test_b.py::t", "call", 120.0))
+    times.add(report("tests/unit/test_c.py::t[x::y]", "call", 6.0))
+    rows = times.costliest_modules(count=2)
+    assert [row.split()[-1] for row in rows] == ["tests/unit/test_b.py", "tests/e2e/test_a.py"]
+    assert rows[0].startswith("  2.0 min  65%"), rows[0]
