@@ -6,10 +6,17 @@ teardown count with the test that paid them, so a session-scoped control plane i
 tier of the first test that asked for it. Wall time is the whole session's. Serially the tiers'
 sum is a little less (collection, the gaps between tests); with pytest-xdist workers (``make test``
 runs two) the minutes are test time summed over the workers, and the wall time is what it cost.
+
+On two cores CPU is the scarcer thing: each report also carries the CPU seconds its phase used
+(:class:`CpuLap`: the test process and every process it started and reaped -- an Airflow stack and
+the task processes its scheduler reaped count when the stack stops; daemons kept for the whole
+session, such as the control plane, count nowhere), so that the costliest modules are ranked by
+both.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,11 +33,15 @@ class TierTimes:
     tests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     #: Seconds per test module (setup, tests and teardown of its stacks): where a tier's time goes.
     module_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    #: CPU seconds per test module (see :class:`CpuLap`).
+    module_cpu: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, report: pytest.TestReport) -> None:
         tier = tier_of(report.nodeid)
         self.seconds[tier] += report.duration
-        self.module_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+        module = report.nodeid.split("::", 1)[0]
+        self.module_seconds[module] += report.duration
+        self.module_cpu[module] += dict(report.user_properties).get(CPU_PROPERTY, 0.0)
         if report.when == "call" or (report.when == "setup" and report.skipped):
             self.tests[tier] += 1
 
@@ -48,10 +59,36 @@ class TierTimes:
         return lines
 
     def costliest_modules(self, count: int = 15) -> list[str]:
-        """The ``count`` modules that took the most test time, costliest first (minutes and share)."""
+        """The ``count`` modules that took the most test time, costliest first: test-minutes, their
+        share, and the CPU minutes they used."""
         total = sum(self.module_seconds.values()) or 1.0
         ranked = sorted(self.module_seconds.items(), key=lambda kv: kv[1], reverse=True)[:count]
-        return [f"{seconds / 60:>5.1f} min {seconds / total:>4.0%}  {module}" for module, seconds in ranked]
+        lines = [" test-min share cpu-min  module"]
+        for module, seconds in ranked:
+            cpu = self.module_cpu.get(module, 0.0)
+            lines.append(f"{seconds / 60:>9.1f} {seconds / total:>5.0%} {cpu / 60:>7.1f}  {module}")
+        return lines
+
+
+#: The user property of a test report that carries the CPU seconds its phase used.
+CPU_PROPERTY = "cpu_seconds"
+
+
+class CpuLap:
+    """CPU seconds (user + system) of this process and of its reaped children since the last lap."""
+
+    def __init__(self) -> None:
+        self.last = self.now()
+
+    @staticmethod
+    def now() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def lap(self) -> float:
+        now = self.now()
+        spent, self.last = now - self.last, now
+        return spent
 
 
 def tier_of(nodeid: str) -> str:

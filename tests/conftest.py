@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import pytest
 
 from flare_airflow_testing.background import background_last
@@ -16,18 +18,33 @@ from flare_airflow_testing.slurm.fixtures import slurm, slurm_cluster, sshd  # n
 
 # One PostgreSQL cluster per worker; each scheduler-level module's stack gets a database in it.
 from flare_airflow_testing.stack import postgres  # noqa: F401
-from flare_airflow_testing.tier_times import TierTimes
+from flare_airflow_testing.tier_times import CPU_PROPERTY, CpuLap, TierTimes
 
 # NVIDIA FLARE's and PyTorch's side environments and the jobs NVFlare exports at test time.
 from tests.integration.nvflare.fixtures import nvflare_exports, nvflare_side, torch_side  # noqa: F401
 
 _TIER_TIMES = TierTimes()
+_CPU = CpuLap()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # `make test` builds the control plane and the LM side environment in the background meanwhile
     # (flare_airflow_testing/background.py): the modules that need them run last.
     items[:] = background_last(items)
+
+
+def pytest_collection_finish() -> None:
+    _CPU.lap()  # collection's CPU is no test's
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    # In the process that ran the phase (a pytest-xdist worker sends its user properties along).
+    report: pytest.TestReport = yield
+    report.user_properties.append((CPU_PROPERTY, _CPU.lap()))
+    return report
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
