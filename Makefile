@@ -11,7 +11,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__UNIT_TEST_MODE := False
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup system-deps system-packages control-plane pytest images demo airflow test unit lint bench clean lm-env lm-image llm-demo llm-demo-gpu
+.PHONY: setup system-deps system-packages control-plane pytest images test-images demo airflow test unit lint bench clean lm-env lm-image llm-demo llm-demo-gpu
 
 $(BIN)/uv:
 	@# Debian's system Python needs python3-venv for `-m venv`; install it when missing.
@@ -85,6 +85,14 @@ lm-env: $(VENV)/.installed
 lm-image: lm-env
 	$(PYTHON) docker/images.py --base-image $(BASE_IMAGE) lm-trainer
 
+# Every image the tests use, for `make test`'s background: the three of `make images` first, then the
+# LM trainer image (after the LM side environment, which the other background step makes: its lock
+# makes this one wait). docker/images.py holds a machine-wide lock, so a test that asks for an image
+# meanwhile waits for this build instead of building the same image beside it.
+test-images: $(VENV)/.installed
+	$(PYTHON) docker/images.py --base-image $(BASE_IMAGE) trainer airflow postgres
+	$(MAKE) --no-print-directory lm-image
+
 # LoRA fine-tuning of SmolLM2-135M across 3 sites through Airflow (dags/llm_lora.yaml), then the
 # per-site held-out loss table and plot. The site's base model is dequantized once into its cache
 # first (FLARE_LM_CACHE, default .lm-venv/base-model-cache), so that every site job loads it in seconds.
@@ -128,13 +136,13 @@ unit: $(VENV)/.installed
 # (schedulers, kube-apiserver, slurmctld, podman) far more than they compute: on 2 cores, two workers
 # ran the whole suite (2,255 tests) in 24.5 min wall for 47.6 test-minutes; serially it took 34.4 min
 # with 2,046 tests (docs/testing.md). TEST_WORKERS=0 runs serially.
-# The control plane's build from source (~7.5 min cold) and the LM side environment run in the
-# background meanwhile (flare_airflow_testing/background.py): the modules that need them run last
+# The control plane's build from source (~7.5 min cold), the LM side environment and the tests' images
+# run in the background meanwhile (flare_airflow_testing/background.py): the modules that need them run last
 # (tests/conftest.py; --no-loadscope-reorder keeps that order), a failed step fails the run with its
 # log, and nothing is left running.
 TEST_WORKERS ?= 2
 test: setup system-packages
-	$(BIN)/python -m flare_airflow_testing.background --make control-plane --make lm-env -- \
+	$(BIN)/python -m flare_airflow_testing.background --make control-plane --make lm-env --make test-images -- \
 		$(MAKE) --no-print-directory lint pytest
 
 pytest: setup

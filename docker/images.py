@@ -22,6 +22,8 @@ stages those wheels from the machine's wheel folders and pip's cache; the build 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,6 +257,23 @@ def built_here(engine: str, tag: str) -> bool:
     return label == CHECKOUT
 
 
+@contextlib.contextmanager
+def one_build_at_a_time(engine: str) -> Iterator[None]:
+    """Hold this machine's build lock for ``engine``: a second images.py (``make test``'s background
+    build, a pytest worker, another checkout) waits, then finds the images this one built (their tags
+    are content hashes) instead of building the same ones beside it."""
+    lock_path = Path(tempfile.gettempdir()) / f"flare-airflow-images.{Path(engine).name}.lock"
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"images.py: waiting for another build on this machine ({lock_path})", file=sys.stderr, flush=True)
+            started = time.monotonic()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            print(f"images.py: waited {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        yield
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -267,9 +287,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown image {', '.join(unknown)}: choose from {', '.join(IMAGES)}")
     try:
         engine = args.engine or default_engine()
-        base_id = ensure_base(engine, args.base_image)
-        for name in args.names or DEFAULT_IMAGES:
-            print(f"{name}={build(engine, name, args.base_image, base_id)}", flush=True)
+        with one_build_at_a_time(engine):
+            base_id = ensure_base(engine, args.base_image)
+            for name in args.names or DEFAULT_IMAGES:
+                print(f"{name}={build(engine, name, args.base_image, base_id)}", flush=True)
     except (ImageBuildError, subprocess.CalledProcessError) as exc:
         print(f"images.py: {exc}", file=sys.stderr)
         return 1

@@ -1,10 +1,12 @@
 """`make test`'s long setup steps in the background while the work that does not need them runs.
 
-On a fresh machine the Kubernetes control plane is built from source (~7.5 min on 2 cores) and the
-language-model side environment is installed (2-6 min); lint, the unit tier, the battery and most of
-integration and e2e need neither. ``make test`` therefore runs::
+On a fresh machine the Kubernetes control plane is built from source (~7.5 min on 2 cores), the
+language-model side environment is installed (2-6 min) and the tests' images are built (a Debian
+root filesystem, then the trainer, Airflow, PostgreSQL and LM trainer images: ~6 min, much of it
+downloads); lint, the unit tier, the battery and most of integration and e2e need none of them.
+``make test`` therefore runs::
 
-    python -m flare_airflow_testing.background --make control-plane --make lm-env -- make lint pytest
+    python -m flare_airflow_testing.background --make control-plane --make lm-env --make test-images -- make lint pytest
 
 Each ``--make TARGET`` starts ``make TARGET`` (at niceness 10) in a session of its own, its output in ``DIR/TARGET.log``
 and its exit status in ``DIR/TARGET.rc`` when it ends (``DIR``: ``$FLARE_BACKGROUND_DIR``, given to the
@@ -75,13 +77,21 @@ def wait_for(target: str, timeout: float = 3600) -> None:
         )
 
 
+#: The fixtures that hand a test a product of ``make test``'s background steps: the Kubernetes control
+#: plane and the tests' images (``trainer_image``; ``images``, the three of ``make images``).
+BACKGROUND_FIXTURES = frozenset({"control_plane", "trainer_image", "images"})
+
+
 def _needs_a_step(item: pytest.Item) -> bool:
-    """The test uses the Kubernetes control plane or its module builds the language-model side
-    environment (``lm_venv``): the two products of ``make test``'s background steps."""
+    """The test uses a product of ``make test``'s background steps: a fixture of
+    :data:`BACKGROUND_FIXTURES`, or its module builds the language-model side environment (``lm_venv``)."""
     from flare_airflow_testing.side_venvs import lm_venv
 
     module = getattr(item, "module", None)
-    return "control_plane" in getattr(item, "fixturenames", ()) or getattr(module, "lm_venv", None) is lm_venv
+    return (
+        bool(BACKGROUND_FIXTURES & set(getattr(item, "fixturenames", ())))
+        or getattr(module, "lm_venv", None) is lm_venv
+    )
 
 
 def background_last(items: list[pytest.Item]) -> list[pytest.Item]:

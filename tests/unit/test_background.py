@@ -153,3 +153,33 @@ def test_main_leaves_no_directory_of_its_own_after_a_passing_run_and_keeps_a_fai
     assert background.main(["--make", "broken", "--", sys.executable, "-c", "pass"]) == 1
     (kept,) = (project / "tmp").iterdir()
     assert (kept / "broken.log").exists()
+
+
+def test_modules_using_a_background_product_run_last_and_whole() -> None:
+    from types import SimpleNamespace
+
+    from flare_airflow_testing.side_venvs import lm_venv
+
+    plain, lm_module = SimpleNamespace(), SimpleNamespace(lm_venv=lm_venv)
+
+    def item(nodeid: str, *fixtures: str, module: object = plain) -> SimpleNamespace:
+        return SimpleNamespace(nodeid=nodeid, fixturenames=("tmp_path", *fixtures), module=module)
+
+    items = [
+        item("tests/e2e/test_k8s.py::a", "control_plane"),
+        item("tests/e2e/test_k8s.py::b"),  # a module is never split: its stack starts once
+        item("tests/e2e/test_containers.py::a", "trainer_image"),
+        item("tests/integration/test_images.py::a", "images"),
+        item("tests/e2e/test_lm.py::a", module=lm_module),
+        item("tests/unit/test_small.py::a"),
+        item("tests/unit/test_big.py::a"),
+        item("tests/unit/test_big.py::b"),
+    ]
+    ordered = [i.nodeid for i in background.background_last(items)]  # type: ignore[arg-type]
+    assert ordered[:3] == ["tests/unit/test_big.py::a", "tests/unit/test_big.py::b", "tests/unit/test_small.py::a"]
+    assert ordered[3:5] == ["tests/e2e/test_k8s.py::a", "tests/e2e/test_k8s.py::b"]
+    assert set(ordered[5:]) == {
+        "tests/e2e/test_containers.py::a",
+        "tests/integration/test_images.py::a",
+        "tests/e2e/test_lm.py::a",
+    }
