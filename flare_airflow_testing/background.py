@@ -77,32 +77,36 @@ def wait_for(target: str, timeout: float = 3600) -> None:
         )
 
 
-#: The fixtures that hand a test a product of ``make test``'s background steps: the Kubernetes control
-#: plane and the tests' images (``trainer_image``; ``images``, the three of ``make images``).
-BACKGROUND_FIXTURES = frozenset({"control_plane", "trainer_image", "images"})
+#: The fixtures that hand a test a product of ``make test``'s background steps: the tests' images
+#: (``trainer_image``; ``images``, the three of ``make images``) and the Kubernetes control plane.
+IMAGE_FIXTURES = frozenset({"trainer_image", "images"})
+CONTROL_PLANE_FIXTURES = frozenset({"control_plane"})
 
 
-def _needs_a_step(item: pytest.Item) -> bool:
-    """The test uses a product of ``make test``'s background steps: a fixture of
-    :data:`BACKGROUND_FIXTURES`, or its module builds the language-model side environment (``lm_venv``)."""
+def _wait_rank(item: pytest.Item) -> int:
+    """0: the test needs no product of ``make test``'s background steps; 1: an image or the
+    language-model side environment (its module uses ``lm_venv``), steps of a few minutes; 2: the
+    Kubernetes control plane, whose build from source is the longest step."""
     from flare_airflow_testing.side_venvs import lm_venv
 
-    module = getattr(item, "module", None)
-    return (
-        bool(BACKGROUND_FIXTURES & set(getattr(item, "fixturenames", ())))
-        or getattr(module, "lm_venv", None) is lm_venv
-    )
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if CONTROL_PLANE_FIXTURES & fixtures:
+        return 2
+    if IMAGE_FIXTURES & fixtures or getattr(getattr(item, "module", None), "lm_venv", None) is lm_venv:
+        return 1
+    return 0
 
 
 def background_last(items: list[pytest.Item]) -> list[pytest.Item]:
     """``items`` module by module: first the modules that need no background step, then those that
-    do; within each group the modules with more tests first (pytest-xdist's own order, which ``make
-    test`` turns off with ``--no-loadscope-reorder`` so that this one holds). A module is never split:
-    its module-scoped stack starts once."""
+    need a short one (images, the LM environment), then those that need the control plane (see
+    :func:`_wait_rank`); within each group the modules with more tests first (pytest-xdist's own
+    order, which ``make test`` turns off with ``--no-loadscope-reorder`` so that this one holds). A
+    module is never split: its module-scoped stack starts once."""
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    ordered = sorted(modules.values(), key=lambda tests: (any(map(_needs_a_step, tests)), -len(tests)))
+    ordered = sorted(modules.values(), key=lambda tests: (max(map(_wait_rank, tests)), -len(tests)))
     return [item for tests in ordered for item in tests]
 
 
