@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -99,6 +101,17 @@ def test_a_full_store_fails_the_round_saying_how_to_resume(job, monkeypatch: pyt
         "then resume the run from this round"
     )
     assert not store.global_model(job.job, RUN_ID, 1).exists()
+
+
+def test_the_operator_leaves_the_rounds_writes_to_core() -> None:
+    """The seam's rule: the round's writes (and their order) have one home, core/aggregation/round_output.py."""
+    from flare_airflow.operators import aggregate
+
+    tree = ast.parse(pathlib.Path(aggregate.__file__).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    writers = {"write_artifact", "atomic_write", "record_central_release", "FLModel"}
+    assert not names & writers, f"operators/aggregate.py writes to the store itself: {sorted(names & writers)}"
 
 
 def test_fedadam_state_is_stored_per_round_pinned_and_a_retry_writes_the_same_bytes(tmp_path) -> None:
