@@ -47,3 +47,8 @@ class ReportError(FlareAirflowError):
 class RoundInputError(FlareAirflowError):
     """A round's stored input (the previous round's server state, the central-DP release record) is
     missing, unusable, replaced or cannot be written; the message names the file, the round and how to resume."""
+
+
+class RoundWriteError(StoreError):
+    """A round's output (its server state, its global model) cannot be written to the model store
+    (full or not writable); the message names the file, the round and how to resume."""

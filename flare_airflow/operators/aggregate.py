@@ -10,18 +10,13 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from flare_airflow.core.aggregation.engine import aggregate_from_store
-from flare_airflow.core.aggregation.round import previous_server_state, record_central_release, round_inputs
+from flare_airflow.core.aggregation.round import previous_server_state, round_inputs
+from flare_airflow.core.aggregation.round_output import round_summary, write_round
 from flare_airflow.core.aggregation.strategies import StepContext
 from flare_airflow.core.config import JobConfig
 from flare_airflow.core.config.privacy import CENTRAL_NOISE_SECRET_VARIABLE
-from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, RoundInputError
-from flare_airflow.core.model import (
-    MAX_METRICS,
-    FLModel,
-    WritablePath,
-    read_artifact,
-    write_artifact,
-)
+from flare_airflow.core.errors import FlareAirflowError, QuorumNotReached, RoundInputError, RoundWriteError
+from flare_airflow.core.model import MAX_METRICS, WritablePath, read_artifact
 from flare_airflow.core.privacy.central import central_noise_key
 from flare_airflow.core.privacy.secret import weak_secret_problem
 from flare_airflow.core.spec import JobReturnCode
@@ -172,19 +167,6 @@ class AggregateOperator(LineageMixin, BaseOperator):
             )
         except QuorumNotReached as exc:
             raise AirflowFailException(f"round {r} failed: {exc}") from None
-        state_record = None
-        if state_out is not None:
-            # Before the global model: a task killed between the two writes is run again from the
-            # previous round's state, which it never overwrites, and writes the same bytes again.
-            try:
-                state_record = write_artifact(
-                    state_out, FLModel(params=new_state, meta={"round": r, "strategy": strategy.name})
-                )
-            except OSError as exc:
-                raise AirflowFailException(
-                    f"round {r}: cannot write the server state {state_out}: {exc.strerror or exc}. The model store "
-                    "is full or not writable: fix it, then resume the run from this round"
-                ) from None
         for site, reason in sorted(outcome.rejected.items()):
             self.log.warning("round %d: site %s does not count: %s", r, site, reason)
         if outcome.metrics_dropped:
@@ -193,67 +175,41 @@ class AggregateOperator(LineageMixin, BaseOperator):
                 "the round's means (each site's own metrics are kept): %s",
                 r, len(outcome.metrics) + len(outcome.metrics_dropped), MAX_METRICS, outcome.metrics_dropped[:20],
             )  # fmt: skip
-        # Central DP: the release is recorded before it is written (a distinct sum is charged once).
-        central_releases = None
-        if job.privacy.central is not None:
-            try:
-                central_releases = record_central_release(
-                    store, job.job, run_id, r, {s: (accepted or {}).get(s) for s in outcome.accepted}
-                )
-            except RoundInputError as exc:
-                raise AirflowFailException(str(exc)) from None
-        global_out = store.global_model(job.job, run_id, r)
         try:
-            record = write_artifact(
-                global_out,
-                FLModel(
-                    params=outcome.params,
-                    metrics=outcome.metrics,
-                    meta={"round": r, "sites": sorted(outcome.accepted), "num_samples_total": outcome.num_samples},
-                ),
-            )
-        except OSError as exc:
-            raise AirflowFailException(
-                f"round {r}: cannot write the global model {global_out}: {exc.strerror or exc}. The model store "
-                "is full or not writable: fix it, then resume the run from this round"
-            ) from None
-        del global_params, outcome.params
+            written = write_round(
+                store, job.job, run_id, r, outcome,
+                strategy=strategy.name,
+                state=(state_out, new_state) if state_out is not None else None,
+                central_dp=job.privacy.central is not None,
+                accepted_sha256=accepted,
+            )  # fmt: skip
+        except (RoundWriteError, RoundInputError) as exc:
+            raise AirflowFailException(str(exc)) from None
+        del global_params, outcome.params, new_state
         try:
-            signed = sign_global(job.job, run_id, r, record)
+            signed = sign_global(job.job, run_id, r, written.record)
         except TrustError as exc:
             raise AirflowFailException(f"round {r}: the global model cannot be signed: {exc}") from None
-        links = sealed_round_links(job, store, run_id, r + 1, record.size, self.log) if r < params.rounds else None
+        links = (
+            sealed_round_links(job, store, run_id, r + 1, written.record.size, self.log) if r < params.rounds else None
+        )
         # The round is read and its model written: every site task of it is done (checked above),
         # so an upload still open is one nobody completes.
         abort_site_uploads(job, run_id, self.log, store=store, round_num=r)
-        summary: dict[str, Any] = {
-            "round": r,
-            "global_uri": str(global_out),
-            "sha256": record.sha256,
-            # The central side's signature on (job, run, round, digests): each site verifies it before training.
-            "signed": signed,
-            # The next round's store links, each sealed to its site's box key (none on a local store).
-            **({LINKS_KEY: links} if links else {}),
-            "accepted": sorted(outcome.accepted),
-            # The update each site task vouched for when this round was aggregated: publish checks
-            # that no site task was re-run (or failed) afterwards, which would make this model stale.
-            "site_sha256": dict(sorted(vouched.items())) if accepted is not None else None,
-            "rejected": outcome.rejected,
-            "strategy": strategy.name,
-            # What the runs page names next to the strategy: the job's aggregator block as written.
-            "strategy_params": job.aggregator.model_dump(mode="json", exclude_none=True, exclude={"name"}),
-            # The next round reads this state only if its record still names these digests.
-            **({"state_sha256": state_record.sha256} if state_record is not None else {}),
-            **({"state_blake3": state_record.blake3} if state_record is not None and state_record.blake3 else {}),
-            **({"selected": outcome.selected} if outcome.selected is not None else {}),
-            **({"clipped": outcome.clipped} if outcome.clipped else {}),
-            "num_samples": outcome.num_samples,
-            "metrics": outcome.metrics,
-            "site_metrics": outcome.site_metrics,
-            "evaluation": self._evaluate(context, str(global_out)) if job.evaluate else {},
-            # The run's ε after this round (the job's own noise, over every distinct release), or None.
-            "privacy": job.privacy.account(r, self._site_releases(context), central_releases),
-        }
+        global_out = written.global_model
+        evaluation = self._evaluate(context, str(global_out)) if job.evaluate else {}
+        summary = round_summary(
+            written,
+            outcome,
+            round_num=r,
+            strategy=strategy.name,
+            strategy_params=job.aggregator.model_dump(mode="json", exclude_none=True, exclude={"name"}),
+            site_sha256=vouched if accepted is not None else None,
+            signed=signed,
+            links={LINKS_KEY: links} if links else None,
+            evaluation=evaluation,
+            privacy=job.privacy.account(r, self._site_releases(context), written.central_releases),
+        )
         self.log.info(
             "round %d: %d/%d sites counted %s by %s%s, metrics %s, evaluation %s",
             r, len(outcome.accepted), len(job.sites), summary["accepted"], strategy.name,

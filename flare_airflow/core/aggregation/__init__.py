@@ -10,7 +10,8 @@ Airflow-free; the aggregation operator (``operators/aggregate.py``) is a thin ca
 - :mod:`.strategies`: one module per rule or server optimizer, behind the seam in ``strategies/base.py``;
 - :mod:`.engine`: :func:`~.engine.aggregate_from_store`, which feeds any strategy verified reads;
 - :mod:`.central_dp`: central differential privacy as a wrapper around any strategy;
-- :mod:`.round`: the round's inputs (which site's update counts, and why not) and its server state.
+- :mod:`.round`: the round's inputs (which site's update counts, and why not) and its server state;
+- :mod:`.round_output`: what the round leaves behind -- its writes, in their order, and its summary.
 
 The package's ``__init__`` imports nothing: the site task loads only the reader it checks updates with.
 """

@@ -73,13 +73,38 @@ def previous_server_state(
     return state, out
 
 
-def _release_ids(path: WritablePath) -> list[str]:
-    """The release names recorded at ``path`` ([] when there is none yet)."""
+def _release_ids(path: WritablePath, round_num: int) -> list[str]:
+    """The release names recorded at ``path`` ([] when there is none yet).
+
+    A record that cannot be read as such is refused, never taken as empty: the run's ε counts every
+    release recorded there, and a record reset by damage would spend the budget again unseen.
+    """
     if not path.exists():
         return []
-    with path.open("rb") as fh:
-        data = json.loads(fh.read(1 << 20))
-    return [str(x) for x in data] if isinstance(data, list) else []
+    try:
+        with path.open("rb") as fh:
+            data = json.loads(fh.read(_RELEASES_MAX_BYTES + 1))
+        problem = None if _is_release_list(data) else "not a list of release names"
+    except OSError as exc:
+        problem = str(exc.strerror or exc)
+    except ValueError as exc:  # not JSON (or cut off at the size cap)
+        problem = f"not JSON: {exc}"
+    if problem is not None:
+        raise RoundInputError(
+            f"round {round_num}: the central-DP release record {path} is unusable ({problem}); the run's ε counts "
+            "every release recorded there, so nothing was released. Restore the file, then clear this task"
+        )
+    return list(data)
+
+
+# A release name is a sha256 (64 hex digits): 1 MiB holds ~15,000 releases of one round.
+_RELEASES_MAX_BYTES = 1 << 20
+
+
+def _is_release_list(data: object) -> bool:
+    return isinstance(data, list) and all(
+        isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x) for x in data
+    )
 
 
 def record_central_release(
@@ -90,7 +115,7 @@ def record_central_release(
     run's distinct central releases so far, over rounds 1..this one (docs/privacy.md)."""
     r = round_num
     path = store.round_dir(job, run_id, r) / CENTRAL_RELEASES_FILE
-    ids = _release_ids(path)
+    ids = _release_ids(path, r)
     release = central_release_id(r, accepted)
     if release not in ids:
         ids.append(release)
@@ -102,7 +127,7 @@ def record_central_release(
                 "nothing was released. Fix the store, then clear this task"
             ) from None
     return len(ids) + sum(
-        len(_release_ids(store.round_dir(job, run_id, k) / CENTRAL_RELEASES_FILE)) for k in range(1, r)
+        len(_release_ids(store.round_dir(job, run_id, k) / CENTRAL_RELEASES_FILE, r)) for k in range(1, r)
     )
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import errno
+import os
+import pathlib
+
 import numpy as np
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
+from flare_airflow.core.aggregation import round_output
 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.store import ModelStore
 from flare_airflow.operators.aggregate import AggregateOperator
@@ -77,6 +83,35 @@ def test_fewer_valid_updates_than_min_clients_fails_the_round_and_writes_nothing
     assert "site-2" in message and "trainer exited with code 3" in message
     assert "site-3" in message
     assert not store.global_model(job.job, RUN_ID, 1).exists()
+
+
+def test_a_full_store_fails_the_round_saying_how_to_resume(job, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, ti = setup_round(job, {"site-1": 1.0, "site-2": 3.0})
+
+    def full(path: object, model: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    # Core raises RoundWriteError (tests/unit/core/aggregation/test_round_output.py); the task fails with its words.
+    monkeypatch.setattr(round_output, "write_artifact", full)
+    with pytest.raises(AirflowFailException) as info:
+        operator(job).execute(context(ti))
+    message = str(info.value)
+    assert message.startswith("round 1: cannot write the global model ") and message.endswith(
+        "/round-0001/global.safetensors: No space left on device. The model store is full or not writable: fix it, "
+        "then resume the run from this round"
+    )
+    assert not store.global_model(job.job, RUN_ID, 1).exists()
+
+
+def test_the_operator_leaves_the_rounds_writes_to_core() -> None:
+    """The seam's rule: the round's writes (and their order) have one home, core/aggregation/round_output.py."""
+    from flare_airflow.operators import aggregate
+
+    tree = ast.parse(pathlib.Path(aggregate.__file__).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    writers = {"write_artifact", "atomic_write", "record_central_release", "FLModel"}
+    assert not names & writers, f"operators/aggregate.py writes to the store itself: {sorted(names & writers)}"
 
 
 def test_fedadam_state_is_stored_per_round_pinned_and_a_retry_writes_the_same_bytes(tmp_path) -> None:

@@ -85,6 +85,33 @@ def test_an_unwritable_store_releases_nothing(tmp_path: pathlib.Path) -> None:
         record_central_release(store, JOB, RUN, 1, {"a": "1" * 64})
 
 
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"{}", "not a list of release names"),
+        (b'["not a release"]', "not a list of release names"),
+        (b"[", "not JSON"),
+        (None, "Is a directory"),
+    ],
+)
+def test_a_damaged_release_record_is_refused_not_taken_as_empty(
+    tmp_path: pathlib.Path, content: bytes | None, problem: str
+) -> None:
+    store = ModelStore(tmp_path)
+    record_central_release(store, JOB, RUN, 1, {"a": "1" * 64})
+    path = store.round_dir(JOB, RUN, 1) / CENTRAL_RELEASES_FILE
+    path.unlink()
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    # Round 2 counts round 1's releases: a record reset by damage would charge them no more.
+    with pytest.raises(RoundInputError, match=rf"^round 2: the central-DP release record .* is unusable \({problem}"):
+        record_central_release(store, JOB, RUN, 2, {"a": "2" * 64})
+    with pytest.raises(RoundInputError, match=r"nothing was released\. Restore the file, then clear this task$"):
+        record_central_release(store, JOB, RUN, 1, {"a": "3" * 64})
+
+
 def test_each_site_counts_with_its_update_or_with_the_reason_it_does_not(tmp_path: pathlib.Path) -> None:
     """Sat out, refused, not accepted by its task, published, missing: the reason each site gives."""
     from flare_airflow.core.aggregation.round import round_inputs
