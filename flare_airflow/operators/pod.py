@@ -366,7 +366,11 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
         )
 
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
-        self.defer(trigger=self._trigger(context), method_name=self.resume_method, timeout=self.defer_timeout(context))
+        """The stock operator defers (and re-defers after a watch error) through here: the lifecycle's
+        own deferral (its resume method and deadline), with this try's trigger."""
+        if context is None:
+            raise FlareAirflowError("a site pod is watched for one task instance: a context is needed")
+        SiteTaskLifecycle.defer_watch(self, context=context, trigger=self._trigger(context))
 
     def _delete_pod_quietly(self, event: dict[str, Any] | None = None) -> None:
         """Delete this try's pod (a 404 counts as done); ``event`` names it when ``self.pod`` is unset.
