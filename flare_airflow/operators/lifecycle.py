@@ -56,7 +56,7 @@ from flare_airflow.operators.site_steps import (
     site_task_defaults,
     try_number_of,
 )
-from flare_airflow.operators.staging import check_connection, is_local, staged
+from flare_airflow.operators.staging import check_connection, is_local, staged, unusable_store
 from flare_airflow.site_task.checks import GlobalModelUnusable, check_global_model
 from flare_airflow.site_task.spec import SiteRun
 
@@ -242,21 +242,8 @@ class SiteTaskLifecycle(SharedLinksSteps, abc.ABC, Generic[H]):
         except Exception as exc:
             if is_local(store):
                 raise
-            # Reading the global model or uploading the update: a wrong or missing credential, a
-            # bucket that is not there, the endpoint unreachable. The site fails, the round holds.
-            detail = " ".join(str(exc).split())[:400] or type(exc).__name__
-            via = "its store links" if links else f"connection {self.job.store_conn_id or 'default'!r}"
-            fix = (
-                "check the store's endpoint is reachable from this worker; refused links: clear the task that "
-                "published this round's global model to mint new ones"
-                if links
-                else "check the connection's credentials and endpoint on the site's worker"
-            )
-            reason = (
-                f"the model store {store.root} could not be used from this worker ({via}): "
-                f"{type(exc).__name__}: {detail}; {fix} [INFRASTRUCTURE_ERROR]"
-            )
-            raise site_failed(context, self.site, self.round_num, reason) from None
+            reason = unusable_store(store, exc, through_links=links is not None, conn_id=self.job.store_conn_id)
+            raise site_failed(context, self.site, self.round_num, reason) from None  # the round holds
         if isinstance(summary, dict) and "uri" in summary:
             summary["uri"] = run.output  # the update's place in the store, not a staged local copy
         return summary

@@ -22,6 +22,7 @@ from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, failure_path, path_from_uri, record_path
+from flare_airflow.operators import staging
 from flare_airflow.operators.lifecycle import SiteTaskHost, SiteTaskLifecycle
 from flare_airflow.operators.site_steps import SiteJobFailed
 from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
@@ -118,6 +119,27 @@ def test_the_job_sees_the_store_as_its_backend_says_and_its_failure_lands_there(
     # Either way the failure record is in the store, where the aggregation reads it.
     remote = object_store.site_update("unit", RUN_ID, 1, "site-1")
     assert "EXECUTION_ERROR" in failure_path(remote).read_text()
+
+
+def test_an_object_store_this_worker_cannot_use_fails_the_site_naming_the_connection(
+    object_store: ModelStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging on the worker could not read the global model (the store refused this worker's
+    credential): the site fails saying through what and what to check, before any launch."""
+
+    def refused(store: Any, uri: str, local: Any) -> None:
+        raise PermissionError("AccessDenied: 403")
+
+    monkeypatch.setattr(staging, "_download", refused)
+    launcher = FakeLauncher(JobReturnCode.SUCCESS)
+    ti = PushingTI()
+    with pytest.raises(SiteJobFailed) as failed:
+        fake_task(make_job(tmp_path), launcher).execute(context(ti))
+    reason = str(failed.value)
+    assert "memory://" in reason and "could not be used from this worker (connection 'default')" in reason
+    assert "PermissionError: AccessDenied: 403" in reason
+    assert "check the connection's credentials" in reason and reason.endswith("[INFRASTRUCTURE_ERROR]")
+    assert launcher.launched == [] and "could not be used" in ti.xcoms[("self", "failure")]
 
 
 def test_a_site_task_of_a_round_beyond_the_run_is_skipped_before_anything_launches(
