@@ -130,6 +130,8 @@ class SiteTaskLifecycle(SharedLinksSteps, abc.ABC, Generic[H]):
 
     # The running job, for on_kill (whatever the backend's launch returned).
     _handle: H | None = None
+    # This process's site run (site_run); a backend whose site policy changes the job resets it.
+    _run: SiteRun | None = None
 
     def __init__(
         self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
@@ -257,10 +259,13 @@ class SiteTaskLifecycle(SharedLinksSteps, abc.ABC, Generic[H]):
         self.job = job_at_site(self.job, self.site, context, self.round_num)
 
     def site_run(self, context: Context) -> SiteRun:
-        """The site job of (run, round, site, try): identity, Client API paths, devices."""
-        return make_site_run(
-            self.job, self.site, self.round_num, context, argv=self.argv(), global_task_id=self.global_task_id
-        )
+        """The site job of (run, round, site, try): identity, Client API paths, devices. Made once
+        per process, after the site policy: the launch, the job's watch and its resume share it."""
+        if self._run is None:
+            self._run = make_site_run(
+                self.job, self.site, self.round_num, context, argv=self.argv(), global_task_id=self.global_task_id
+            )
+        return self._run
 
     def site_secrets(self, context: Context, run: SiteRun) -> dict[str, str]:
         """The site's ``secret_env`` resolved on this worker (a CONFIG_ERROR when one cannot be)."""

@@ -22,9 +22,9 @@ from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
 from flare_airflow.core.model import FLModel, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, failure_path, path_from_uri, record_path
-from flare_airflow.operators import staging
+from flare_airflow.operators import lifecycle, staging
 from flare_airflow.operators.lifecycle import SiteTaskHost, SiteTaskLifecycle
-from flare_airflow.operators.site_steps import SiteJobFailed
+from flare_airflow.operators.site_steps import SiteJobFailed, make_site_run
 from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
 from tests.unit.operators.fake_site_task import FakeHandle, FakeLauncher, FakeSiteTask, PushingTI, fake_task
 
@@ -196,6 +196,23 @@ def test_a_watch_in_the_worker_runs_the_same_trigger_and_a_lost_watch_ends_the_j
         task.execute(context(PushingTI()))
     # No triggerer to hand the watch back to: the error becomes a timeout and the job is ended.
     assert [e["status"] for e in task.ended_by_event] == ["timeout"]
+
+
+def test_a_watch_in_the_worker_decides_on_the_run_it_launched(
+    file_store: ModelStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The site run is made once per process: the launch and the resumed decision share it (the pod
+    task's group and trigger too), instead of verifying the global model's digest again."""
+    made = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(kwargs["argv"])
+        return make_site_run(*args, **kwargs)
+
+    monkeypatch.setattr(lifecycle, "make_site_run", counted)
+    task = fake_task(make_job(tmp_path), FakeLauncher(JobReturnCode.SUCCESS), event={"status": "success"})
+    assert task.execute(context(PushingTI()))["site"] == "site-1"
+    assert made == [["python", "train.py"]]
 
 
 def test_a_refused_deferral_ends_the_job(file_store: ModelStore, tmp_path: pathlib.Path) -> None:
