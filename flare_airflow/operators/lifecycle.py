@@ -12,7 +12,9 @@ XCom; a job is never left running when the task ends, whichever way it ends.
 The lifecycle is generic over the backend's handle ``H`` (what :meth:`~SiteTaskLifecycle.launch`
 returns and every later step is handed) and needs of the operator it is mixed into only
 :class:`SiteTaskHost` (any ``BaseOperator``); ``tests/unit/operators/test_lifecycle.py`` runs it
-against a fake backend and a fake host.
+against a fake backend and a fake host. A job that runs beyond the worker but shares a folder with
+it (a pod site with store links) is staged there by the steps of
+:class:`~flare_airflow.operators.shared_links.SharedLinksSteps`, which the lifecycle mixes in.
 
 Every site task is built on it: the process task (:mod:`~flare_airflow.operators.site`), the pod
 task (:mod:`~flare_airflow.operators.pod`), the SLURM task (:mod:`~flare_airflow.operators.slurm`),
@@ -26,10 +28,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import pathlib
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, Protocol, TypeVar, cast, runtime_checkable
 
@@ -37,14 +37,12 @@ from airflow.sdk import Context
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskDeferred
 
 from flare_airflow.core.config import JobConfig
-from flare_airflow.core.errors import ConfigError, FlareAirflowError, StoreError
-from flare_airflow.core.failure_record import write_failure
+from flare_airflow.core.errors import FlareAirflowError, StoreError
 from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobLauncherSpec, JobReturnCode
-from flare_airflow.core.store import path_from_uri
-from flare_airflow.core.store_links import LinksError, SiteLinks
 from flare_airflow.launchers.errors import LaunchError
 from flare_airflow.operators.common import store_for
-from flare_airflow.operators.links import SharedLinksStaging, site_links
+from flare_airflow.operators.links import site_links
+from flare_airflow.operators.shared_links import SharedLinksSteps
 from flare_airflow.operators.site_outputs import Summary, claim_and_clear, finish_site_job, record_site_failure
 from flare_airflow.operators.site_steps import (
     SiteJobFailed,
@@ -58,7 +56,7 @@ from flare_airflow.operators.site_steps import (
     site_task_defaults,
     try_number_of,
 )
-from flare_airflow.operators.staging import check_connection, is_local, local_run, staged
+from flare_airflow.operators.staging import check_connection, is_local, staged, unusable_store
 from flare_airflow.site_task.checks import GlobalModelUnusable, check_global_model
 from flare_airflow.site_task.spec import SiteRun
 
@@ -94,7 +92,7 @@ class SiteTaskHost(Protocol):
     ) -> NoReturn: ...
 
 
-class SiteTaskLifecycle(abc.ABC, Generic[H]):
+class SiteTaskLifecycle(SharedLinksSteps, abc.ABC, Generic[H]):
     """The steps of one site's task of one round; mixed into a backend's operator (first base).
 
     The operator is a :class:`SiteTaskHost` (``BaseOperator`` is). It fills :meth:`argv` and,
@@ -124,10 +122,6 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
     #: checks the copy it staged before the launch (:meth:`check_input`).
     runner_checks_input: ClassVar[bool] = False
 
-    #: The job runs beyond this worker (a pod) but shares a folder with it (:meth:`links_folder`):
-    #: with the round's store links, the worker stages through them there, the job holds no link.
-    stages_links_in_shared_folder: ClassVar[bool] = False
-
     #: The method a deferred watch resumes in (the pod task keeps the stock operator's name).
     resume_method: ClassVar[str] = "resume"
 
@@ -136,8 +130,8 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
 
     # The running job, for on_kill (whatever the backend's launch returned).
     _handle: H | None = None
-    # This task's run staged through its links in the folder shared with its job (this process's).
-    _shared: SharedLinksStaging | None = None
+    # This process's site run (site_run); a backend whose site policy changes the job resets it.
+    _run: SiteRun | None = None
 
     def __init__(
         self, *, job: JobConfig, site: str, round_num: int, global_task_id: str | None = None, **kwargs: Any
@@ -218,12 +212,6 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
         if isinstance(handle, JobHandleSpec):
             handle.terminate()
 
-    def links_folder(self) -> pathlib.Path:
-        """Where this worker sees the folder it shares with the job (with
-        :attr:`stages_links_in_shared_folder`); raises :class:`ConfigError` saying what to set
-        when the site has none."""
-        raise NotImplementedError(f"{type(self).__name__} stages links in a shared folder: it fills links_folder")
-
     def reattach(self, *, launcher: JobLauncherSpec | None, identity: JobIdentity) -> H | None:
         """This try's job when it was launched already (then nothing is cleared or launched);
         a site task's own job never is: it ends with the task."""
@@ -256,21 +244,8 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
         except Exception as exc:
             if is_local(store):
                 raise
-            # Reading the global model or uploading the update: a wrong or missing credential, a
-            # bucket that is not there, the endpoint unreachable. The site fails, the round holds.
-            detail = " ".join(str(exc).split())[:400] or type(exc).__name__
-            via = "its store links" if links else f"connection {self.job.store_conn_id or 'default'!r}"
-            fix = (
-                "check the store's endpoint is reachable from this worker; refused links: clear the task that "
-                "published this round's global model to mint new ones"
-                if links
-                else "check the connection's credentials and endpoint on the site's worker"
-            )
-            reason = (
-                f"the model store {store.root} could not be used from this worker ({via}): "
-                f"{type(exc).__name__}: {detail}; {fix} [INFRASTRUCTURE_ERROR]"
-            )
-            raise site_failed(context, self.site, self.round_num, reason) from None
+            reason = unusable_store(store, exc, through_links=links is not None, conn_id=self.job.store_conn_id)
+            raise site_failed(context, self.site, self.round_num, reason) from None  # the round holds
         if isinstance(summary, dict) and "uri" in summary:
             summary["uri"] = run.output  # the update's place in the store, not a staged local copy
         return summary
@@ -284,10 +259,13 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
         self.job = job_at_site(self.job, self.site, context, self.round_num)
 
     def site_run(self, context: Context) -> SiteRun:
-        """The site job of (run, round, site, try): identity, Client API paths, devices."""
-        return make_site_run(
-            self.job, self.site, self.round_num, context, argv=self.argv(), global_task_id=self.global_task_id
-        )
+        """The site job of (run, round, site, try): identity, Client API paths, devices. Made once
+        per process, after the site policy: the launch, the job's watch and its resume share it."""
+        if self._run is None:
+            self._run = make_site_run(
+                self.job, self.site, self.round_num, context, argv=self.argv(), global_task_id=self.global_task_id
+            )
+        return self._run
 
     def site_secrets(self, context: Context, run: SiteRun) -> dict[str, str]:
         """The site's ``secret_env`` resolved on this worker (a CONFIG_ERROR when one cannot be)."""
@@ -418,99 +396,6 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
             context, run, shared, lambda: self.on_event(context=context, run=shared.local, event=event)
         )
 
-    # ------------------------------------------------------------------ links in a shared folder
-
-    def shared_staging(self, context: Context, run: SiteRun, *, resumed: bool) -> SharedLinksStaging | None:
-        """This run staged through the round's links in the folder shared with the job -- staged
-        in now, or found again by a ``resumed`` task -- or ``None`` when the job reaches the store
-        itself (a backend that does not stage links so, or no links for this site). Once per process.
-
-        Refused (the failure record through the links, a CONFIG_ERROR): a site with links whose
-        jobs share no folder with the worker; a resumed task that does not find the folder.
-        """
-        if self._shared is not None:
-            return self._shared
-        if not self.stages_links_in_shared_folder:
-            return None
-        links = site_links(context, self.job, self.site, self.round_num, self.global_task_id)
-        if links is None:
-            return None
-        try:
-            shared = SharedLinksStaging.of(run, links, self.links_folder(), try_number_of(context), resumed=resumed)
-        except (ConfigError, LinksError) as exc:
-            raise self.fail_through_links(context, run, links, JobReturnCode.CONFIG_ERROR, str(exc)) from None
-        if not resumed:
-            try:
-                shared.stage_in()
-            except Exception as exc:
-                self._shared = shared
-                reason = (
-                    f"the round's input global model could not be read through its store links: {exc}; check the "
-                    "store's endpoint is reachable from this worker; refused links: clear the task that published "
-                    "this round's global model to mint new ones"
-                )
-                raise self.end_shared(context, shared, JobReturnCode.INFRASTRUCTURE_ERROR, reason) from None
-        self._shared = shared
-        return shared
-
-    def through_shared(
-        self, context: Context, run: SiteRun, shared: SharedLinksStaging, step: Callable[[], Summary]
-    ) -> Summary:
-        """``step`` (the launch and watch, or the resumed decision) on the shared staged run. The
-        folder outlives a deferral (the job still runs); when the task ends here, whichever way,
-        its result goes out through the links and the folder is removed."""
-        try:
-            summary = step()
-        except TaskDeferred:
-            raise
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                self.end_shared(context, shared, JobReturnCode.ABORTED, f"the site task ended: {type(exc).__name__}")
-            raise
-        try:
-            shared.stage_out()
-        except Exception as exc:
-            detail = " ".join(str(exc).split())[:400] or type(exc).__name__
-            raise site_failed(
-                context, self.site, self.round_num,
-                f"the accepted update could not be uploaded through its store links: {detail}; check the store's "
-                "endpoint is reachable from this worker [INFRASTRUCTURE_ERROR]",
-            ) from None  # fmt: skip
-        if isinstance(summary, dict) and "uri" in summary:
-            # The update's place in the store, not the shared folder's (accept_update pushed that).
-            summary["uri"] = run.output
-            context["ti"].xcom_push(key="return_value", value=summary)
-        return summary
-
-    def end_shared(self, context: Context, shared: SharedLinksStaging, rc: JobReturnCode, reason: str) -> Exception:
-        """End a shared staging that did not reach :meth:`through_shared`'s success: the failure
-        record (``reason``, unless the job's own is there) through the links, then the folder removed.
-        Returns the site's failure to raise."""
-        failed: Exception = site_failed(context, self.site, self.round_num, f"{reason} [{rc.name}]")
-        if not shared.has_result and shared.root.is_dir():
-            failed = self.fail(context, shared.local, rc, reason)
-        self.send_failure_out(shared)
-        return failed
-
-    def send_failure_out(self, shared: SharedLinksStaging) -> None:
-        """Best effort: the task fails with its reason (in its log and XCom) even when the store is away."""
-        try:
-            shared.stage_out()
-        except Exception as exc:
-            self.host.log.warning(
-                "site %s round %d: the failure record was not uploaded: %s", self.site, self.round_num, exc
-            )
-
-    def fail_through_links(
-        self, context: Context, run: SiteRun, links: SiteLinks, rc: JobReturnCode, reason: str
-    ) -> Exception:
-        """The site's failure before anything was staged: its record through ``links`` (from a
-        temporary folder), so that the aggregation reads the reason."""
-        with tempfile.TemporaryDirectory(prefix=f"flare-{self.site}-r{self.round_num}-") as tmp:
-            root = pathlib.Path(tmp)
-            shared = SharedLinksStaging(links=links, mount=root, root=root, local=local_run(run, root))
-            return self.end_shared(context, shared, rc, reason)
-
     def execution_deadline(self, context: Context | None) -> float | None:
         """When the task's ``execution_timeout`` ends (epoch seconds), counted from its start."""
         start = getattr(context["ti"], "start_date", None) if context else None
@@ -558,12 +443,3 @@ class SiteTaskLifecycle(abc.ABC, Generic[H]):
             self.host.log.info("task killed: ending site job %s of %s", self.site, self.host.task_id)
             self.end_job(self._handle)
         self.end_shared_on_kill()
-
-    def end_shared_on_kill(self) -> None:
-        """A killed task's shared staging: its failure record (ABORTED) through the links, the folder removed."""
-        shared = self._shared
-        if shared is None or not shared.root.is_dir():
-            return
-        if not shared.has_result:
-            write_failure(path_from_uri(shared.local.output), JobReturnCode.ABORTED, "the site task was killed")
-        self.send_failure_out(shared)

@@ -171,7 +171,6 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
             deferrable=deferrable,
             **kwargs,
         )
-        self._run: SiteRun | None = None
         self._policy_applied = False
         # A multi-node site job (nodes > 1): this try's group of pods and Service.
         self._group: PodGroup | None = None
@@ -202,11 +201,6 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
 
     def argv(self) -> list[str]:
         return []  # the pod's command comes from the manifest builder (the site's image)
-
-    def site_run(self, context: Context) -> SiteRun:
-        if self._run is None:  # built once per process: the pod, its group and the resumed trigger share it
-            self._run = super().site_run(context)
-        return self._run
 
     def links_folder(self) -> pathlib.Path:
         """The site's ``store_mount`` as this worker sees it: its host path (the worker runs on a
@@ -366,7 +360,11 @@ class SitePodOperator(SiteTaskLifecycle[k8s.V1Pod], KubernetesPodOperator):
         )
 
     def invoke_defer_method(self, last_log_time: Any = None, context: Context | None = None) -> None:
-        self.defer(trigger=self._trigger(context), method_name=self.resume_method, timeout=self.defer_timeout(context))
+        """The stock operator defers (and re-defers after a watch error) through here: the lifecycle's
+        own deferral (its resume method and deadline), with this try's trigger."""
+        if context is None:
+            raise FlareAirflowError("a site pod is watched for one task instance: a context is needed")
+        SiteTaskLifecycle.defer_watch(self, context=context, trigger=self._trigger(context))
 
     def _delete_pod_quietly(self, event: dict[str, Any] | None = None) -> None:
         """Delete this try's pod (a 404 counts as done); ``event`` names it when ``self.pod`` is unset.

@@ -35,8 +35,14 @@ from flare_airflow.operators.site_steps import (
 from flare_airflow.site_task.spec import SiteRun
 
 
-def as_job(job: JobConfig | str | pathlib.Path) -> JobConfig:
-    return job if isinstance(job, JobConfig) else load_job(job)
+def watched_job(job: JobConfig | str | pathlib.Path, site: str) -> JobConfig:
+    """The job of a launch + sensor pair (a validated :class:`JobConfig` or its YAML file's path),
+    checked at parse time: ``site`` is one of its sites and its jobs can be watched by a sensor."""
+    cfg = job if isinstance(job, JobConfig) else load_job(job)
+    if site not in cfg.sites:
+        raise ConfigError(f"site {site!r} is not a site of job {cfg.job!r} (sites: {', '.join(cfg.sites)})")
+    watchable(cfg, site)
+    return cfg
 
 
 class SiteJobLaunchOperator(SiteTaskLifecycle[JobHandleSpec], BaseOperator):
@@ -71,11 +77,9 @@ class SiteJobLaunchOperator(SiteTaskLifecycle[JobHandleSpec], BaseOperator):
         global_task_id: str | None = None,
         **kwargs: Any,
     ) -> None:
-        cfg = as_job(job)
-        if site not in cfg.sites:
-            raise ConfigError(f"site {site!r} is not a site of job {cfg.job!r} (sites: {', '.join(cfg.sites)})")
-        watchable(cfg, site)
-        super().__init__(job=cfg, site=site, round_num=round_num, global_task_id=global_task_id, **kwargs)
+        super().__init__(
+            job=watched_job(job, site), site=site, round_num=round_num, global_task_id=global_task_id, **kwargs
+        )
 
     def argv(self) -> list[str]:
         return site_argv(self.job, self.site)

@@ -94,7 +94,6 @@ class SiteSlurmOperator(SiteTaskLifecycle[SlurmJobHandle], BaseOperator):
         self.partition = spec.partition
         self.account = spec.account
         self.qos = spec.qos
-        self._run: SiteRun | None = None
 
     @property
     def spec(self) -> SlurmLaunchSpec:
@@ -102,11 +101,6 @@ class SiteSlurmOperator(SiteTaskLifecycle[SlurmJobHandle], BaseOperator):
 
     def argv(self) -> list[str]:
         return trainer_argv(self.job, cluster=self.spec)
-
-    def site_run(self, context: Context) -> SiteRun:
-        if self._run is None:  # the same run in execute and in the resumed task's
-            self._run = super().site_run(context)
-        return self._run
 
     def end_earlier_tries(
         self, *, context: Context, launcher: JobLauncherSpec | None, identity: JobIdentity

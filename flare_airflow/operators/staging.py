@@ -60,6 +60,24 @@ def check_connection(store: ModelStore, conn_id: str | None) -> None:
         ) from None
 
 
+def unusable_store(store: ModelStore, exc: Exception, *, through_links: bool, conn_id: str | None) -> str:
+    """Why staging -- reading the global model or uploading the update -- could not use the object
+    store from this worker (a wrong or missing credential, a bucket that is not there, the endpoint
+    unreachable) and what to do, as the site's failure reason (INFRASTRUCTURE_ERROR)."""
+    detail = " ".join(str(exc).split())[:400] or type(exc).__name__
+    via = "its store links" if through_links else f"connection {conn_id or 'default'!r}"
+    fix = (
+        "check the store's endpoint is reachable from this worker; refused links: clear the task that "
+        "published this round's global model to mint new ones"
+        if through_links
+        else "check the connection's credentials and endpoint on the site's worker"
+    )
+    return (
+        f"the model store {store.root} could not be used from this worker ({via}): "
+        f"{type(exc).__name__}: {detail}; {fix} [INFRASTRUCTURE_ERROR]"
+    )
+
+
 def _copy(src: Any, dst: Any) -> int:
     """Stream ``src`` to ``dst`` (either side a local or store path); returns the bytes copied."""
     copied = 0

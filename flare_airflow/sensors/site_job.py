@@ -39,7 +39,7 @@ from flare_airflow.core.spec import JobHandleSpec, JobIdentity, JobReturnCode, J
 from flare_airflow.core.store import path_from_uri, record_path
 from flare_airflow.operators.bindings import binding
 from flare_airflow.operators.common import push_failure
-from flare_airflow.operators.site_job import as_job
+from flare_airflow.operators.site_job import watched_job
 from flare_airflow.operators.site_outputs import Summary, finish_site_job, record_site_failure
 from flare_airflow.operators.site_steps import (
     SiteJobFailed,
@@ -48,7 +48,6 @@ from flare_airflow.operators.site_steps import (
     site_argv,
     site_launcher,
     site_task_defaults,
-    watchable,
 )
 from flare_airflow.site_task.checks import published_summary
 from flare_airflow.site_task.spec import SiteRun
@@ -87,10 +86,7 @@ class SiteJobSensor(BaseSensorOperator):
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs: Any,
     ) -> None:
-        cfg = as_job(job)
-        if site not in cfg.sites:
-            raise ConfigError(f"site {site!r} is not a site of job {cfg.job!r} (sites: {', '.join(cfg.sites)})")
-        watchable(cfg, site)
+        cfg = watched_job(job, site)
         if (launch_task_id is None) == (identity is None):
             raise ConfigError(f"site {site!r} round {round_num}: give the sensor either launch_task_id or identity")
         kwargs.setdefault("poke_interval", cfg.sites[site].block.poll_interval)

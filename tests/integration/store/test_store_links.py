@@ -514,7 +514,7 @@ def test_a_site_task_without_any_store_connection_runs_its_round_through_its_lin
     from flare_airflow.operators.site_steps import SiteJobFailed
     from flare_airflow.operators.trust import sign_global
     from tests.unit.airflow_layer import RUN_ID, FakeTI, context
-    from tests.unit.operators.test_lifecycle import FakeLauncher, fake_task
+    from tests.unit.operators.fake_site_task import FakeLauncher, fake_task
 
     job = make_job(tmp_path, store=STORE, sites={s: {} for s in SITES})
     assert job.store_conn_id is None  # nothing on this worker could reach the store by itself

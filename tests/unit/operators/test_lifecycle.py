@@ -3,187 +3,30 @@ directly against a fake execution mode): the steps in order around a backend's l
 launch, wait, defer and resume, watch in the worker, finish, fail, on_kill -- and where the job
 sees the model store.
 
-The backend here is a fake named as such (its launcher records what it was handed, its jobs end
-with the return code the test chooses and, when they succeed, send a real update as a trainer
-would); the host is a fake operator with exactly what :class:`SiteTaskHost` asks. The job, the
-store (fsspec's in-memory filesystem standing in for an object store, as in test_staging.py), the
-site run, the update's checks and the failure records are real.
+The fake backend and host are in fake_site_task.py, the store fixtures in conftest.py; the job,
+the store (fsspec's in-memory filesystem standing in for an object store, as in test_staging.py),
+the site run, the update's checks and the failure records are real. The steps for a job that
+shares a folder with its worker are tested in test_shared_links.py.
 """
 
 from __future__ import annotations
 
-import logging
 import pathlib
-import re
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from typing import Any, ClassVar, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
 from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
-from airflow.triggers.base import BaseTrigger, TriggerEvent
-from upath import UPath
 
 from flare_airflow.core.model import FLModel, write_artifact
-from flare_airflow.core.spec import JobHandleSpec, JobReturnCode, JobState, SiteJob
+from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, failure_path, path_from_uri, record_path
-from flare_airflow.operators import lifecycle, site_steps
+from flare_airflow.operators import lifecycle, staging
 from flare_airflow.operators.lifecycle import SiteTaskHost, SiteTaskLifecycle
-from flare_airflow.operators.site_steps import SiteJobFailed
+from flare_airflow.operators.site_steps import SiteJobFailed, make_site_run
 from tests.unit.airflow_layer import RUN_ID, FakeTI, context, make_job
-from tests.unit.site_task import parity_trainer
-
-
-class PushingTI(FakeTI):
-    def xcom_push(self, key: str, value: Any) -> None:
-        self.xcoms[("self", key)] = value
-
-
-class FakeHandle(JobHandleSpec):
-    """A job of the fake backend: it has ended with ``rc`` (after sending an update, on success)."""
-
-    def __init__(self, rc: JobReturnCode) -> None:
-        self.rc = rc
-        self.terminated = False
-
-    @property
-    def state(self) -> JobState:
-        if self.terminated:
-            return JobState.TERMINATED
-        return JobState.SUCCEEDED if self.rc is JobReturnCode.SUCCESS else JobState.FAILED
-
-    @property
-    def reason(self) -> str:
-        return "" if self.rc is JobReturnCode.SUCCESS else "the fake trainer exited 1"
-
-    def poll(self) -> JobReturnCode:
-        return self.rc
-
-    def wait(self, timeout: float | None = None) -> JobReturnCode:
-        return self.rc
-
-    def terminate(self) -> None:
-        self.terminated = True
-
-    def logs(self) -> str:
-        return "epoch 1\nTraceback: boom\n"
-
-    def where(self) -> dict[str, Any]:
-        return {"backend": "fake"}
-
-
-class FakeLauncher:
-    """The fake backend's launcher: records each site job it launches; a job that will succeed
-    sends a real update where the trainer is told to (its FLARE_OUTPUT)."""
-
-    def __init__(self, rc: JobReturnCode) -> None:
-        self.rc = rc
-        self.launched: list[SiteJob] = []
-        self.handles: list[FakeHandle] = []
-
-    def launch_job(self, job_meta: SiteJob, fl_ctx: dict[str, Any]) -> FakeHandle:
-        self.launched.append(job_meta)
-        if self.rc is JobReturnCode.SUCCESS:
-            out = path_from_uri(job_meta.env["FLARE_OUTPUT"])
-            out.parent.mkdir(parents=True, exist_ok=True)
-            parity_trainer.write_update("good", out, path_from_uri(job_meta.env["FLARE_GLOBAL_MODEL"]))
-        self.handles.append(FakeHandle(self.rc))
-        return self.handles[-1]
-
-    def terminate_earlier_tries(self, identity: Any) -> list[str]:
-        return []
-
-
-class FakeTrigger(BaseTrigger):
-    """A trigger that saw the job end with ``payload`` (the backend's real triggers are tested
-    against their control planes)."""
-
-    def __init__(self, payload: dict[str, Any]) -> None:
-        super().__init__()
-        self.payload = payload
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.FakeTrigger", {"payload": self.payload}
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        yield TriggerEvent(self.payload)
-
-
-class FakeHost:
-    """The operator a site task is mixed into, with only what :class:`SiteTaskHost` asks."""
-
-    def __init__(self, *, task_id: str = "site-1-r1", execution_timeout: timedelta | None = None, **kwargs: Any):
-        self.task_id = task_id
-        self.execution_timeout = execution_timeout
-        self.operator_kwargs = kwargs  # what the operator's own base class would receive
-        self.log = logging.getLogger("fake-site-task")
-
-    def defer(
-        self,
-        *,
-        trigger: BaseTrigger,
-        method_name: str,
-        kwargs: dict[str, Any] | None = None,
-        timeout: timedelta | int | float | None = None,
-    ) -> NoReturn:
-        raise TaskDeferred(trigger=trigger, method_name=method_name, kwargs=kwargs, timeout=timeout)
-
-
-class FakeSiteTask(SiteTaskLifecycle[FakeHandle], FakeHost):
-    """The fake backend's site task; ``event``: its job is watched by a trigger ending so."""
-
-    stages_store: ClassVar[bool] = True
-
-    def __init__(self, *, fake_launcher: FakeLauncher, event: dict[str, Any] | None = None, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.fake_launcher = fake_launcher
-        self.event = event
-        self.ended: list[FakeHandle] = []
-        self.ended_by_event: list[dict[str, Any]] = []
-
-    def argv(self) -> list[str]:
-        return ["python", "train.py"]
-
-    def launcher(self, *, try_number: int, secrets: Any) -> Any:
-        return self.fake_launcher
-
-    def trigger(self, *, context: Any, run: Any, handle: FakeHandle) -> BaseTrigger | None:
-        return None if self.event is None else FakeTrigger(self.event)
-
-    def end_job(self, handle: FakeHandle) -> None:
-        self.ended.append(handle)
-        super().end_job(handle)
-
-    def end_watched_job(self, event: dict[str, Any]) -> None:
-        self.ended_by_event.append(event)
-
-
-def fake_task(job: Any, launcher: FakeLauncher, *, stages: bool = True, **kwargs: Any) -> FakeSiteTask:
-    cls = type("FakeSiteTask", (FakeSiteTask,), {"stages_store": stages})
-    task: FakeSiteTask = cls(job=job, site="site-1", round_num=1, fake_launcher=launcher, **kwargs)
-    return task
-
-
-@pytest.fixture
-def object_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ModelStore:
-    """The job's store is an in-memory object store (no connection needed for it here)."""
-    name = re.sub(r"\W", "-", request.node.name)  # brackets in a URI's host read as IPv6
-    store = ModelStore(UPath(f"memory://lifecycle-{name}"))
-    write_artifact(store.global_model("unit", RUN_ID, 0), FLModel(params={"w": np.zeros(3, np.float32)}))
-    for module in (lifecycle, site_steps):
-        monkeypatch.setattr(module, "store_for", lambda job: store)
-    monkeypatch.setattr(lifecycle, "check_connection", lambda store, conn_id: None)
-    return store
-
-
-@pytest.fixture
-def file_store(tmp_path: pathlib.Path) -> ModelStore:
-    """The job's own store (files under the test's directory), with round 1's global model."""
-    store = ModelStore(UPath(tmp_path / "store"))
-    write_artifact(store.global_model("unit", RUN_ID, 0), FLModel(params={"w": np.zeros(3, np.float32)}))
-    return store
-
+from tests.unit.operators.fake_site_task import FakeHandle, FakeLauncher, FakeSiteTask, PushingTI, fake_task
 
 # ---------------------------------------------------------------------------- constructor
 
@@ -278,6 +121,27 @@ def test_the_job_sees_the_store_as_its_backend_says_and_its_failure_lands_there(
     assert "EXECUTION_ERROR" in failure_path(remote).read_text()
 
 
+def test_an_object_store_this_worker_cannot_use_fails_the_site_naming_the_connection(
+    object_store: ModelStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging on the worker could not read the global model (the store refused this worker's
+    credential): the site fails saying through what and what to check, before any launch."""
+
+    def refused(store: Any, uri: str, local: Any) -> None:
+        raise PermissionError("AccessDenied: 403")
+
+    monkeypatch.setattr(staging, "_download", refused)
+    launcher = FakeLauncher(JobReturnCode.SUCCESS)
+    ti = PushingTI()
+    with pytest.raises(SiteJobFailed) as failed:
+        fake_task(make_job(tmp_path), launcher).execute(context(ti))
+    reason = str(failed.value)
+    assert "memory://" in reason and "could not be used from this worker (connection 'default')" in reason
+    assert "PermissionError: AccessDenied: 403" in reason
+    assert "check the connection's credentials" in reason and reason.endswith("[INFRASTRUCTURE_ERROR]")
+    assert launcher.launched == [] and "could not be used" in ti.xcoms[("self", "failure")]
+
+
 def test_a_site_task_of_a_round_beyond_the_run_is_skipped_before_anything_launches(
     object_store: ModelStore, tmp_path: pathlib.Path
 ) -> None:
@@ -334,6 +198,23 @@ def test_a_watch_in_the_worker_runs_the_same_trigger_and_a_lost_watch_ends_the_j
     assert [e["status"] for e in task.ended_by_event] == ["timeout"]
 
 
+def test_a_watch_in_the_worker_decides_on_the_run_it_launched(
+    file_store: ModelStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The site run is made once per process: the launch and the resumed decision share it (the pod
+    task's group and trigger too), instead of verifying the global model's digest again."""
+    made = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(kwargs["argv"])
+        return make_site_run(*args, **kwargs)
+
+    monkeypatch.setattr(lifecycle, "make_site_run", counted)
+    task = fake_task(make_job(tmp_path), FakeLauncher(JobReturnCode.SUCCESS), event={"status": "success"})
+    assert task.execute(context(PushingTI()))["site"] == "site-1"
+    assert made == [["python", "train.py"]]
+
+
 def test_a_refused_deferral_ends_the_job(file_store: ModelStore, tmp_path: pathlib.Path) -> None:
     class Refusing(FakeSiteTask):
         def defer(self, **kwargs: Any) -> NoReturn:
@@ -378,102 +259,3 @@ def test_on_kill_ends_the_running_job_and_nothing_before_a_launch(
         task.execute(context(PushingTI()))
     task.on_kill()  # Airflow's SIGTERM while the task held the job
     assert task.ended == launcher.handles and launcher.handles[0].terminated
-
-
-# ---------------------------------------------------------------------------- links in a shared folder
-
-
-class FakeLinks:
-    """The fake backend's round links: stage-in copies the global model out of the store, stage-out
-    records what went up (the real links are tested on the S3 emulator and the control plane)."""
-
-    def __init__(self, store: ModelStore) -> None:
-        self.store = store
-        self.uploads: list[str] = []
-
-
-@pytest.fixture
-def shared_links(object_store: ModelStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> FakeLinks:
-    from flare_airflow.operators import links as links_module
-
-    fake = FakeLinks(object_store)
-
-    def stage_in(local: Any, links: FakeLinks) -> None:
-        src = links.store.global_model("unit", RUN_ID, 0)
-        model = pathlib.Path(local.global_model)
-        for src_path, dst in ((src, model), (record_path(src), pathlib.Path(str(record_path(model))))):
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(src_path.read_bytes())
-
-    def stage_out(local: Any, links: FakeLinks) -> None:
-        out = pathlib.Path(local.output)
-        for what, path in (("update", record_path(out)), ("failure", failure_path(out))):
-            if pathlib.Path(str(path)).exists():
-                links.uploads.append(f"{what}: {pathlib.Path(str(path)).read_text()}")
-
-    monkeypatch.setattr(links_module, "stage_in_through_links", stage_in)
-    monkeypatch.setattr(links_module, "stage_out_through_links", stage_out)
-    monkeypatch.setattr(lifecycle, "site_links", lambda *a: fake)
-    return fake
-
-
-def shared_task(tmp_path: pathlib.Path, launcher: FakeLauncher, **kwargs: Any) -> FakeSiteTask:
-    """A backend whose job runs beyond the worker but shares ``tmp_path/mount`` with it (as a pod)."""
-    mount = tmp_path / "mount"
-    cls = type(
-        "FakeSharedSiteTask",
-        (FakeSiteTask,),
-        {"stages_store": False, "stages_links_in_shared_folder": True, "links_folder": lambda self: mount},
-    )
-    task: FakeSiteTask = cls(job=make_job(tmp_path), site="site-1", round_num=1, fake_launcher=launcher, **kwargs)
-    return task
-
-
-def test_links_staged_in_a_shared_folder_outlive_a_deferral_and_go_out_once_on_resume(
-    shared_links: FakeLinks, tmp_path: pathlib.Path
-) -> None:
-    launcher = FakeLauncher(JobReturnCode.SUCCESS)
-    task = shared_task(tmp_path, launcher, event={"status": "success"})
-    task.deferrable = True
-    ti = PushingTI()
-    with pytest.raises(TaskDeferred) as deferred:
-        task.execute(context(ti))
-    (job,) = launcher.launched
-    folder = tmp_path / "mount" / "links-staging" / "unit"
-    assert (
-        job.env["FLARE_GLOBAL_MODEL"].startswith(str(folder)) and pathlib.Path(job.env["FLARE_GLOBAL_MODEL"]).exists()
-    )
-    assert shared_links.uploads == []  # the job runs on: nothing goes out, the folder stays
-    resumed = shared_task(tmp_path, launcher, event={"status": "success"})  # a new process
-    summary = getattr(resumed, deferred.value.method_name)(context(ti), {"status": "success"})
-    assert [u.split(":")[0] for u in shared_links.uploads] == ["update"]
-    assert summary["uri"] == str(shared_links.store.site_update("unit", RUN_ID, 1, "site-1"))
-    assert ti.xcoms[("self", "return_value")]["uri"] == summary["uri"]  # the store's slot, not the folder
-    assert list((tmp_path / "mount" / "links-staging").iterdir()) == [], (
-        "the folder and its emptied parents are removed"
-    )
-
-
-@pytest.mark.parametrize("how", ["failed_job", "killed", "resumed_elsewhere"])
-def test_every_failure_of_a_shared_staging_sends_its_failure_record_and_removes_the_folder(
-    how: str, shared_links: FakeLinks, tmp_path: pathlib.Path
-) -> None:
-    rc = JobReturnCode.EXECUTION_ERROR if how == "failed_job" else JobReturnCode.SUCCESS
-    event = None if how == "failed_job" else {"status": "success"}  # a failed job: watched by its handle
-    task = shared_task(tmp_path, FakeLauncher(rc), event=event)
-    if how == "failed_job":
-        with pytest.raises(SiteJobFailed, match=r"\[EXECUTION_ERROR\]"):
-            task.execute(context(PushingTI()))
-    elif how == "killed":
-        task.deferrable = True
-        with pytest.raises(TaskDeferred):
-            task.execute(context(PushingTI()))
-        task.on_kill()
-    else:  # the deferred task's folder is not on the worker that resumes it
-        with pytest.raises(SiteJobFailed, match=r"same store_mount folder.*\[CONFIG_ERROR\]"):
-            task.resume(context(PushingTI()), {"status": "success"})
-        assert task.ended_by_event == [{"status": "success"}], "the job the event names is ended"
-    (upload,) = shared_links.uploads
-    expected = {"failed_job": "EXECUTION_ERROR", "killed": "ABORTED", "resumed_elsewhere": "CONFIG_ERROR"}[how]
-    assert upload.startswith("failure:") and expected in upload, upload
-    assert not any((tmp_path / "mount").rglob("*.json")), "nothing left in the shared folder"

@@ -10,14 +10,16 @@ import os
 import pathlib
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from airflow.sdk.exceptions import TaskDeferred
 from kubernetes.client import models as k8s
 
 from flare_airflow.operators.pod import SitePodOperator
 from flare_airflow.operators.pod_group import create_other_ranks, delete_group_quietly, pod_group
-from tests.unit.airflow_layer import context, make_job
+from tests.unit.airflow_layer import FakeTI, context, make_job
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 BUILD = """
@@ -66,6 +68,24 @@ def test_the_triggers_grace_period_is_rounded_up_as_the_pods_own(tmp_path) -> No
     op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1)
     op.pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p", namespace="ns"))
     assert op._trigger(None).grace_period == 3
+
+
+def test_the_stock_operators_deferral_is_the_lifecycles_resume_method_and_deadline(tmp_path) -> None:
+    """The stock ``execute_async`` (and its re-defer after a watch error) defers through our
+    ``invoke_defer_method``: it must be the lifecycle's own deferral -- resumed in the stock
+    ``trigger_reentry``, timed out a minute after the execution deadline the trigger enforces."""
+    job = make_job(tmp_path, sites=pod_sites(tmp_path), min_clients=1)
+    op = SitePodOperator(task_id="a", job=job, site="site-1", round_num=1, execution_timeout=timedelta(hours=1))
+    op.pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p", namespace="ns"))
+    ti = FakeTI()
+    ti.start_date = datetime.now(tz=UTC)  # type: ignore[attr-defined]  # FakeTI has no start date
+    with pytest.raises(TaskDeferred) as deferred:
+        op.invoke_defer_method(context=context(ti))
+    assert deferred.value.method_name == "trigger_reentry" == op.resume_method
+    assert timedelta(minutes=60) < deferred.value.timeout <= timedelta(minutes=61)
+    trigger = deferred.value.trigger
+    assert (trigger.pod_name, trigger.pod_namespace) == ("p", "ns")
+    assert trigger.execution_deadline == op.execution_deadline(context(ti))
 
 
 def test_evaluate_needs_the_trainer_script_on_the_worker_even_when_every_site_is_a_pod(tmp_path) -> None:

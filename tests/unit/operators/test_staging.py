@@ -19,7 +19,7 @@ from flare_airflow.core.failure_record import write_failure
 from flare_airflow.core.model import FLModel, read_artifact, write_artifact
 from flare_airflow.core.spec import JobReturnCode
 from flare_airflow.core.store import ModelStore, failure_path, record_path
-from flare_airflow.operators.staging import check_connection, staged
+from flare_airflow.operators.staging import check_connection, staged, unusable_store
 from flare_airflow.site_task.spec import SiteRun
 
 
@@ -107,3 +107,12 @@ def test_an_object_store_needs_a_named_connection_defined_here(memory_store, mon
         check_connection(memory_store, "site_store")
     monkeypatch.setenv("AIRFLOW_CONN_SITE_STORE", '{"conn_type": "aws", "login": "k", "password": "s"}')
     check_connection(memory_store, "site_store")
+
+
+def test_an_unusable_store_says_through_what_and_what_to_check(memory_store) -> None:
+    refused = PermissionError("AccessDenied:\n  403")
+    by_links = unusable_store(memory_store, refused, through_links=True, conn_id="site_store")
+    assert "(its store links): PermissionError: AccessDenied: 403;" in by_links and "mint new ones" in by_links
+    by_conn = unusable_store(memory_store, refused, through_links=False, conn_id="site_store")
+    assert "(connection 'site_store')" in by_conn and "credentials and endpoint" in by_conn
+    assert by_conn.endswith("[INFRASTRUCTURE_ERROR]") and str(memory_store.root) in by_conn
