@@ -106,7 +106,11 @@ cd src
 
 # 4. Build through the upstream make path (plain `go build -mod=vendor` fails under Go 1.19).
 export KUBE_GIT_VERSION=v1.20.2 KUBE_GIT_TREE_STATE=clean KUBE_GIT_MAJOR=1 KUBE_GIT_MINOR=20
-export GOFLAGS="${GOFLAGS:-}" GOCACHE="$BUILD_DIR/gocache" GOPATH="$BUILD_DIR/gopath"
+# providerless: upstream's build tag that leaves the in-tree cloud providers (AWS, Azure, GCE,
+# vSphere, OpenStack SDKs) out of kube-apiserver and kube-controller-manager. Nothing here uses a
+# cloud provider, and they are 31 % of the Go source the three binaries compile (go list -deps:
+# 136.6 -> 94.2 MB, 1,878 -> 1,623 packages): a cold build costs the tests' two cores that much less.
+export GOFLAGS="${GOFLAGS:--tags=providerless}" GOCACHE="$BUILD_DIR/gocache" GOPATH="$BUILD_DIR/gopath"
 log "make WHAT=cmd/kube-apiserver cmd/kube-scheduler cmd/kube-controller-manager"
 make WHAT="cmd/kube-apiserver cmd/kube-scheduler cmd/kube-controller-manager"
 
