@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import yaml
@@ -45,6 +46,9 @@ FASTER_CENTRAL = {
     "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2",
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "15",
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "3",
+    # The DAG files never change once the deployment starts: parsed once, not every 30 s (a parse
+    # of the job's DAG costs the central side ~1 s of CPU; docs/scale.md).
+    "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
 }
 FASTER_WORKER = {"AIRFLOW__EDGE__JOB_POLL_INTERVAL": "1", "AIRFLOW__EDGE__HEARTBEAT_INTERVAL": "2"}
 
@@ -52,8 +56,13 @@ FASTER_WORKER = {"AIRFLOW__EDGE__JOB_POLL_INTERVAL": "1", "AIRFLOW__EDGE__HEARTB
 def edge_job(dags: pathlib.Path, *, rounds: int, container_sites: Mapping[str, str] | None = None) -> pathlib.Path:
     """The demo job (dags/digits.yaml) with the keys of the guide's 'The job' block; the sites of
     ``container_sites`` (site -> trainer image) run containers (the guide's 'Container sites at a site')."""
-    shutil.copytree(REPO / "dags", dags, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "examples", dags.parent / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    # The demo job's files only: every other DAG would be parsed by the central side for nothing.
+    dags.mkdir(parents=True, exist_ok=True)
+    for name in ("digits.yaml", "digits_dag.py"):
+        shutil.copy(REPO / "dags" / name, dags / name)
+    shutil.copytree(
+        REPO / "examples" / "digits", dags.parent / "examples" / "digits", ignore=shutil.ignore_patterns("__pycache__")
+    )
     path = dags / "digits.yaml"
     job: dict[str, Any] = yaml.safe_load(path.read_text())
     keys = guide.job_keys()
@@ -321,6 +330,16 @@ class EdgeDeployment:
         for worker in self.workers.values():
             worker.start()
         self.wait_workers(set(self.workers))
+
+    def restart_workers(self, starts: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restart the workers of ``starts`` (site -> :meth:`EdgeWorker.start`'s keywords) at once:
+        all stopped, all started, then until all are up (each stop and start takes seconds)."""
+        workers = [self.workers[site] for site in starts]
+        with ThreadPoolExecutor(len(workers)) as pool:
+            list(pool.map(EdgeWorker.stop, workers))
+        for worker in workers:
+            worker.start(**starts[worker.site])
+        self.wait_workers(set(starts))
 
     def wait_workers(self, sites: set[str], timeout: float = 90) -> None:
         """Until the workers of ``sites`` are registered and idle (the API's worker list)."""

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +67,30 @@ def link_seconds() -> int:
 def central_client(job: JobConfig, endpoint_url: str | None = None) -> Any:
     """An S3 client with the central side's store connection, signing links with SigV4 for
     ``endpoint_url`` (a site's own view of the store, its grant's ``store_endpoint``) or the connection's."""
+    return central_clients(job)(endpoint_url)
+
+
+def central_clients(job: JobConfig) -> Callable[[str | None], Any]:
+    """:func:`central_client` for several endpoints: the connection read and one boto3 session made
+    once, a client per endpoint asked. (A hook and session per client cost ~0.4 s of CPU each: a
+    round minting links for sites that each see the store at an address of their own paid that
+    per site.)"""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
     from botocore.config import Config
 
     hook = S3Hook(aws_conn_id=job.store_conn_id)
-    return hook.get_session().client(
-        "s3",
-        endpoint_url=endpoint_url or hook.conn_config.endpoint_url,
-        region_name=hook.conn_region_name,
-        config=Config(signature_version="s3v4"),
-    )
+    session = hook.get_session()
+    default_endpoint, region = hook.conn_config.endpoint_url, hook.conn_region_name
+
+    def client(endpoint_url: str | None = None) -> Any:
+        return session.client(
+            "s3",
+            endpoint_url=endpoint_url or default_endpoint,
+            region_name=region,
+            config=Config(signature_version="s3v4"),
+        )
+
+    return client
 
 
 def presigns(store: ModelStore) -> bool:
@@ -98,10 +113,18 @@ def mint_round_links(
     assert settings.registry_path is not None  # strict
     registry, grants = read_registry(Path(settings.registry_path))
     seconds = link_seconds()
-    clients: dict[str | None, Any] = {None: client if client is not None else central_client(job)}
+    clients: dict[str | None, Any] = {} if client is None else {None: client}
+    makers: list[Callable[[str | None], Any]] = []  # central_clients(job), made when first needed
+
+    def client_for(endpoint: str | None) -> Any:
+        if endpoint not in clients:
+            makers[:] = makers or [central_clients(job)]
+            clients[endpoint] = makers[0](endpoint)
+        return clients[endpoint]
+
     # Links minted again (this task retried, or cleared to replace expired links) replace the
     # round's earlier ones: an upload those opened is completed by no one.
-    abort_site_uploads(job, run_id, log, store=store, round_num=round_num, client=clients[None])
+    abort_site_uploads(job, run_id, log, store=store, round_num=round_num, client=client_for(None))
     sealed: dict[str, str] = {}
     for site in sorted(job.sites):
         try:
@@ -113,10 +136,8 @@ def mint_round_links(
             continue
         grant = grants.grant(site)
         endpoint = grant.store_endpoint if grant is not None else None
-        if endpoint not in clients:
-            clients[endpoint] = central_client(job, endpoint)
         links = mint_site_links(
-            clients[endpoint], store, job=job.job, run_id=run_id, round_num=round_num, site=site,
+            client_for(endpoint), store, job=job.job, run_id=run_id, round_num=round_num, site=site,
             expires_in=seconds, update_size=global_size,
         )  # fmt: skip
         context = links_context(job.job, run_id, round_num, site)

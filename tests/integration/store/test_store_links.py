@@ -144,35 +144,44 @@ def test_each_site_gets_links_only_for_the_global_model_and_its_own_slot(s3, rou
 
 def test_a_sites_links_are_signed_for_its_own_view_of_the_store(s3, round_2, keys, monkeypatch):
     """A grant's ``store_endpoint``: where that site reaches the store (a split network view). Its
-    links name that host (SigV4 signs it); a site without one gets the connection's endpoint."""
-    import boto3
-    from botocore.config import Config
-
-    from flare_airflow.operators import links as links_module
+    links name that host (SigV4 signs it); a site without one gets the connection's endpoint. The
+    central connection is read, and its boto3 session made, once for all the sites' endpoints."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     job, store, run_id, record = round_2
+    job = job.model_copy(update={"store_conn_id": "flare_store"})
+    monkeypatch.setenv("AIRFLOW_CONN_FLARE_STORE", s3.connection())
+    sessions: list[str | None] = []
+    get_session = S3Hook.get_session
+
+    def counted(hook, *args, **kwargs):
+        sessions.append(hook.aws_conn_id)
+        return get_session(hook, *args, **kwargs)
+
+    monkeypatch.setattr(S3Hook, "get_session", counted)
     registry = pathlib.Path(os.environ["FLARE_SITE_KEYS"])
     data = json.loads(registry.read_text())
-    data["flare_sites"] = {"site-2": {"store_endpoint": "http://10.77.0.1:9000"}}
-    registry.write_text(json.dumps(data))
-    made: list[str | None] = []
 
-    def central_client(job, endpoint_url=None):
-        made.append(endpoint_url)
-        return boto3.client(
-            "s3", endpoint_url=endpoint_url, region_name="us-east-1", aws_access_key_id=s3.key_id,
-            aws_secret_access_key=s3.secret, config=Config(signature_version="s3v4"),
-        )  # fmt: skip
+    def hosts_with(grants: dict) -> dict[str, str]:
+        data["flare_sites"] = grants
+        registry.write_text(json.dumps(data))
+        sealed = mint_round_links(job, store, run_id, 2, record.size, Log())
+        assert sealed is not None
+        hosts = {}
+        for site in SITES:
+            opened = open_site_links({LINKS_KEY: sealed}, job=job.job, run_id=run_id, round_num=2, site=site)
+            assert opened is not None
+            hosts[site] = urlparse(opened.global_model).netloc
+        return hosts
 
-    monkeypatch.setattr(links_module, "central_client", central_client)
-    sealed = mint_round_links(job, store, run_id, 2, record.size, Log(), client=s3.client())
-    assert sealed is not None and made == ["http://10.77.0.1:9000"]  # one more client, for site-2's view only
-    hosts = {}
-    for site in SITES:
-        opened = open_site_links({LINKS_KEY: sealed}, job=job.job, run_id=run_id, round_num=2, site=site)
-        assert opened is not None
-        hosts[site] = urlparse(opened.global_model).netloc
-    assert hosts == {"site-1": f"{s3.host}:{s3.port}", "site-2": "10.77.0.1:9000"}
+    own = {"site-1": {"store_endpoint": "http://10.77.0.2:9000"}, "site-2": {"store_endpoint": "http://10.77.0.1:9000"}}
+    assert hosts_with(own) == {"site-1": "10.77.0.2:9000", "site-2": "10.77.0.1:9000"}
+    # One for the clients of the connection's endpoint and of both sites' views, one the hook makes
+    # to resolve the connection's region; a hook and session per client made 6.
+    assert sessions == ["flare_store"] * 2
+    sessions.clear()
+    assert hosts_with({"site-2": own["site-2"]}) == {"site-1": f"{s3.host}:{s3.port}", "site-2": "10.77.0.1:9000"}
+    assert sessions == ["flare_store"] * 2
 
 
 def test_site_1_cannot_open_site_2s_links_nor_last_rounds(s3, round_2, keys):
