@@ -379,6 +379,10 @@ def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser:
     model's Asset event leads to the page; HTML has CSP and nosniff; a bad token gets 401."""
     assert stack.api.wait(NO_QUORUM, stack.runs[NO_QUORUM]) == "failed"
     bad_run = stack.api.trigger(NO_QUORUM, {"roundz": 2})
+    # Issue 37 #7: a run id "." failed prepare with no reason (the task runtime cannot address it).
+    # Triggered now: it queues behind the first (max_active_runs=1) and runs while this test reads
+    # the first one's page.
+    dot = stack.api("POST", f"/dags/{NO_QUORUM}/dagRuns", json={"dag_run_id": ".", "logical_date": None})
     assert stack.api.wait(NO_QUORUM, bad_run) == "failed"
     states = stack.api.task_states(NO_QUORUM, bad_run)
     assert states["prepare"] == "failed" and states["publish"] == "failed" and states["verdict"] == "failed"
@@ -393,8 +397,6 @@ def test_prepare_failure_asset_link_headers_and_bad_token(stack: Stack, browser:
     assert "unknown run parameter(s) 'roundz' (did you mean 'rounds'?)" in rows["prepare"]
     assert rows["prepare"].endswith("allowed: rounds, min_clients, warm_start"), rows["prepare"]  # whole
     assert f"flare-airflow resume {NO_QUORUM} {bad_run}" in rows["verdict"]
-    # Issue 37 #7: a run id "." failed prepare with no reason (the task runtime cannot address it).
-    dot = stack.api("POST", f"/dags/{NO_QUORUM}/dagRuns", json={"dag_run_id": ".", "logical_date": None})
     assert stack.api.wait(NO_QUORUM, "%2E") == "failed"
     page.goto(f"{stack.base}/flare/run?dag_id={NO_QUORUM}&run_id={quote(dot['dag_run_id'], safe='')}")
     reason = page.locator('table.failures tr[data-task="prepare"] td.reason').inner_text()
