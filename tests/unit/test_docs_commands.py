@@ -101,6 +101,14 @@ COVERAGE: list[tuple[str, RunBy | NotRun]] = [
             "the control_plane fixture runs the same k8s/build-control-plane.sh when the binaries are missing"
         ),
     ),
+    (
+        r"^make test-images$",
+        NotRun(
+            "`make test` runs it in the background while the tiers run (its runner: tests/unit/test_background.py); "
+            "the trainer_image and images fixtures run the same docker/images.py, which waits for it "
+            "(tests/unit/test_docker_images.py)"
+        ),
+    ),
     # make lm-env is `python -m flare_airflow_testing.side_venvs lm`: the LoRA tests build through lm_venv().
     (r"^make lm-env$", RunBy("tests/e2e/test_llm_lora.py", "lm_venv()")),
     (
