@@ -16,14 +16,25 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from flare_airflow.core.errors import ConfigError
 from flare_airflow.core.spec import JobReturnCode
+from flare_airflow.operators.links import SharedLinksStaging
 from flare_airflow.operators.site_steps import SiteJobFailed
 from tests.unit.airflow_layer import RUN_ID, context, make_job
-from tests.unit.operators.fake_site_task import FakeLauncher, FakeLinks, PushingTI, fake_task, shared_task
+from tests.unit.operators.fake_site_task import FakeLauncher, FakeLinks, FakeSiteTask, PushingTI, fake_task, shared_task
 
 
 def left_in_the_folder(tmp_path: pathlib.Path) -> list[pathlib.Path]:
     """What the site task left in the folder it shares with its job (files: empty parents are fine)."""
     return [p for p in (tmp_path / "mount").rglob("*") if p.is_file()]
+
+
+def staged_in_shared_folder(tmp_path: pathlib.Path) -> tuple[Any, FakeSiteTask, Any, SharedLinksStaging]:
+    """A shared-folder task of round 1 whose global model was staged through its links."""
+    ctx = context(PushingTI())
+    task = shared_task(tmp_path, FakeLauncher(JobReturnCode.SUCCESS))
+    run = task.site_run(ctx)
+    shared = task.shared_staging(ctx, run, resumed=False)
+    assert shared is not None
+    return ctx, task, run, shared
 
 
 # ---------------------------------------------------------------------------- which tasks stage so
@@ -96,11 +107,7 @@ def test_a_global_model_the_links_cannot_read_fails_the_site_and_leaves_nothing_
 def test_an_update_the_links_cannot_upload_fails_the_site_and_removes_the_folder(
     fake_links: FakeLinks, tmp_path: pathlib.Path
 ) -> None:
-    ctx = context(PushingTI())
-    task = shared_task(tmp_path, FakeLauncher(JobReturnCode.SUCCESS))
-    run = task.site_run(ctx)
-    shared = task.shared_staging(ctx, run, resumed=False)
-    assert shared is not None
+    ctx, task, run, shared = staged_in_shared_folder(tmp_path)
 
     def launch_then_lose_the_store() -> Any:
         summary = task.run_site_job(ctx, shared.local)
@@ -115,11 +122,7 @@ def test_an_update_the_links_cannot_upload_fails_the_site_and_removes_the_folder
 def test_an_interrupted_step_sends_an_aborted_record_and_is_raised_again(
     fake_links: FakeLinks, tmp_path: pathlib.Path
 ) -> None:
-    ctx = context(PushingTI())
-    task = shared_task(tmp_path, FakeLauncher(JobReturnCode.SUCCESS))
-    run = task.site_run(ctx)
-    shared = task.shared_staging(ctx, run, resumed=False)
-    assert shared is not None
+    ctx, task, run, shared = staged_in_shared_folder(tmp_path)
 
     def interrupted() -> Any:
         raise KeyboardInterrupt
@@ -132,11 +135,7 @@ def test_an_interrupted_step_sends_an_aborted_record_and_is_raised_again(
 
 
 def test_a_deferral_keeps_the_folder_and_sends_nothing(fake_links: FakeLinks, tmp_path: pathlib.Path) -> None:
-    ctx = context(PushingTI())
-    task = shared_task(tmp_path, FakeLauncher(JobReturnCode.SUCCESS))
-    run = task.site_run(ctx)
-    shared = task.shared_staging(ctx, run, resumed=False)
-    assert shared is not None
+    ctx, task, run, shared = staged_in_shared_folder(tmp_path)
 
     def deferred() -> Any:
         raise TaskDeferred(trigger=None, method_name="resume")  # type: ignore[arg-type]  # never run here
