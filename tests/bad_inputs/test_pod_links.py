@@ -13,12 +13,14 @@ import pathlib
 
 import pytest
 
+from flare_airflow.core.config import JobConfig
 from flare_airflow.core.errors import FlareAirflowError
 from flare_airflow.core.store import ModelStore, failure_path, record_path
-from flare_airflow.core.store_links import mint_site_links
+from flare_airflow.core.store_links import SiteLinks, mint_site_links
 from flare_airflow.operators.links import SharedLinksStaging
 from flare_airflow.operators.pod import SitePodOperator
 from flare_airflow.site_task.build import train_run
+from flare_airflow.site_task.spec import SiteRun
 from tests.bad_inputs.cases import Case, assert_clear
 from tests.bad_inputs.test_store_links import Presigner
 from tests.unit.airflow_layer import make_job
@@ -43,6 +45,19 @@ RESULT_CASES = [c for c in CASES if c not in REFUSED_AT_START]
 STORE = "s3://flare/store"
 
 
+def run_and_links(job: JobConfig) -> tuple[SiteRun, SiteLinks]:
+    """Site-1's round-1 site run on the store and the round links minted for it."""
+    store = ModelStore.from_uri(STORE)
+    run = train_run(
+        job, "site-1", 1, store=store, run_id="r", total_rounds=1, hparams={}, argv=["true"],
+        try_number=1, global_sha256=None, trust=None,
+    )  # fmt: skip
+    links = mint_site_links(
+        Presigner(), store, job=job.job, run_id="r", round_num=1, site="site-1", expires_in=600, update_size=1000
+    )
+    return run, links
+
+
 @pytest.mark.parametrize("bad_case", REFUSED_AT_START, ids=[c.id for c in REFUSED_AT_START])
 def test_a_pod_site_that_cannot_share_its_links_is_refused(bad_case: Case, tmp_path: pathlib.Path) -> None:
     k8s: dict[str, object] = {"image": "registry.example/flare/trainer:1"}
@@ -53,14 +68,7 @@ def test_a_pod_site_that_cannot_share_its_links_is_refused(bad_case: Case, tmp_p
     op = SitePodOperator(task_id="site-1", job=job, site="site-1", round_num=1)
     with pytest.raises(FlareAirflowError) as refused:
         mount = op.links_folder()
-        run = train_run(
-            job, "site-1", 1, store=ModelStore.from_uri(STORE), run_id="r", total_rounds=1, hparams={}, argv=["true"],
-            try_number=1, global_sha256=None, trust=None,
-        )  # fmt: skip
-        links = mint_site_links(
-            Presigner(), ModelStore.from_uri(STORE), job=job.job, run_id="r", round_num=1, site="site-1",
-            expires_in=600, update_size=1000,
-        )  # fmt: skip
+        run, links = run_and_links(job)
         SharedLinksStaging.of(run, links, mount, 1, resumed=True)
     assert_clear(bad_case, str(refused.value))
 
@@ -79,14 +87,7 @@ def test_what_the_pod_left_in_the_shared_folder_goes_out_only_as_regular_files(
     secret = tmp_path / "box.key"
     secret.write_bytes(b"the site's private box key")
     job = make_job(tmp_path, store=STORE, min_clients=1, sites={"site-1": {}})
-    run = train_run(
-        job, "site-1", 1, store=ModelStore.from_uri(STORE), run_id="r", total_rounds=1, hparams={}, argv=["true"],
-        try_number=1, global_sha256=None, trust=None,
-    )  # fmt: skip
-    links = mint_site_links(
-        Presigner(), ModelStore.from_uri(STORE), job=job.job, run_id="r", round_num=1, site="site-1",
-        expires_in=600, update_size=1000,
-    )  # fmt: skip
+    run, links = run_and_links(job)
     shared = SharedLinksStaging.of(run, links, tmp_path / "mount", 1, resumed=False)
     output = pathlib.Path(shared.local.output)
     output.parent.mkdir(parents=True)
