@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 from collections.abc import Callable
@@ -114,12 +115,11 @@ def mint_round_links(
     registry, grants = read_registry(Path(settings.registry_path))
     seconds = link_seconds()
     clients: dict[str | None, Any] = {} if client is None else {None: client}
-    makers: list[Callable[[str | None], Any]] = []  # central_clients(job), made when first needed
+    maker = functools.cache(lambda: central_clients(job))  # the connection read once, when first needed
 
     def client_for(endpoint: str | None) -> Any:
         if endpoint not in clients:
-            makers[:] = makers or [central_clients(job)]
-            clients[endpoint] = makers[0](endpoint)
+            clients[endpoint] = maker()(endpoint)
         return clients[endpoint]
 
     # Links minted again (this task retried, or cleared to replace expired links) replace the
